@@ -1,0 +1,363 @@
+"""A local cluster of broker processes on 127.0.0.1 (ports from the OS), for tests, benchmarks and demos.
+
+`LocalCluster` is an async context manager: it starts N `python -m broker` processes, each joining through
+brokers that are already running, waits for their readiness lines and, on request, for the overlay to
+converge to the Delaunay triangulation of the live coordinates (checked through STATUS against scipy).
+It keeps no event-loop-bound state between calls, so one cluster can serve tests running on different loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Self
+
+import numpy as np
+
+from client.admin import AdminClient, AdminError
+from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
+from overlay.protocol import Status
+
+# How often conditions (readiness, exit, convergence) are polled; small against the ~100 ms they take.
+POLL_INTERVAL: Final = 0.02
+# A broker process imports numpy and scipy (~0.7 s of CPU); on a loaded 2-core machine 20 starting at once
+# need well over 10 s, so readiness waits are generous.
+READY_TIMEOUT: Final = 60.0
+# SIGTERM gives a broker this long to send LEAVE and drain before SIGKILL.
+STOP_GRACE: Final = 5.0
+# New brokers started at once; more only queue on the CPU behind numpy/scipy imports.
+START_BATCH: Final = 8
+STATE_FILE: Final = "cluster.json"
+_REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+
+
+class ClusterError(RuntimeError):
+    """A broker did not start, exited, or the overlay did not converge in time (the message says which)."""
+
+
+@dataclass
+class BrokerProcess:
+    """One broker process of a LocalCluster."""
+
+    index: int
+    coord: Coord
+    node_id: str
+    proc: subprocess.Popen[bytes]
+    out_path: Path
+    err_path: Path
+    listen: str = ""
+
+    @property
+    def pid(self) -> int:
+        """The OS process id."""
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.proc.poll() is None
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        """The last lines of the broker's log."""
+        try:
+            return "\n".join(self.err_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """N broker processes on localhost; see the module docstring.
+
+    Attributes:
+        n: brokers to start on enter.
+        seed: seed of the random coordinates (uniform in the space) when coords is not given.
+        coords: explicit coordinates (length >= n).
+        resilience: passed to every broker.
+        state_dir: where logs and the state file go (default: a fresh directory under /tmp).
+        broker_args: extra command-line flags for every broker.
+    """
+
+    n: int = 0
+    seed: int = 0
+    coords: Sequence[Coord] | None = None
+    resilience: int = 2
+    state_dir: Path | None = None
+    broker_args: Sequence[str] = ()
+    space: Space = UNIT_SQUARE
+    nodes: list[BrokerProcess] = field(default_factory=list)
+    _rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+        if self.state_dir is None:
+            self.state_dir = Path(f"/tmp/sedax-cluster-{os.getpid()}-{time.monotonic_ns()}")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.coords is not None and len(self.coords) < self.n:
+            raise ClusterError(f"{self.n} brokers but only {len(self.coords)} coordinates")
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -------------------------------------------------------------------------------------------- start
+
+    def _next_coord(self) -> Coord:
+        i = len(self.nodes)
+        if self.coords is not None and i < len(self.coords):
+            c = self.coords[i]
+            return (float(c[0]), float(c[1]))
+        p = self.space.uniform(self._rng, 1)[0]
+        return (float(p[0]), float(p[1]))
+
+    async def start(self) -> None:
+        """Start the first broker, then the others in batches, each joining through running ones."""
+        if self.n <= 0:
+            return
+        await self.add()
+        while len(self.nodes) < self.n:
+            batch = min(START_BATCH, self.n - len(self.nodes))
+            await asyncio.gather(*(self.add() for _ in range(batch)))
+
+    def _join_addresses(self) -> list[str]:
+        ready = [bp.listen for bp in self.nodes if bp.listen and bp.alive]
+        if not ready:
+            return []
+        picks = self._rng.choice(len(ready), size=min(3, len(ready)), replace=False)
+        return [ready[int(i)] for i in picks]
+
+    def spawn(self, coord: Coord | None = None, join: Sequence[str] | None = None, *extra: str) -> BrokerProcess:
+        """Start one broker process without waiting for it (see `add`)."""
+        assert self.state_dir is not None
+        index = len(self.nodes)
+        c = coord if coord is not None else self._next_coord()
+        node_id = f"n{index}"
+        joins = list(join) if join is not None else self._join_addresses()
+        args = [sys.executable, "-m", "broker", "--coord", f"{c[0]!r},{c[1]!r}", "--node-id", node_id]
+        args += ["--listen", "127.0.0.1:0", "--resilience", str(self.resilience)]
+        if self.space != UNIT_SQUARE:
+            args += ["--space", ",".join(repr(v) for v in self.space.to_list())]
+        for a in joins:
+            args += ["--join", a]
+        args += [*self.broker_args, *extra]
+        out_path = self.state_dir / f"broker-{index}.out"
+        err_path = self.state_dir / f"broker-{index}.err"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+            )
+        bp = BrokerProcess(index, c, node_id, proc, out_path, err_path)
+        self.nodes.append(bp)
+        return bp
+
+    async def add(self, coord: Coord | None = None, join: Sequence[str] | None = None) -> BrokerProcess:
+        """Start one broker joining through running ones and wait until it reports ready."""
+        bp = self.spawn(coord, join)
+        await self.wait_ready(bp)
+        return bp
+
+    async def wait_ready(self, bp: BrokerProcess, within: float = READY_TIMEOUT) -> None:
+        """Wait for the readiness line of bp; ClusterError (with its log) if it exits or times out."""
+        deadline = time.monotonic() + within
+        while True:
+            line = _first_line(bp.out_path)
+            if line:
+                ready: dict[str, Any] = json.loads(line)
+                bp.listen = str(ready["listen"])
+                return
+            if not bp.alive:
+                raise ClusterError(f"broker {bp.index} exited with {bp.proc.returncode}:\n{bp.stderr_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"broker {bp.index} not ready within {within} s:\n{bp.stderr_tail()}")
+            await asyncio.sleep(POLL_INTERVAL)
+
+    async def wait_exit(self, bp: BrokerProcess, within: float) -> int | None:
+        """Wait up to `within` seconds for bp to exit; its exit code, or None if it still runs."""
+        deadline = time.monotonic() + within
+        # A child's exit has no asyncio event without a child watcher tied to one loop; polling keeps the
+        # cluster usable from any loop.
+        while bp.proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(POLL_INTERVAL)
+        return bp.proc.poll()
+
+    # ------------------------------------------------------------------------------------------ control
+
+    def live(self) -> list[BrokerProcess]:
+        """Brokers whose process runs and that reported ready."""
+        return [bp for bp in self.nodes if bp.listen and bp.alive]
+
+    async def kill(self, i: int) -> None:
+        """SIGKILL broker i (a crash: no LEAVE) and reap it."""
+        bp = self.nodes[i]
+        if bp.alive:
+            bp.proc.send_signal(signal.SIGKILL)
+        await self.wait_exit(bp, STOP_GRACE)
+
+    async def stop(self, i: int, grace: float = STOP_GRACE) -> int | None:
+        """SIGTERM broker i (graceful leave), SIGKILL after grace seconds; returns its exit code."""
+        bp = self.nodes[i]
+        if bp.alive:
+            bp.proc.send_signal(signal.SIGTERM)
+        code = await self.wait_exit(bp, grace)
+        if code is None:
+            bp.proc.kill()
+            code = await self.wait_exit(bp, grace)
+        return code
+
+    async def close(self) -> None:
+        """Stop every broker: SIGTERM all, SIGKILL the ones still running after the grace period."""
+        running = [bp for bp in self.nodes if bp.alive]
+        for bp in running:
+            bp.proc.send_signal(signal.SIGTERM)
+        await asyncio.gather(*(self.wait_exit(bp, STOP_GRACE) for bp in running))
+        for bp in self.nodes:
+            if bp.alive:
+                bp.proc.kill()
+            bp.proc.wait()
+
+    # ------------------------------------------------------------------------------------- convergence
+
+    def expected_neighbours(self) -> dict[str, set[str]]:
+        """Delaunay neighbours (scipy) of the live brokers' coordinates, by node id."""
+        return delaunay_neighbour_map({bp.node_id: bp.coord for bp in self.live()})
+
+    async def statuses(self, within: float = 5.0) -> dict[str, Status]:
+        """STATUS of every live broker, fetched concurrently."""
+
+        async def one(bp: BrokerProcess) -> Status:
+            async with await AdminClient.connect(bp.listen, timeout=within) as c:
+                return await c.status()
+
+        live = self.live()
+        results = await asyncio.gather(*(one(bp) for bp in live))
+        return {bp.node_id: st for bp, st in zip(live, results, strict=True)}
+
+    async def mismatches(self) -> list[str]:
+        """Differences between the overlay's links and the Delaunay triangulation (empty = converged)."""
+        expected = self.expected_neighbours()
+        try:
+            sts = await self.statuses()
+        except AdminError as exc:
+            return [f"status failed: {exc}"]
+        out = []
+        for nid, want in sorted(expected.items()):
+            have = {n.id for n in sts[nid].neighbours}
+            if have != want:
+                out.append(f"{nid}: missing {sorted(want - have)}, extra {sorted(have - want)}")
+        return out
+
+    async def wait_converged(self, deadline: float = 30.0) -> float:
+        """Wait up to `deadline` seconds until every live broker's links equal its Delaunay neighbours.
+
+        Returns the seconds it took; raises ClusterError listing the differences when time runs out.
+        """
+        start = time.monotonic()
+        limit = start + deadline
+        while True:
+            diff = await self.mismatches()
+            if not diff:
+                return time.monotonic() - start
+            if time.monotonic() > limit:
+                raise ClusterError(f"overlay not Delaunay after {deadline} s:\n" + "\n".join(diff[:20]))
+            await asyncio.sleep(POLL_INTERVAL * 5)
+
+    # -------------------------------------------------------------------------------------- state file
+
+    def state(self) -> dict[str, Any]:
+        """The state file contents: what `cluster down` needs to stop exactly these processes."""
+        return {
+            "nodes": [
+                {
+                    "index": bp.index,
+                    "pid": bp.pid,
+                    "node": bp.node_id,
+                    "listen": bp.listen,
+                    "coord": list(bp.coord),
+                    "log": str(bp.err_path),
+                }
+                for bp in self.nodes
+                if bp.alive
+            ]
+        }
+
+    def write_state(self) -> Path:
+        """Write the state file into state_dir and return its path."""
+        assert self.state_dir is not None
+        path = self.state_dir / STATE_FILE
+        path.write_text(json.dumps(self.state(), indent=2) + "\n")
+        return path
+
+    def detach(self) -> None:
+        """Forget the processes so close() leaves them running (for `cluster up`)."""
+        for bp in self.nodes:
+            # The brokers outlive this process; mark the Popen objects as finished so their finalizers do
+            # not warn about a child that is deliberately left running.
+            bp.proc.returncode = 0
+        self.nodes.clear()
+
+
+def _first_line(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            line = f.readline()
+    except OSError:
+        return ""
+    return line.decode().strip() if line.endswith(b"\n") else ""
+
+
+def stop_pids(pids: Sequence[int], grace: float = STOP_GRACE) -> dict[int, str]:
+    """SIGTERM each pid that is still a SeDAX broker, SIGKILL after grace; returns what happened to each."""
+    result: dict[int, str] = {}
+    targets = []
+    for pid in pids:
+        if not _is_broker(pid):
+            result[pid] = "not running"
+            continue
+        os.kill(pid, signal.SIGTERM)
+        targets.append(pid)
+    deadline = time.monotonic() + grace
+    while targets and time.monotonic() < deadline:
+        targets = [p for p in targets if _is_broker(p)]
+        if targets:
+            time.sleep(POLL_INTERVAL)
+    for pid in pids:
+        if pid in result:
+            continue
+        if pid in targets and _is_broker(pid):
+            os.kill(pid, signal.SIGKILL)
+            result[pid] = "killed"
+        else:
+            result[pid] = "stopped"
+    return result
+
+
+def _is_broker(pid: int) -> bool:
+    # Check the command line too: after a reboot or a long time the pid may belong to another program.
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    return b"-m" in cmdline and b"broker" in cmdline

@@ -1,0 +1,313 @@
+"""Broker settings: one frozen `BrokerConfig` from defaults, a config file, SEDAX_* variables and flags.
+
+Precedence, lowest first: built-in defaults, ``--config FILE`` (JSON, or TOML by the .toml suffix),
+``SEDAX_<FIELD>`` environment variables, command-line flags.  Seconds are floats everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Final
+
+from broker.flags import add_broker_arguments
+from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
+from overlay.protocol import MAX_HOP_LIMIT, parse_address
+
+__all__ = ["BrokerConfig", "ConfigError", "add_broker_arguments", "build_config", "config_from_args"]
+
+ENV_PREFIX: Final = "SEDAX_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names the setting, its source and what is expected."""
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    """Everything a broker process needs to run.
+
+    Attributes:
+        coord: the broker's coordinate in `space`.
+        listen: "host:port" to accept peers, clients and admin tools on (port 0: the OS picks one).
+        advertise: "host:port" other brokers dial to reach this one, when the listen host is a wildcard
+            such as 0.0.0.0 (default: the listen host and the bound port).
+        join: addresses of running brokers to join through, tried in order; empty = start a new overlay.
+        node_id: the broker's id; generated when None.
+        resilience: resilience level 1..3 (Sec. IV-B): level 1 keeps a topic on its closest broker only,
+            level 2 also on the second-closest, level 3 copies it to the third-closest after a failure.
+        retention_seconds: how long a broker keeps published messages of a topic.
+        retention_bytes: how many bytes per topic it keeps at most (oldest dropped first).
+        metrics: "host:port" for the Prometheus endpoint, or None.
+        log_dir: directory for persistent logs, or None.
+        heartbeat_interval: seconds between PINGs on an idle link.
+        heartbeat_misses: a link silent for this many intervals is declared dead (3 x 0.2 s = 0.6 s, well
+            under the one-second failover goal).
+        hello_timeout: seconds a new connection has to complete the handshake.
+        client_timeout: seconds of silence after which a client or admin connection is dropped; wider than
+            the brokers' heartbeat window because a client's liveness decides no failover and a busy client
+            (a burst of publishes) may not answer PINGs at once.
+        connect_timeout: seconds to open a TCP connection to a peer.
+        join_timeout: seconds to wait for the overlay's answer to JOIN.
+        drain_timeout: seconds a graceful shutdown waits for links to flush.
+        tombstone_ttl: seconds a failed or departed node stays excluded from the view.
+        max_hops: hop limit stamped on routed frames this broker originates (<= 255).
+        space: the coordinate space.
+        log_level: Python logging level name.
+    """
+
+    coord: Coord
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None
+    join: tuple[str, ...] = ()
+    node_id: str | None = None
+    resilience: int = 2
+    retention_seconds: float = 3600.0
+    retention_bytes: int = 64 << 20
+    metrics: str | None = None
+    log_dir: str | None = None
+    heartbeat_interval: float = 0.2
+    heartbeat_misses: int = 3
+    hello_timeout: float = 2.0
+    client_timeout: float = 5.0
+    connect_timeout: float = 2.0
+    join_timeout: float = 10.0
+    drain_timeout: float = 2.0
+    tombstone_ttl: float = 2.0
+    max_hops: int = 64
+    space: Space = field(default=UNIT_SQUARE)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        try:
+            self.space.validate(self.coord, "coord")
+        except BadCoordinate as exc:
+            raise ConfigError(str(exc)) from None
+        _check_address("listen", self.listen)
+        for i, addr in enumerate(self.join):
+            _check_address(f"join[{i}]", addr)
+        if self.metrics is not None:
+            _check_address("metrics", self.metrics)
+        if self.advertise is not None:
+            _check_address("advertise", self.advertise)
+        if self.resilience not in (1, 2, 3):
+            raise ConfigError(f"resilience must be 1, 2 or 3, got {self.resilience}")
+        if not (math.isfinite(self.retention_seconds) and self.retention_seconds > 0):
+            raise ConfigError(f"retention_seconds must be a positive number, got {self.retention_seconds}")
+        if self.retention_bytes < 1:
+            raise ConfigError(f"retention_bytes must be at least 1, got {self.retention_bytes}")
+        if self.heartbeat_misses < 1:
+            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        for name in (
+            "heartbeat_interval",
+            "hello_timeout",
+            "client_timeout",
+            "connect_timeout",
+            "join_timeout",
+            "drain_timeout",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.tombstone_ttl) and self.tombstone_ttl >= 0):
+            raise ConfigError(f"tombstone_ttl must be >= 0 seconds, got {self.tombstone_ttl}")
+        if not 1 <= self.max_hops <= MAX_HOP_LIMIT:
+            raise ConfigError(f"max_hops must be in 1..{MAX_HOP_LIMIT}, got {self.max_hops}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
+
+def _check_address(name: str, value: str) -> None:
+    try:
+        parse_address(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+
+def _to_coord(value: object) -> Coord:
+    if isinstance(value, str):
+        parts = value.split(",")
+        if len(parts) != 2:
+            raise ConfigError(f"coord must be written X,Y, got {value!r}")
+        try:
+            return (float(parts[0]), float(parts[1]))
+        except ValueError:
+            raise ConfigError(f"coord must be two numbers X,Y, got {value!r}") from None
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        try:
+            return (float(value[0]), float(value[1]))
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"coord must be X,Y or a pair of numbers, got {value!r}")
+
+
+def _to_space(value: object) -> Space:
+    if isinstance(value, Space):
+        return value
+    parts: Sequence[object]
+    if isinstance(value, str):
+        parts = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        parts = value
+    else:
+        raise ConfigError(f"space must be XMIN,YMIN,XMAX,YMAX, got {value!r}")
+    try:
+        nums = [float(str(p)) for p in parts]
+    except ValueError:
+        raise ConfigError(f"space must be four numbers XMIN,YMIN,XMAX,YMAX, got {value!r}") from None
+    if len(nums) != 4:
+        raise ConfigError(f"space must have four numbers XMIN,YMIN,XMAX,YMAX, got {value!r}")
+    try:
+        return Space(*nums)
+    except BadCoordinate as exc:
+        raise ConfigError(f"space: {exc}") from None
+
+
+def _to_join(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(p.strip() for p in value.split(",") if p.strip()) if value else ()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"join must be a list of HOST:PORT addresses, got {value!r}")
+
+
+def _to_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    try:
+        return int(value)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _to_float(name: str, value: object) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
+def _to_opt_str(name: str, value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+_INT_FIELDS: Final = frozenset({"resilience", "heartbeat_misses", "max_hops", "retention_bytes"})
+_FLOAT_FIELDS: Final = frozenset(
+    {
+        "heartbeat_interval",
+        "hello_timeout",
+        "client_timeout",
+        "connect_timeout",
+        "join_timeout",
+        "drain_timeout",
+        "tombstone_ttl",
+        "retention_seconds",
+    }
+)
+FIELD_NAMES: Final = tuple(f.name for f in fields(BrokerConfig))
+
+
+def _to_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _convert_one(name: str, value: object) -> object:
+    if name == "space":
+        return _to_space(value)
+    if name == "coord":
+        return _to_coord(value)
+    if name == "join":
+        return _to_join(value)
+    if name in _INT_FIELDS:
+        return _to_int(name, value)
+    if name in _FLOAT_FIELDS:
+        return _to_float(name, value)
+    if name in ("metrics", "log_dir", "node_id", "advertise"):
+        return _to_opt_str(name, value)
+    if name in ("listen", "log_level"):
+        return _to_str(name, value)
+    raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
+
+
+def _convert(raw: Mapping[str, object], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        try:
+            out[name] = _convert_one(name, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, object]:
+    """The settings of a JSON or TOML file (by suffix), keys as BrokerConfig fields ("-" allowed for "_")."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    try:
+        data: object = tomllib.loads(text.decode()) if p.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("broker"), dict):
+        data = data["broker"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a table/object of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def env_settings(env: Mapping[str, str]) -> dict[str, object]:
+    """Settings from SEDAX_<FIELD> variables (e.g. SEDAX_COORD=0.5,0.5, SEDAX_JOIN=h:p,h:p)."""
+    out: dict[str, object] = {}
+    for name in FIELD_NAMES:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            out[name] = env[key]
+    return out
+
+
+def build_config(
+    flags: Mapping[str, object], env: Mapping[str, str] | None = None, config_file: str | Path | None = None
+) -> BrokerConfig:
+    """Merge defaults < config file < environment < flags (None flags are unset) into a BrokerConfig."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    file_path = config_file if config_file is not None else env.get(ENV_PREFIX + "CONFIG")
+    if file_path:
+        merged.update(_convert(read_config_file(file_path), f"config file {file_path}"))
+    merged.update(_convert(env_settings(env), "environment"))
+    merged.update(_convert({k: v for k, v in flags.items() if v is not None}, "command line"))
+    if "coord" not in merged:
+        raise ConfigError("coord is required: pass --coord X,Y, set SEDAX_COORD or put coord in the config file")
+    try:
+        return BrokerConfig(**merged)
+    except BadCoordinate as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> BrokerConfig:
+    """Build the config from parsed `add_broker_arguments` flags."""
+    flags = {name: getattr(args, name, None) for name in FIELD_NAMES}
+    if flags.get("join") is not None:
+        flags["join"] = tuple(a for item in args.join for a in item.split(",") if a)
+    return build_config(flags, env, getattr(args, "config_file", None))

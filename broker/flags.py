@@ -1,0 +1,33 @@
+"""The broker's command-line flags, without importing the geometry stack (so `sedax --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The broker's command-line flags (shared by `python -m broker` and `sedax broker`)."""
+    parser.add_argument("--coord", help="coordinate X,Y of this broker (env SEDAX_COORD)")
+    parser.add_argument("--listen", help="HOST:PORT to listen on, port 0 = any (default 127.0.0.1:0)")
+    parser.add_argument("--advertise", help="HOST:PORT peers dial to reach this broker (default: listen)")
+    parser.add_argument("--join", action="append", help="HOST:PORT of a running broker to join through (repeatable)")
+    parser.add_argument("--node-id", dest="node_id", help="node id (default: generated)")
+    parser.add_argument(
+        "--resilience", type=int, choices=(1, 2, 3), help="resilience level: survive 0, 1 or 2 failures (default 2)"
+    )
+    parser.add_argument("--retention-seconds", dest="retention_seconds", type=float, help="keep messages (3600)")
+    parser.add_argument("--retention-bytes", dest="retention_bytes", type=int, help="per topic (64 MiB)")
+    parser.add_argument("--metrics", help="HOST:PORT for the Prometheus endpoint")
+    parser.add_argument("--log-dir", dest="log_dir", help="directory for persistent logs")
+    parser.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds (0.2)")
+    parser.add_argument("--heartbeat-misses", dest="heartbeat_misses", type=int, help="missed pings (3)")
+    parser.add_argument("--hello-timeout", dest="hello_timeout", type=float, help="seconds (2.0)")
+    parser.add_argument(
+        "--client-timeout", dest="client_timeout", type=float, help="seconds a silent client is kept (5.0)"
+    )
+    parser.add_argument("--connect-timeout", dest="connect_timeout", type=float, help="seconds (2.0)")
+    parser.add_argument("--join-timeout", dest="join_timeout", type=float, help="seconds (10.0)")
+    parser.add_argument("--max-hops", dest="max_hops", type=int, help="hop limit of routed frames (64)")
+    parser.add_argument("--space", help="XMIN,YMIN,XMAX,YMAX (default 0,0,1,1)")
+    parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--config", dest="config_file", help="JSON or TOML settings file")

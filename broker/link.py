@@ -1,0 +1,545 @@
+"""One TCP connection of a broker: handshake, read loop, heartbeat, send path and close with a reason.
+
+A `PeerLink` moves bytes between a stream and the sans-IO codec of `overlay.protocol`; what the messages
+mean is decided by its `LinkHandler` (the broker).  Link states follow a transition table with a sticky
+ERROR state, as h11 does for HTTP connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+from typing import Final, Protocol
+
+from broker.tasks import TaskSet
+from overlay.protocol import (
+    ControlFrame,
+    FrameDecoder,
+    Hello,
+    HelloOk,
+    LocalProtocolError,
+    Message,
+    NodeInfo,
+    Ping,
+    Pong,
+    Refuse,
+    RemoteProtocolError,
+    RoutedFrame,
+    Unlink,
+    UnlinkReason,
+    encode_control,
+)
+
+# Bytes asked of the socket per read: large enough to batch many small routed frames into one decode pass.
+READ_CHUNK: Final = 256 * 1024
+# Above this much unsent data, drain() blocks the writer (and through it the reader that forwards to us):
+# backpressure instead of an unbounded buffer.  1 MiB absorbs bursts of routed frames without stalling.
+WRITE_HIGH_WATER: Final = 1 << 20
+
+
+class LinkState(enum.Enum):
+    """Where a connection is in its life."""
+
+    CONNECTING = "connecting"
+    HELLO_SENT = "hello_sent"
+    ESTABLISHED = "established"
+    DRAINING = "draining"
+    CLOSED = "closed"
+    ERROR = "error"
+
+
+_TRANSITIONS: Final[dict[LinkState, frozenset[LinkState]]] = {
+    LinkState.CONNECTING: frozenset(
+        {LinkState.HELLO_SENT, LinkState.ESTABLISHED, LinkState.DRAINING, LinkState.CLOSED, LinkState.ERROR}
+    ),
+    LinkState.HELLO_SENT: frozenset({LinkState.ESTABLISHED, LinkState.DRAINING, LinkState.CLOSED, LinkState.ERROR}),
+    LinkState.ESTABLISHED: frozenset({LinkState.DRAINING, LinkState.CLOSED, LinkState.ERROR}),
+    LinkState.DRAINING: frozenset({LinkState.CLOSED, LinkState.ERROR}),
+    # CLOSED and ERROR are final; ERROR is sticky so a broken link is never mistaken for a clean close.
+    LinkState.CLOSED: frozenset(),
+    LinkState.ERROR: frozenset(),
+}
+
+
+def next_state(current: LinkState, new: LinkState) -> LinkState:
+    """Check a transition against the table; an illegal one is our bug (LocalProtocolError)."""
+    if new not in _TRANSITIONS[current]:
+        raise LocalProtocolError(f"illegal link transition {current.value} -> {new.value}")
+    return new
+
+
+class CloseReason(enum.Enum):
+    """Why a link closed.  The first group means the peer may be dead; the second that it is alive."""
+
+    PEER_CLOSED = "peer_closed"
+    CONNECTION_LOST = "connection_lost"
+    PROTOCOL_ERROR = "protocol_error"
+    HELLO_TIMEOUT = "hello_timeout"
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+    INTERNAL_ERROR = "internal_error"
+    REFUSED = "refused"
+    UNLINKED = "unlinked"
+    DUPLICATE = "duplicate"
+    PEER_LEFT = "peer_left"
+    SHUTDOWN = "shutdown"
+    DONE = "done"
+
+    @property
+    def is_failure(self) -> bool:
+        """True if the peer must be presumed dead or broken (the overlay heals around it)."""
+        return self in _FAILURES
+
+
+_FAILURES: Final = frozenset(
+    {
+        CloseReason.PEER_CLOSED,
+        CloseReason.CONNECTION_LOST,
+        CloseReason.PROTOCOL_ERROR,
+        CloseReason.HELLO_TIMEOUT,
+        CloseReason.HEARTBEAT_TIMEOUT,
+        CloseReason.INTERNAL_ERROR,
+    }
+)
+
+
+class LinkClosed(ConnectionError):
+    """The link closed while something was waiting on it; `reason` says why."""
+
+    def __init__(self, reason: CloseReason, detail: str = "") -> None:
+        super().__init__(f"link closed: {reason.value}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+        self.detail = detail
+
+
+class HandshakeRefused(ConnectionError):
+    """The peer answered our HELLO with REFUSE."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"refused: {code}: {text}")
+        self.code = code
+        self.text = text
+
+
+class LinkHandler(Protocol):
+    """What a link needs from its owner (the broker)."""
+
+    def on_hello(self, link: PeerLink, hello: Hello) -> HelloOk | Refuse:
+        """Accept or refuse an inbound HELLO."""
+
+    def on_established(self, link: PeerLink) -> None:
+        """The handshake completed (either direction)."""
+
+    def on_message(self, link: PeerLink, msg: Message) -> None:
+        """A control message on an established link (PING/PONG and replies to requests excluded)."""
+
+    def on_routed(self, link: PeerLink, frame: RoutedFrame) -> None:
+        """A routed frame on an established link."""
+
+    def needs_flush(self) -> bool:
+        """True if a batch left next hops above their high-water mark (then `flush` is awaited)."""
+
+    async def flush(self) -> None:
+        """Drain the links the last batch wrote to (backpressure on the reader)."""
+
+    def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
+        """The link closed; called exactly once."""
+
+
+# Close reasons worth a warning on any link: the peer misbehaved or was turned away.
+_NOISY: Final = frozenset(
+    {
+        CloseReason.PROTOCOL_ERROR,
+        CloseReason.HELLO_TIMEOUT,
+        CloseReason.HEARTBEAT_TIMEOUT,
+        CloseReason.INTERNAL_ERROR,
+        CloseReason.REFUSED,
+    }
+)
+
+_link_ids = itertools.count(1)
+
+
+class PeerLink:
+    """One connection: its streams, read loop, heartbeat, pending requests and state."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: LinkHandler,
+        tasks: TaskSet,
+        log: logging.Logger,
+        *,
+        outbound: bool,
+        heartbeat_interval: float,
+        heartbeat_misses: int,
+        hello_timeout: float,
+        drain_timeout: float,
+        client_timeout: float = 5.0,
+    ) -> None:
+        self.number = next(_link_ids)
+        self.outbound = outbound
+        self.state = LinkState.CONNECTING
+        self.role: str | None = None
+        self.peer_id: str | None = None
+        self.peer: NodeInfo | None = None
+        self.close_reason: CloseReason | None = None
+        self.close_detail = ""
+        self._reader = reader
+        self._writer = writer
+        self._handler = handler
+        self._tasks = tasks
+        self._log = log
+        self._decoder = FrameDecoder()
+        self._heartbeat_interval = heartbeat_interval
+        self._heartbeat_misses = heartbeat_misses
+        self._client_timeout = client_timeout
+        self._hello_timeout = hello_timeout
+        self._drain_timeout = drain_timeout
+        self._loop = asyncio.get_running_loop()
+        self._last_rx = self._loop.time()
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._hello_reply: asyncio.Future[HelloOk] | None = None
+        self._closed = asyncio.Event()
+        self._read_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._ping_seq = 0
+        self._intended: tuple[CloseReason, str] | None = None
+        # Two-phase UNLINK (see retire): each side stops writing after its own UNLINK and closes only when it
+        # has both sent one and received the peer's, so no frame in flight on the link is lost.
+        self.unlink_sent = False
+        self._paused = False
+        self.unlink_received = False
+        self._unlink_reason: UnlinkReason = "not_neighbour"
+        peername = writer.get_extra_info("peername")
+        self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+        transport = writer.transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def __repr__(self) -> str:
+        who = self.peer_id or "?"
+        return f"<link #{self.number} {'to' if self.outbound else 'from'} {who}@{self.remote} {self.state.value}>"
+
+    @property
+    def established(self) -> bool:
+        """True while the link carries traffic."""
+        return self.state is LinkState.ESTABLISHED
+
+    def _set_state(self, new: LinkState) -> None:
+        self.state = next_state(self.state, new)
+
+    # ------------------------------------------------------------------------------------------ startup
+
+    def start(self) -> None:
+        """Start the read loop and the watchdog (hello timeout, then heartbeat)."""
+        self._read_task = self._tasks.spawn(self._read_loop(), f"read-{self.number}")
+        self._watchdog_task = self._tasks.spawn(self._watchdog(), f"watchdog-{self.number}")
+
+    async def open(self, hello: Hello) -> HelloOk:
+        """Outbound handshake: send HELLO and wait (bounded by the hello timeout) for HELLO_OK.
+
+        Raises HandshakeRefused if the peer refuses, LinkClosed if the link dies first, TimeoutError.
+        """
+        if not self.outbound:
+            raise LocalProtocolError("open() is for outbound links; inbound links wait for HELLO")
+        self._hello_reply = self._loop.create_future()
+        self.role = hello.role
+        self._set_state(LinkState.HELLO_SENT)
+        self._writer.write(encode_control(hello))
+        self.start()
+        try:
+            async with asyncio.timeout(self._hello_timeout):
+                return await asyncio.shield(self._hello_reply)
+        except TimeoutError:
+            await self.aclose(CloseReason.HELLO_TIMEOUT, f"no HELLO_OK within {self._hello_timeout} s")
+            raise
+
+    # ---------------------------------------------------------------------------------------- read side
+
+    async def _read_loop(self) -> None:
+        reason, detail = CloseReason.PEER_CLOSED, "end of stream"
+        try:
+            while True:
+                data = await self._reader.read(READ_CHUNK)
+                frames = self._decoder.feed(data)
+                if not data:
+                    break
+                self._last_rx = self._loop.time()
+                for frame in frames:
+                    self._dispatch(frame)
+                    if self.state in (LinkState.CLOSED, LinkState.ERROR):
+                        return
+                if self._handler.needs_flush():
+                    # Paused on backpressure we read nothing from this peer, so its silence would be ours:
+                    # the watchdog ignores the pause and the clock restarts when reading resumes.
+                    self._paused = True
+                    try:
+                        await self._handler.flush()
+                    finally:
+                        self._paused = False
+                        self._last_rx = self._loop.time()
+        except RemoteProtocolError as exc:
+            reason, detail = CloseReason.PROTOCOL_ERROR, str(exc)
+        except (ConnectionError, OSError) as exc:
+            reason, detail = CloseReason.CONNECTION_LOST, repr(exc)
+        except LocalProtocolError as exc:
+            self._log.exception("bug while handling %r", self)
+            reason, detail = CloseReason.INTERNAL_ERROR, str(exc)
+        self._read_task = None  # closing must not cancel the task doing the closing
+        await self.aclose(reason, detail)
+
+    def _dispatch(self, frame: ControlFrame | RoutedFrame) -> None:
+        state = self.state
+        if state is LinkState.ESTABLISHED:
+            if isinstance(frame, RoutedFrame):
+                self._handler.on_routed(self, frame)
+                return
+            msg = frame.message
+            match msg:
+                case Ping(seq=seq):
+                    self._writer.write(encode_control(Pong(seq)))
+                case Pong():
+                    pass
+                case Hello() | HelloOk():
+                    raise RemoteProtocolError(f"{msg.op} after the handshake")
+                case _:
+                    corr = getattr(msg, "corr", None)
+                    fut = self._pending.pop(corr, None) if type(corr) is int else None
+                    if fut is not None:
+                        if not fut.done():
+                            fut.set_result(msg)
+                    else:
+                        self._handler.on_message(self, msg)
+            return
+        if state is LinkState.DRAINING:
+            return  # we are closing; whatever the peer still sends is moot
+        if isinstance(frame, RoutedFrame):
+            raise RemoteProtocolError("routed frame before the handshake completed")
+        msg = frame.message
+        if state is LinkState.CONNECTING and not self.outbound:
+            if not isinstance(msg, Hello):
+                raise RemoteProtocolError(f"expected HELLO first, got {msg.op}")
+            self._on_hello(msg)
+        elif state is LinkState.HELLO_SENT:
+            self._on_hello_reply(msg)
+        else:
+            raise RemoteProtocolError(f"unexpected {msg.op} in state {state.value}")
+
+    def _on_hello(self, hello: Hello) -> None:
+        reply = self._handler.on_hello(self, hello)
+        self._writer.write(encode_control(reply))
+        if isinstance(reply, Refuse):
+            self.close_soon(CloseReason.REFUSED, f"refused {hello.node}: {reply.code}: {reply.text}")
+            return
+        self.role = hello.role
+        self.peer_id = hello.node
+        if hello.role == "broker" and hello.coord is not None:
+            self.peer = NodeInfo(hello.node, hello.coord, hello.listen)
+        self._set_state(LinkState.ESTABLISHED)
+        self._handler.on_established(self)
+
+    def _on_hello_reply(self, msg: Message) -> None:
+        fut = self._hello_reply
+        if isinstance(msg, HelloOk):
+            self.peer_id = msg.node.id
+            self.peer = msg.node
+            self._set_state(LinkState.ESTABLISHED)
+            self._handler.on_established(self)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, Refuse):
+            if fut is not None and not fut.done():
+                fut.set_exception(HandshakeRefused(msg.code, msg.text))
+            self.close_soon(CloseReason.REFUSED, f"refused by peer: {msg.code}: {msg.text}")
+        else:
+            raise RemoteProtocolError(f"expected HELLO_OK or REFUSE, got {msg.op}")
+
+    # ----------------------------------------------------------------------------------------- watchdog
+
+    async def _watchdog(self) -> None:
+        loop = self._loop
+        deadline = loop.time() + self._hello_timeout
+        while self.state in (LinkState.CONNECTING, LinkState.HELLO_SENT):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                self._watchdog_task = None
+                await self.aclose(CloseReason.HELLO_TIMEOUT, f"no handshake within {self._hello_timeout} s")
+                return
+            await asyncio.sleep(min(remaining, self._heartbeat_interval))
+        silent_limit = self._heartbeat_interval * self._heartbeat_misses
+        if self.role != "broker":
+            # A client's liveness decides no failover, and a client process may be busy for a while (a burst
+            # of publishes, a slow consumer): give it a wider window than a neighbour broker.
+            silent_limit = max(silent_limit, self._client_timeout)
+        while self.state is LinkState.ESTABLISHED:
+            silent = loop.time() - self._last_rx
+            if silent > silent_limit and not self._paused:
+                self._watchdog_task = None
+                await self.aclose(
+                    CloseReason.HEARTBEAT_TIMEOUT,
+                    f"silent for {silent:.2f} s ({self._heartbeat_misses} heartbeats missed)",
+                )
+                return
+            if self._writer.transport.is_closing():
+                return  # the read loop is closing the link; nothing left to watch
+            self._ping_seq += 1
+            self._writer.write(encode_control(Ping(self._ping_seq)))
+            wake = loop.time() + self._heartbeat_interval
+            await asyncio.sleep(self._heartbeat_interval)
+            # If this process was too busy to run us on time, it was too busy to read the peer too: the
+            # peer is not to blame for that stretch, so it does not count as silence.
+            late = loop.time() - wake
+            if late > 0:
+                self._last_rx += late
+
+    # ---------------------------------------------------------------------------------------- send side
+
+    def write(self, data: bytes) -> None:
+        """Queue bytes (one or many encoded frames) for the peer; pair with `drain()` for backpressure."""
+        if self.state is not LinkState.ESTABLISHED:
+            raise LinkClosed(self.close_reason or CloseReason.CONNECTION_LOST, f"link is {self.state.value}")
+        if self._writer.transport.is_closing():
+            # The connection broke and the read loop has not closed the link yet: same as closed.
+            raise LinkClosed(CloseReason.CONNECTION_LOST, "transport is closing")
+        self._writer.write(data)
+
+    def send_nowait(self, msg: Message) -> None:
+        """Queue one control message (small control traffic from synchronous code)."""
+        self.write(encode_control(msg))
+
+    async def drain(self) -> None:
+        """Wait until the peer has taken our queued bytes down to the high-water mark."""
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            await self.aclose(CloseReason.CONNECTION_LOST, repr(exc))
+
+    @property
+    def write_buffered(self) -> int:
+        """Bytes queued in the transport and not yet sent."""
+        return self._writer.transport.get_write_buffer_size()
+
+    async def send(self, msg: Message) -> None:
+        """Write one control message, then wait for the transport to drain."""
+        self.send_nowait(msg)
+        await self.drain()
+
+    async def request(self, msg: Message) -> Message:
+        """Send msg (which has a `corr` field) and wait for the message carrying the same corr back.
+
+        Unbounded by itself: callers wrap it in `asyncio.timeout(...)`; closing the link fails the wait.
+        """
+        corr = getattr(msg, "corr", None)
+        if type(corr) is not int:
+            raise LocalProtocolError(f"{msg.op} has no correlation id")
+        if corr in self._pending:
+            raise LocalProtocolError(f"correlation id {corr} already pending")
+        fut: asyncio.Future[Message] = self._loop.create_future()
+        self._pending[corr] = fut
+        try:
+            await self.send(msg)
+            return await fut
+        finally:
+            self._pending.pop(corr, None)
+
+    # ------------------------------------------------------------------------------------------- close
+
+    async def aclose(self, reason: CloseReason, detail: str = "", farewell: Message | None = None) -> None:
+        """Close the link once: optional farewell message, drain (unless failed), fail pending requests.
+
+        Safe to call from any task, any number of times; later calls wait for the first to finish.
+        """
+        if self.state in (LinkState.CLOSED, LinkState.ERROR) or self.close_reason is not None:
+            await self._closed.wait()
+            return
+        if self._intended is not None:
+            # close_soon() decided first (e.g. after UNLINK); the EOF that follows must not turn it into a failure.
+            reason, detail = self._intended
+        self.close_reason, self.close_detail = reason, detail
+        failed = reason.is_failure
+        if not failed and self.state is not LinkState.DRAINING:
+            if farewell is not None and self.state is LinkState.ESTABLISHED:
+                self._writer.write(encode_control(farewell))
+            self._set_state(LinkState.DRAINING)
+        if not failed:
+            try:
+                async with asyncio.timeout(self._drain_timeout):
+                    await self._writer.drain()
+            except (TimeoutError, ConnectionError, OSError):
+                pass
+        self._set_state(LinkState.ERROR if failed else LinkState.CLOSED)
+        cause = LinkClosed(reason, detail)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(cause)
+        self._pending.clear()
+        if self._hello_reply is not None and not self._hello_reply.done():
+            self._hello_reply.set_exception(cause)
+        if failed:
+            self._writer.transport.abort()
+        else:
+            self._writer.close()
+        current = asyncio.current_task()
+        for task in (self._read_task, self._watchdog_task):
+            if task is not None and task is not current and not task.done():
+                task.cancel(f"link closed: {reason.value}")
+        noisy = reason in _NOISY or (failed and self.role == "broker")
+        level = logging.WARNING if noisy else logging.INFO
+        self._log.log(level, "closed %r: reason=%s%s", self, reason.value, f" ({detail})" if detail else "")
+        try:
+            self._handler.on_closed(self, reason, detail)
+        finally:
+            self._closed.set()
+
+    def close_soon(self, reason: CloseReason, detail: str = "", farewell: Message | None = None) -> None:
+        """Decide to close now (from synchronous code); the closing itself runs as an owned task.
+
+        The decision is recorded at once: frames still arriving are ignored and a following EOF does not
+        change the reason.
+        """
+        if self.close_reason is not None or self._intended is not None:
+            return
+        self._intended = (reason, detail)
+        if self.state in (LinkState.CONNECTING, LinkState.HELLO_SENT, LinkState.ESTABLISHED):
+            if farewell is not None and self.state is LinkState.ESTABLISHED:
+                self._writer.write(encode_control(farewell))
+            if not reason.is_failure:
+                self._set_state(LinkState.DRAINING)
+        self._tasks.spawn(self.aclose(reason, detail), f"close-{self.number}")
+
+    def retire(self, reason: UnlinkReason) -> None:
+        """Stop using this link for a live peer: send UNLINK once; close when the peer's UNLINK is in.
+
+        The caller stops writing to the link.  Reading continues, so frames the peer sent before its own
+        UNLINK are still forwarded.  A peer that never answers is closed after the drain timeout.
+        """
+        if not self.unlink_sent and self.state is LinkState.ESTABLISHED:
+            self._writer.write(encode_control(Unlink(reason)))
+            self.unlink_sent = True
+            self._unlink_reason = reason
+            self._loop.call_later(self._drain_timeout, self._retire_expired, reason)
+        if self.unlink_received:
+            self._close_retired(reason)
+
+    def unlink_arrived(self) -> bool:
+        """Record the peer's UNLINK; True if ours was sent too and the link is now closing."""
+        self.unlink_received = True
+        if self.unlink_sent:
+            self._close_retired(self._unlink_reason)
+            return True
+        return False
+
+    def _close_retired(self, reason: UnlinkReason) -> None:
+        close = CloseReason.DUPLICATE if reason == "duplicate_link" else CloseReason.UNLINKED
+        self.close_soon(close, "both ends sent UNLINK")
+
+    def _retire_expired(self, reason: UnlinkReason) -> None:
+        if self.close_reason is None and self._intended is None:
+            close = CloseReason.DUPLICATE if reason == "duplicate_link" else CloseReason.UNLINKED
+            self.close_soon(close, f"peer did not answer UNLINK within {self._drain_timeout} s")
+
+    async def wait_closed(self) -> None:
+        """Wait until the link is closed."""
+        await self._closed.wait()

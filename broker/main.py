@@ -1,0 +1,101 @@
+"""Run one broker process: `run(config)` under uvloop, logs on stderr, one JSON readiness line on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
+from broker.node import Broker, JoinFailed, JoinRefused
+
+# Exit codes: 2 = bad configuration, 3 = the overlay refused us, 4 = no join address answered.
+EXIT_CONFIG: int = 2
+EXIT_REFUSED: int = 3
+EXIT_JOIN_FAILED: int = 4
+
+
+def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s broker[{node_id}] %(message)s"))
+    # Configure the "sedax" parent so every layer (sedax.broker, sedax.pubsub, ...) logs the same way.
+    root = logging.getLogger("sedax")
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level.upper())
+    root.propagate = False
+    return logging.getLogger("sedax.broker")
+
+
+async def serve(config: BrokerConfig) -> int:
+    """Start, join, announce readiness, serve until SIGTERM/SIGINT, then leave gracefully."""
+    broker = Broker(config)
+    log = _setup_logging(config, broker.node_id)
+    broker.log = log
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(name: str) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting without a graceful leave", name)
+            os._exit(1)
+        log.info("%s: leaving the overlay", name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    await broker.start()
+    join = asyncio.ensure_future(broker.join()) if config.join else None
+    if join is not None:
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({join, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not join.done():
+            join.cancel()
+            await asyncio.gather(join, return_exceptions=True)
+            await broker.shutdown()
+            return 0
+        try:
+            join.result()
+        except JoinRefused as exc:
+            print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+            await broker.shutdown()
+            return EXIT_REFUSED
+        except JoinFailed as exc:
+            print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+            await broker.shutdown()
+            return EXIT_JOIN_FAILED
+    ready = {
+        "event": "ready",
+        "listen": broker.info.listen,
+        "node": broker.node_id,
+        "coord": [broker.info.coord[0], broker.info.coord[1]],
+    }
+    print(json.dumps(ready), flush=True)
+    await stop.wait()
+    await broker.shutdown()
+    return 0
+
+
+def run(config: BrokerConfig) -> int:
+    """Run a broker until it is told to stop; returns the process exit code."""
+    return uvloop.run(serve(config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m broker --coord X,Y [--listen H:P] [--join H:P ...]`."""
+    parser = argparse.ArgumentParser(prog="python -m broker", description="Run one SeDAX broker.")
+    add_broker_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"sedax broker: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run(config)

@@ -1,0 +1,686 @@
+"""The SeDAX broker: one process, one port, links to exactly its Delaunay neighbours, greedy forwarding.
+
+Overlay maintenance (see docs/protocol.md for the message sequences):
+
+* Join: the newcomer connects to a bootstrap broker as a client and sends JOIN; the bootstrap routes it to
+  the newcomer's own coordinate, so the closest live broker answers (JOIN_ACCEPT with its view, or REFUSE
+  for a duplicate coordinate); the answer is routed back to the bootstrap's coordinate and handed over.
+* Every broker links to its desired neighbours (`NeighbourView.desired`: Delaunay neighbours of itself among
+  everything it knows) and advertises that set (NEIGHBOURS) whenever it changes.  A link is kept while
+  either end wants it, so an edge disappears only when both ends agree it is not Delaunay.
+* Failure (EOF, reset, heartbeat timeout) or LEAVE: the node is forgotten and tombstoned, its former
+  neighbours become candidates and the survivors re-link around the hole.
+
+Greedy forwarding reads only the ROUTED header; bodies are decoded by the broker that delivers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Final
+
+from broker.config import BrokerConfig
+from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
+from broker.pubsub import PubSub, PubSubConfig
+from broker.store import Retention
+from broker.tasks import TaskSet
+from overlay.dt import NeighbourView
+from overlay.geometry import MIN_SITE_SEPARATION, distance
+from overlay.protocol import (
+    FLAG_TRACE,
+    PROTOCOL_VERSION,
+    Coord,
+    Error,
+    Hello,
+    HelloOk,
+    Join,
+    JoinAccept,
+    Leave,
+    Message,
+    Neighbours,
+    NodeInfo,
+    Ping,
+    Refuse,
+    RemoteProtocolError,
+    RoutedFrame,
+    RouteProbe,
+    RouteReply,
+    Status,
+    StatusReq,
+    Unlink,
+    decode_message,
+    encode_control,
+    encode_message,
+    encode_routed,
+    format_address,
+    forward_routed,
+    parse_address,
+)
+from overlay.pubsub import Fetch, Locate, Publish, Subscribe, Unsubscribe
+
+# Requests this broker relays for its clients (route probes, joins) and waits on; beyond this many a client
+# gets "busy" rather than the broker growing without bound when replies are lost.
+MAX_PENDING: Final = 65536
+# Hop-limit drops are logged once per this many so a routing loop cannot flood the log.
+DROP_LOG_EVERY: Final = 1000
+# Write-buffer level above which a batch's reader waits for the next hop to drain (see PeerLink.drain).
+FLUSH_THRESHOLD: Final = 256 * 1024
+# How often the pub/sub layer's timers run (replication and pull time-outs, retention); a tenth of the
+# replication time-out, so a lost replica is noticed within ~0.05 s of its deadline.
+PUBSUB_TICK: Final = 0.05
+
+
+class JoinRefused(Exception):
+    """The overlay refused this broker (duplicate coordinate, coordinate outside the space, ...)."""
+
+    def __init__(self, code: str, text: str, via: str) -> None:
+        super().__init__(f"join refused ({code}) via {via}: {text}")
+        self.code = code
+        self.text = text
+        self.via = via
+
+
+class JoinFailed(ConnectionError):
+    """No join address answered; start the first broker without --join or check the addresses."""
+
+
+class Broker:
+    """A broker process's state and behaviour; the `LinkHandler` of all its links."""
+
+    def __init__(self, config: BrokerConfig, log: logging.Logger | None = None) -> None:
+        self.config = config
+        self.node_id = config.node_id or f"b-{uuid.uuid4().hex[:12]}"
+        self.log = log or logging.getLogger("sedax.broker")
+        self.tasks = TaskSet(self.log)
+        self.info = NodeInfo(self.node_id, config.coord, "0.0.0.0:0")
+        self.view = NeighbourView(self.info)
+        self.peers: dict[str, PeerLink] = {}
+        self.links: set[PeerLink] = set()
+        self.forwarded = 0
+        self.delivered = 0
+        self.dropped_hop_limit = 0
+        self.dropped_bad_body = 0
+        self.dropped_no_route = 0
+        self.failures_detected = 0
+        self._dialing: dict[str, asyncio.Task[None]] = {}
+        self._advertised: frozenset[str] = frozenset()
+        self._pending: dict[int, tuple[PeerLink, int]] = {}
+        self._corr = itertools.count(1)
+        self._dirty: set[PeerLink] = set()
+        self._congested: set[PeerLink] = set()
+        self._reconcile_handle: asyncio.Handle | None = None
+        self._server: asyncio.Server | None = None
+        self._closing = False
+        self._peer_up = asyncio.Event()
+        # Client sessions (pub/sub) by id; ids carry a per-process prefix so a restarted broker with the same
+        # node id never mistakes an old subscription for a new session.
+        self._session_prefix = secrets.token_hex(3)
+        self._session_ids = itertools.count(1)
+        self.sessions: dict[str, PeerLink] = {}
+        self._session_of: dict[PeerLink, str] = {}
+        self._known_ids: frozenset[str] = frozenset()
+        self._failed_since_view: set[str] = set()
+        self.port = _PubSubPort(self)
+        self.pubsub = PubSub(
+            self.port,
+            PubSubConfig(
+                resilience=config.resilience,
+                retention=Retention(config.retention_seconds, config.retention_bytes),
+            ),
+        )
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind the listening socket; afterwards `info.listen` holds the real port."""
+        host, port = parse_address(self.config.listen)
+        self._server = await asyncio.start_server(self._on_connect, host, port)
+        bound = self._server.sockets[0].getsockname()
+        listen = self.config.advertise or format_address(host, int(bound[1]))
+        self.info = NodeInfo(self.node_id, self.config.coord, listen)
+        self.view = NeighbourView(self.info)
+        self.port.refresh()
+        self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
+        self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
+
+    def _new_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, outbound: bool) -> PeerLink:
+        c = self.config
+        link = PeerLink(
+            reader,
+            writer,
+            self,
+            self.tasks,
+            self.log,
+            outbound=outbound,
+            heartbeat_interval=c.heartbeat_interval,
+            heartbeat_misses=c.heartbeat_misses,
+            hello_timeout=c.hello_timeout,
+            drain_timeout=c.drain_timeout,
+            client_timeout=c.client_timeout,
+        )
+        self.links.add(link)
+        return link
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:
+            writer.close()
+            return
+        self._new_link(reader, writer, outbound=False).start()
+
+    async def shutdown(self) -> None:
+        """Leave gracefully: stop accepting, send LEAVE to every neighbour, drain, close, cancel tasks."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._reconcile_handle is not None:
+            self._reconcile_handle.cancel()
+        if self._server is not None:
+            self._server.close()
+        leave = Leave(tuple(self.view.infos(set(self.peers) | self._advertised)))
+        closing = [
+            link.aclose(
+                CloseReason.SHUTDOWN, "leaving the overlay", farewell=leave if link in self.peers.values() else None
+            )
+            for link in list(self.links)
+        ]
+        try:
+            async with asyncio.timeout(self.config.drain_timeout + 1.0):
+                await asyncio.gather(*closing, return_exceptions=True)
+        except TimeoutError:
+            self.log.warning("links did not drain within %.1f s; closing anyway", self.config.drain_timeout)
+        await self.tasks.cancel_all("broker shut down")
+        self.log.info("left the overlay")
+
+    # ------------------------------------------------------------------------------------------------ join
+
+    async def join(self) -> None:
+        """Join the overlay through the configured addresses, in order, until one answers.
+
+        Raises JoinRefused if the overlay refuses this broker and JoinFailed if no address answers.
+        Returns once at least one neighbour link is established.
+        """
+        errors: list[str] = []
+        for addr in self.config.join:
+            try:
+                accept = await self._join_via(addr)
+            except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+                errors.append(f"{addr}: {exc!r}")
+                continue
+            self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
+            self.view.add_candidates([accept.node, *accept.neighbours])
+            self._reconcile()
+            try:
+                async with asyncio.timeout(self.config.join_timeout):
+                    await self._peer_up.wait()
+            except TimeoutError:
+                raise JoinFailed(f"accepted via {addr} but no neighbour link came up") from None
+            return
+        raise JoinFailed("could not join through any address: " + "; ".join(errors))
+
+    async def _join_via(self, addr: str) -> JoinAccept:
+        host, port = parse_address(addr)
+        async with asyncio.timeout(self.config.connect_timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+        link = self._new_link(reader, writer, outbound=True)
+        hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
+        try:
+            await link.open(hello)
+            async with asyncio.timeout(self.config.join_timeout):
+                reply = await link.request(Join(1, self.info))
+        except HandshakeRefused as exc:
+            if exc.code == "shutting_down":
+                raise LinkClosed(CloseReason.REFUSED, exc.text) from exc
+            raise JoinRefused(exc.code, exc.text, addr) from exc
+        finally:
+            await link.aclose(CloseReason.DONE, "join answered")
+        match reply:
+            case JoinAccept():
+                return reply
+            case Refuse(code=code, text=text):
+                raise JoinRefused(code, text, addr)
+            case Error(code=code, text=text):
+                raise LinkClosed(CloseReason.DONE, f"{code}: {text}")
+            case _:
+                raise LinkClosed(CloseReason.PROTOCOL_ERROR, f"unexpected answer to JOIN: {reply.op}")
+
+    # ------------------------------------------------------------------------------------ link handling
+
+    def _duplicate_of(self, node_id: str, coord: Coord) -> NodeInfo | None:
+        if distance(self.info.coord, coord) < MIN_SITE_SEPARATION and node_id != self.node_id:
+            return self.info
+        for info in self.view.nodes.values():
+            if info.id != node_id and distance(info.coord, coord) < MIN_SITE_SEPARATION:
+                return info
+        return None
+
+    def on_hello(self, link: PeerLink, hello: Hello) -> HelloOk | Refuse:
+        """Admit a peer, client or admin tool, or say precisely why not."""
+        if self._closing:
+            return Refuse("shutting_down", f"broker {self.node_id} is leaving the overlay")
+        if hello.version != PROTOCOL_VERSION:
+            return Refuse(
+                "version_mismatch", f"this broker speaks protocol {PROTOCOL_VERSION}, HELLO had {hello.version}"
+            )
+        if hello.role == "broker" and hello.coord is not None:
+            if not self.config.space.contains(hello.coord):
+                return Refuse("coordinate_outside_space", self._outside_text(hello.coord))
+            if hello.node == self.node_id:
+                return Refuse("duplicate_node_id", f"node id {hello.node} is this broker's own id")
+            dup = self._duplicate_of(hello.node, hello.coord)
+            if dup is not None:
+                return Refuse("duplicate_coordinate", self._duplicate_text(hello.coord, dup))
+        return HelloOk(PROTOCOL_VERSION, self.info)
+
+    def _outside_text(self, c: Coord) -> str:
+        s = self.config.space
+        return f"coordinate ({c[0]}, {c[1]}) is outside the space [{s.xmin}, {s.xmax}] x [{s.ymin}, {s.ymax}]"
+
+    @staticmethod
+    def _duplicate_text(c: Coord, owner: NodeInfo) -> str:
+        return f"coordinate ({c[0]}, {c[1]}) is already taken by broker {owner.id} at {owner.listen}"
+
+    def on_established(self, link: PeerLink) -> None:
+        """Register a new broker link (resolving duplicate links) and send it our neighbour advert."""
+        if link.role != "broker" or link.peer is None or self._closing:
+            return
+        pid = link.peer.id
+        existing = self.peers.get(pid)
+        if existing is not None and existing is not link:
+            # Both ends dialled at once.  Both keep the connection opened by the smaller id, so they agree.
+            keep_new = existing.outbound != link.outbound and link.outbound == (self.node_id < pid)
+            loser = existing if keep_new else link
+            if keep_new:
+                self.peers[pid] = link
+            loser.retire("duplicate_link")
+            if not keep_new:
+                return
+        self.peers[pid] = link
+        self.view.link_up(link.peer)
+        link.send_nowait(Neighbours(tuple(self.view.infos(self._advertised))))
+        self._peer_up.set()
+        self._schedule_reconcile()
+
+    def on_message(self, link: PeerLink, msg: Message) -> None:
+        """Control messages of established links."""
+        current = link.peer_id is not None and self.peers.get(link.peer_id) is link
+        match msg:
+            case Neighbours(neighbours=ns) if link.role == "broker":
+                if current and link.peer_id is not None:
+                    self.view.learn(link.peer_id, ns)
+                    self._schedule_reconcile()
+            case Leave(neighbours=ns) if link.role == "broker":
+                if current and link.peer_id is not None:
+                    del self.peers[link.peer_id]
+                    self.view.forget(link.peer_id, self._now(), self.config.tombstone_ttl)
+                    self.view.add_candidates(ns)
+                    self._after_forget()
+                link.close_soon(CloseReason.PEER_LEFT, "peer sent LEAVE")
+            case Unlink(reason="duplicate_link") if link.role == "broker":
+                # The peer has both links and keeps the other one.  If we have not seen the other one yet,
+                # keep writing here (the peer still reads) until on_established retires this link.
+                link.unlink_arrived()
+            case Unlink() if link.role == "broker":
+                if current and link.peer_id is not None:
+                    del self.peers[link.peer_id]
+                    self.view.unlink(link.peer_id)
+                    self._schedule_reconcile()
+                if not link.unlink_arrived():
+                    link.retire("not_neighbour")
+            case StatusReq(corr=corr):
+                link.send_nowait(self.status(corr))
+            case RouteProbe(corr=corr, target=target, origin=None):
+                self._start_probe(link, corr, target)
+            case Join(origin=None) if link.role == "client":
+                self._start_join(link, msg)
+            case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() if link.role == "client":
+                self.pubsub.client_message(self._session(link), msg)
+                self._dirty.add(link)
+            case _:
+                raise RemoteProtocolError(f"{msg.op} is not expected from a {link.role} link")
+
+    def _session(self, link: PeerLink) -> str:
+        sid = self._session_of.get(link)
+        if sid is None:
+            sid = f"{self._session_prefix}-{next(self._session_ids)}"
+            self._session_of[link] = sid
+            self.sessions[sid] = link
+        return sid
+
+    async def _pubsub_ticker(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(PUBSUB_TICK)
+            self.pubsub.tick()
+
+    def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
+        """Forget a failed neighbour (the overlay heals) or just drop a link that is no longer wanted."""
+        self.links.discard(link)
+        self._dirty.discard(link)
+        self._congested.discard(link)
+        sid = self._session_of.pop(link, None)
+        if sid is not None:
+            del self.sessions[sid]
+            if not self._closing:
+                self.pubsub.session_closed(sid)
+        if self._pending:
+            for corr in [k for k, (owner, _) in self._pending.items() if owner is link]:
+                del self._pending[corr]
+        pid = link.peer_id
+        if pid is None or self.peers.get(pid) is not link:
+            return
+        del self.peers[pid]
+        if self._closing:
+            return
+        if reason.is_failure:
+            self.failures_detected += 1
+            self._failed_since_view.add(pid)
+            self.log.warning("neighbour %s lost (%s: %s); healing", pid, reason.value, detail)
+            self.view.forget(pid, self._now(), self.config.tombstone_ttl)
+            self._after_forget()
+        else:
+            self.view.unlink(pid)
+            self._schedule_reconcile()
+
+    def needs_flush(self) -> bool:
+        """True if a next hop written to since the last check holds more than FLUSH_THRESHOLD unsent bytes."""
+        dirty = self._dirty
+        while dirty:
+            link = dirty.pop()
+            if link.write_buffered > FLUSH_THRESHOLD:
+                self._congested.add(link)
+        return bool(self._congested)
+
+    async def flush(self) -> None:
+        """Backpressure: wait until the congested next hops have drained."""
+        while self._congested:
+            await self._congested.pop().drain()
+
+    # ----------------------------------------------------------------------------------- reconciliation
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _after_forget(self) -> None:
+        # A tombstone's expiry can make a node eligible again; look once more when it lapses.
+        asyncio.get_running_loop().call_later(self.config.tombstone_ttl + 0.01, self._schedule_reconcile)
+        self._schedule_reconcile()
+
+    def _schedule_reconcile(self) -> None:
+        if self._reconcile_handle is None and not self._closing:
+            self._reconcile_handle = asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _reconcile(self) -> None:
+        """Bring links and advert in line with the desired Delaunay neighbours (coalesced per loop turn)."""
+        self._reconcile_handle = None
+        if self._closing:
+            return
+        view = self.view
+        view.expire(self._now())
+        desired = view.desired()
+        view.prune(desired)
+        for nid in sorted(desired):
+            if nid not in self.peers and nid not in self._dialing:
+                info = view.nodes[nid]
+                self._dialing[nid] = self.tasks.spawn(self._dial(info), f"dial-{nid}")
+        for nid, link in list(self.peers.items()):
+            advert = view.adverts.get(nid)
+            # Keep a link while either end wants it; without the peer's advert we cannot know yet.
+            if nid in desired or advert is None or self.node_id in advert:
+                continue
+            del self.peers[nid]
+            view.unlink(nid)
+            link.retire("not_neighbour")
+        known = frozenset(view.known())
+        if known != self._known_ids:
+            # Who is closest to which coordinate may have changed: pub/sub re-ranks its topics (take-over,
+            # new secondary, hand-over).  Coalesced with the reconciliation, once per loop turn.
+            self._known_ids = known
+            self.port.refresh()
+            failed, self._failed_since_view = self._failed_since_view, set()
+            self.pubsub.view_changed(failed)
+        frozen = frozenset(desired)
+        if frozen != self._advertised:
+            self._advertised = frozen
+            data = encode_control(Neighbours(tuple(view.infos(frozen))))
+            for link in self.peers.values():
+                if link.established:
+                    link.write(data)
+
+    async def _dial(self, info: NodeInfo) -> None:
+        try:
+            host, port = parse_address(info.listen)
+            async with asyncio.timeout(self.config.connect_timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+            link = self._new_link(reader, writer, outbound=True)
+            hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
+            ok = await link.open(hello)
+            if ok.node.id != info.id:
+                await link.aclose(CloseReason.UNLINKED, f"expected {info.id} at {info.listen}, found {ok.node.id}")
+                self._give_up(info.id, f"{info.listen} is now {ok.node.id}")
+        except HandshakeRefused as exc:
+            self._give_up(info.id, str(exc))
+        except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+            self._give_up(info.id, repr(exc))
+        finally:
+            self._dialing.pop(info.id, None)
+            self._schedule_reconcile()
+
+    def _give_up(self, nid: str, why: str) -> None:
+        if nid in self.peers or self._closing:
+            return
+        self.log.info("cannot link to %s (%s); treating it as gone for %.1f s", nid, why, self.config.tombstone_ttl)
+        self.view.forget(nid, self._now(), self.config.tombstone_ttl)
+        self._after_forget()
+
+    # ------------------------------------------------------------------------------------------ routing
+
+    def on_routed(self, link: PeerLink, frame: RoutedFrame) -> None:
+        """Greedy forwarding: pass the frame to the neighbour closest to its destination, or deliver it."""
+        nh = self.view.next_hop(frame.x, frame.y)
+        if nh is None:
+            self._deliver(frame)
+            return
+        if frame.hops + 1 >= frame.hop_limit:  # same test as protocol.may_forward, inlined on the hot path
+            self.dropped_hop_limit += 1
+            if self.dropped_hop_limit % DROP_LOG_EVERY == 1:
+                self.log.warning(
+                    "dropped a frame for (%s, %s) at its hop limit %d (%d dropped so far)",
+                    frame.x,
+                    frame.y,
+                    frame.hop_limit,
+                    self.dropped_hop_limit,
+                )
+            return
+        out = self.peers[nh]
+        body = None
+        if frame.flags & FLAG_TRACE:
+            body = self._trace(frame.body)
+            if body is None:
+                return
+        try:
+            out.write(forward_routed(frame, body))
+        except LinkClosed:
+            self.dropped_no_route += 1
+            return
+        self.forwarded += 1
+        self._dirty.add(out)
+
+    def _trace(self, body: bytes) -> bytes | None:
+        try:
+            probe = decode_message(body)
+        except RemoteProtocolError as exc:
+            self.dropped_bad_body += 1
+            self.log.warning("dropped a traced frame with a bad body: %s", exc)
+            return None
+        if not isinstance(probe, RouteProbe):
+            self.dropped_bad_body += 1
+            return None
+        return encode_message(replace(probe, path=(*probe.path, self.info)))
+
+    def _send_routed(self, dest: Coord, msg: Message, flags: int = 0) -> None:
+        """Originate a routed message (or handle it here if this broker is the closest)."""
+        nh = self.view.next_hop(dest[0], dest[1])
+        if nh is None:
+            self._handle_delivered(msg, 0)
+            return
+        out = self.peers[nh]
+        try:
+            out.write(encode_routed(dest, encode_message(msg), hop_limit=self.config.max_hops, flags=flags))
+        except LinkClosed:
+            self.dropped_no_route += 1
+            return
+        self._dirty.add(out)
+
+    def _deliver(self, frame: RoutedFrame) -> None:
+        try:
+            msg = decode_message(frame.body)
+        except RemoteProtocolError as exc:
+            self.dropped_bad_body += 1
+            self.log.warning("dropped a routed frame with a bad body: %s", exc)
+            return
+        self._handle_delivered(msg, frame.hops + 1)
+
+    def _handle_delivered(self, msg: Message, hops: int) -> None:
+        self.delivered += 1
+        match msg:
+            case Join(origin=NodeInfo() as origin):
+                self._send_routed(origin.coord, self._answer_join(msg))
+            case RouteProbe(origin=NodeInfo() as origin):
+                path = msg.path if msg.path and msg.path[-1].id == self.node_id else (*msg.path, self.info)
+                self._send_routed(origin.coord, RouteReply(msg.corr, self.info, hops, path))
+            case RouteReply() | JoinAccept() | Refuse() | Error():
+                self._complete(msg)
+            case Ping():
+                pass  # a routed PING only tests delivery (benchmarks); it is counted and has nothing to answer
+            case _ if self.pubsub.routed(msg):
+                pass
+            case _:
+                self.dropped_bad_body += 1
+                self.log.warning("dropped a routed %s that this broker does not handle", msg.op)
+
+    def _complete(self, msg: RouteReply | JoinAccept | Refuse | Error) -> None:
+        entry = self._pending.pop(msg.corr, None)
+        if entry is None:
+            self.log.info("reply %s for unknown request %d (client gone?)", msg.op, msg.corr)
+            return
+        link, client_corr = entry
+        if link.established:
+            link.send_nowait(replace(msg, corr=client_corr))
+            self._dirty.add(link)
+
+    def _register(self, link: PeerLink, client_corr: int) -> int | None:
+        if len(self._pending) >= MAX_PENDING:
+            return None
+        corr = next(self._corr)
+        self._pending[corr] = (link, client_corr)
+        return corr
+
+    def _start_probe(self, link: PeerLink, corr: int, target: Coord) -> None:
+        if not self.config.space.contains(target):
+            link.send_nowait(Error(corr, "coordinate_outside_space", self._outside_text(target)))
+            return
+        mine = self._register(link, corr)
+        if mine is None:
+            link.send_nowait(Error(corr, "busy", f"{MAX_PENDING} requests pending"))
+            return
+        self._send_routed(target, RouteProbe(mine, target, self.info, (self.info,)), FLAG_TRACE)
+
+    def _start_join(self, link: PeerLink, join: Join) -> None:
+        coord = join.node.coord
+        if not self.config.space.contains(coord):
+            link.send_nowait(Refuse("coordinate_outside_space", self._outside_text(coord), join.corr))
+            return
+        mine = self._register(link, join.corr)
+        if mine is None:
+            link.send_nowait(Error(join.corr, "busy", f"{MAX_PENDING} requests pending"))
+            return
+        self._send_routed(coord, Join(mine, join.node, self.info))
+
+    def _answer_join(self, join: Join) -> JoinAccept | Refuse:
+        node = join.node
+        known = self.view.nodes.get(node.id)
+        # The same broker asking again (its first JOIN's answer was late) is accepted again; another broker
+        # with a live broker's id is not.
+        if node.id == self.node_id or (known is not None and known != node):
+            return Refuse("duplicate_node_id", f"node id {node.id} is already in the overlay", join.corr)
+        dup = self._duplicate_of(node.id, node.coord)
+        if dup is not None:
+            return Refuse("duplicate_coordinate", self._duplicate_text(node.coord, dup), join.corr)
+        if not self.config.space.contains(node.coord):
+            return Refuse("coordinate_outside_space", self._outside_text(node.coord), join.corr)
+        self.log.info("accepting %s at (%s, %s)", node.id, *node.coord)
+        neighbours = tuple(self.view.infos(self.peers))
+        self.view.add_candidates([node])
+        self._schedule_reconcile()
+        return JoinAccept(join.corr, self.info, neighbours)
+
+    # ------------------------------------------------------------------------------------------- status
+
+    def status(self, corr: int) -> Status:
+        """This broker's STATUS answer."""
+        counters = {
+            "forwarded": self.forwarded,
+            "delivered": self.delivered,
+            "dropped_hop_limit": self.dropped_hop_limit,
+            "dropped_bad_body": self.dropped_bad_body,
+            "dropped_no_route": self.dropped_no_route,
+            "failures_detected": self.failures_detected,
+            "links": len(self.links),
+            "sessions": len(self.sessions),
+            **self.pubsub.counters,
+        }
+        return Status(
+            corr=corr,
+            node=self.info,
+            neighbours=tuple(self.view.infos(k for k, link in self.peers.items() if link.established)),
+            desired=tuple(sorted(self._advertised)),
+            topics=tuple(sorted(name for name, _, _ in self.pubsub.topics())),
+            loads=self.pubsub.loads(),
+            counters=counters,
+            resilience=self.config.resilience,
+        )
+
+
+class _PubSubPort:
+    """The broker as the pub/sub layer sees it (broker.pubsub.Overlay)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._b = broker
+        self._view: dict[str, NodeInfo] = {}
+
+    def refresh(self) -> None:
+        """Rebuild the live-node view after the overlay view changed (read on every pub/sub request)."""
+        b = self._b
+        view = {nid: b.view.nodes[nid] for nid in b.view.known() if nid in b.view.nodes}
+        view[b.info.id] = b.info
+        self._view = view
+
+    @property
+    def me(self) -> NodeInfo:
+        return self._b.info
+
+    def view(self) -> Mapping[str, NodeInfo]:
+        return self._view
+
+    def route(self, dest: Coord, msg: Message) -> None:
+        self._b._send_routed(dest, msg)
+
+    def to_session(self, session: str, frame: bytes) -> bool:
+        link = self._b.sessions.get(session)
+        if link is None or not link.established:
+            return False
+        link.write(frame)
+        self._b._dirty.add(link)
+        return True
+
+    def now(self) -> float:
+        return time.time()
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        asyncio.get_running_loop().call_soon(fn)

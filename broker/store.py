@@ -1,0 +1,195 @@
+"""The topic store of one broker: published data kept for a retention, dedup state, subscriber registrations.
+
+The stored bytes of a topic are its load L_T(t) (Sec. IV-C1), measured in bytes, so the load model of
+`overlay.load` sees what the broker really holds.  Clocks are passed in: the store never reads time itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+# Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
+# plus the id's length is what those cost in the msgpack form used for replication, so L_T(t) counts them.
+MESSAGE_OVERHEAD: Final = 24
+# Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
+# are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
+PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
+
+
+class StoreError(Exception):
+    """Base of topic-store errors."""
+
+
+class TopicNotFound(StoreError):
+    """The broker holds no data for this topic; ask `sedax locate TOPIC` which brokers do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How long and how much a broker keeps of every topic (oldest messages go first)."""
+
+    max_age: float | None = 3600.0  # seconds; None keeps messages until max_bytes pushes them out
+    max_bytes: int | None = 64 << 20  # per topic; None is no limit
+
+    def __post_init__(self) -> None:
+        if self.max_age is not None and not self.max_age > 0:
+            raise ValueError(f"retention max_age must be positive seconds, got {self.max_age}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"retention max_bytes must be at least 1, got {self.max_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """One published message as the primary stored it."""
+
+    ts: float  # the primary's clock when it stored the message; FETCH since T compares against it
+    publisher: str
+    seq: int
+    payload: bytes
+
+    @property
+    def size(self) -> int:
+        """Bytes this message adds to L_T(t)."""
+        return len(self.payload) + len(self.publisher) + MESSAGE_OVERHEAD
+
+
+@dataclass(frozen=True, slots=True)
+class Subscriber:
+    """A subscription: which access broker holds the client session, and the session's id there."""
+
+    access: str  # node id of the access broker
+    access_coord: tuple[float, float]  # where to route deliveries: the access broker is N1 of its own coordinate
+    session: str
+
+
+@dataclass(slots=True)
+class TopicLog:
+    """Everything a broker keeps for one topic."""
+
+    name: str
+    retention: Retention
+    messages: deque[StoredMessage] = field(default_factory=deque)
+    size: int = 0
+    last_seq: dict[str, int] = field(default_factory=dict)  # publisher -> highest seq stored
+    last_seen: dict[str, float] = field(default_factory=dict)  # publisher -> when it last published
+    subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
+    # After the last message expired the topic is still known (subscribers, dedup state) but weighs nothing.
+
+    def is_duplicate(self, publisher: str, seq: int) -> bool:
+        """True if (publisher, seq) was stored already (re-sends after a failover are dropped here)."""
+        return seq <= self.last_seq.get(publisher, -1)
+
+    def append(self, msg: StoredMessage, now: float) -> bool:
+        """Store msg unless it is a duplicate; returns whether it was stored.  Expires what it pushes out."""
+        if self.is_duplicate(msg.publisher, msg.seq):
+            return False
+        self.messages.append(msg)
+        self.size += msg.size
+        self.last_seq[msg.publisher] = msg.seq
+        self.last_seen[msg.publisher] = now
+        self.expire(now)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Drop messages older than max_age and the oldest beyond max_bytes; returns the bytes freed."""
+        freed = 0
+        r = self.retention
+        while self.messages and (
+            (r.max_age is not None and self.messages[0].ts < now - r.max_age)
+            or (r.max_bytes is not None and self.size > r.max_bytes)
+        ):
+            old = self.messages.popleft()
+            self.size -= old.size
+            freed += old.size
+        if len(self.last_seen) > 64:
+            stale = [p for p, t in self.last_seen.items() if t < now - PUBLISHER_IDLE_FORGET]
+            for p in stale:
+                del self.last_seen[p]
+                self.last_seq.pop(p, None)
+        return freed
+
+    def since(self, ts: float, limit: int | None = None) -> list[StoredMessage]:
+        """Stored messages with timestamp > ts, oldest first, at most limit of them."""
+        # Messages are appended in timestamp order, so the start is found by bisection.
+        start = bisect.bisect_right(_TsView(self.messages), ts)
+        end = len(self.messages) if limit is None else min(len(self.messages), start + limit)
+        return [self.messages[i] for i in range(start, end)]
+
+    def merge(self, msgs: Iterable[StoredMessage], now: float) -> int:
+        """Add replicated or handed-over messages (any order, duplicates ignored); returns how many were new."""
+        new = [m for m in msgs if not self.is_duplicate(m.publisher, m.seq)]
+        if not new:
+            return 0
+        combined = sorted([*self.messages, *new], key=lambda m: m.ts)
+        self.messages = deque(combined)
+        self.size = sum(m.size for m in combined)
+        for m in new:
+            if m.seq > self.last_seq.get(m.publisher, -1):
+                self.last_seq[m.publisher] = m.seq
+                self.last_seen[m.publisher] = now
+        self.expire(now)
+        return len(new)
+
+
+class _TsView:
+    """A read-only sequence of timestamps over a deque of messages, for bisect."""
+
+    __slots__ = ("_msgs",)
+
+    def __init__(self, msgs: deque[StoredMessage]) -> None:
+        self._msgs = msgs
+
+    def __len__(self) -> int:
+        return len(self._msgs)
+
+    def __getitem__(self, i: int) -> float:
+        return self._msgs[i].ts
+
+
+class TopicStore:
+    """All topics a broker holds, whatever its role for each."""
+
+    def __init__(self, retention: Retention | None = None) -> None:
+        self.retention = retention or Retention()
+        self._topics: dict[str, TopicLog] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._topics
+
+    def __iter__(self) -> Iterator[TopicLog]:
+        return iter(list(self._topics.values()))
+
+    def __len__(self) -> int:
+        return len(self._topics)
+
+    def get(self, name: str) -> TopicLog:
+        """The topic's log, or TopicNotFound."""
+        log = self._topics.get(name)
+        if log is None:
+            raise TopicNotFound(
+                f"this broker holds no data for topic {name!r}; `sedax locate {name}` shows which brokers do"
+            )
+        return log
+
+    def ensure(self, name: str) -> TopicLog:
+        """The topic's log, created empty if new."""
+        log = self._topics.get(name)
+        if log is None:
+            log = self._topics[name] = TopicLog(name, self.retention)
+        return log
+
+    def drop(self, name: str) -> TopicLog | None:
+        """Forget a topic (handed over, or no longer ours); returns what was dropped."""
+        return self._topics.pop(name, None)
+
+    def expire(self, now: float) -> int:
+        """Apply retention to every topic; returns the bytes freed."""
+        return sum(log.expire(now) for log in self._topics.values())
+
+    def sizes(self) -> dict[str, int]:
+        """L_T(t) in bytes for every topic held."""
+        return {name: log.size for name, log in self._topics.items()}

@@ -1,0 +1,248 @@
+"""Async admin client: connect to one broker, ask for its STATUS, probe routes.
+
+Needs only the sans-IO codec (`overlay.protocol`), not the geometry stack, so it stays light to import.
+Many requests may be in flight at once on one connection; replies are matched by correlation id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import uuid
+from types import TracebackType
+from typing import Final, Self
+
+from overlay.protocol import (
+    PROTOCOL_VERSION,
+    ControlFrame,
+    Coord,
+    Error,
+    FrameDecoder,
+    Hello,
+    HelloOk,
+    Message,
+    NodeInfo,
+    Ping,
+    Pong,
+    ProtocolError,
+    Refuse,
+    RemoteProtocolError,
+    RouteProbe,
+    RouteReply,
+    Status,
+    StatusReq,
+    encode_control,
+    parse_address,
+)
+
+# Default bound on connecting and on each request; a healthy local overlay answers in milliseconds.
+DEFAULT_TIMEOUT: Final = 5.0
+
+
+class AdminError(Exception):
+    """Base of admin client errors."""
+
+
+class BrokerUnavailable(AdminError):
+    """The broker could not be reached, refused the connection or went away; check the address."""
+
+
+class RequestFailed(AdminError):
+    """The broker answered a request with ERROR; `code` says why (e.g. coordinate_outside_space)."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+class AdminClient:
+    """One admin connection to a broker.  Use `await AdminClient.connect(addr)` or `async with`."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        broker: NodeInfo,
+        *,
+        request_timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.broker = broker
+        self.request_timeout = request_timeout
+        self._reader = reader
+        self._writer = writer
+        self._decoder = FrameDecoder()
+        self._corr = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._closed: BaseException | None = None
+        self._read_task = asyncio.get_running_loop().create_task(self._read_loop(), name="admin-read")
+
+    @classmethod
+    async def connect(
+        cls,
+        addr: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - STYLE.md 11 asks for connect(addr, *, timeout=...)
+        role: str = "admin",
+    ) -> Self:
+        """Connect and complete the handshake within timeout seconds; later requests get the same bound.
+
+        Raises:
+            BrokerUnavailable: the address is unreachable, the broker refused us, or it did not answer.
+        """
+        try:
+            host, port = parse_address(addr)
+        except ValueError as exc:
+            raise BrokerUnavailable(str(exc)) from None
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                node = f"{role}-{uuid.uuid4().hex[:12]}"
+                writer.write(encode_control(Hello(PROTOCOL_VERSION, node, "admin" if role == "admin" else "client")))
+                reply = await _read_one(reader, FrameDecoder())
+        except (OSError, TimeoutError, ProtocolError) as exc:
+            if writer is not None:
+                writer.close()
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
+        if isinstance(reply, Refuse):
+            writer.close()
+            raise BrokerUnavailable(f"broker at {addr} refused the connection: {reply.code}: {reply.text}")
+        if not isinstance(reply, HelloOk):
+            writer.close()
+            raise BrokerUnavailable(f"broker at {addr} answered HELLO with {reply.op}")
+        return cls(reader, writer, reply.node, request_timeout=timeout)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def _read_loop(self) -> None:
+        cause: BaseException = BrokerUnavailable("connection closed by the broker")
+        try:
+            while True:
+                data = await self._reader.read(65536)
+                frames = self._decoder.feed(data)
+                if not data:
+                    break
+                for frame in frames:
+                    if not isinstance(frame, ControlFrame):
+                        raise RemoteProtocolError("routed frame sent to an admin client")
+                    msg = frame.message
+                    if isinstance(msg, Ping):
+                        self._writer.write(encode_control(Pong(msg.seq)))
+                        continue
+                    fut = self._pending.pop(getattr(msg, "corr", -1), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+        except (OSError, ProtocolError) as exc:
+            cause = BrokerUnavailable(f"connection to the broker failed: {exc!r}")
+        self._fail_all(cause)
+
+    def _fail_all(self, cause: BaseException) -> None:
+        self._closed = cause
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(cause)
+        self._pending.clear()
+
+    async def request(self, msg: Message) -> Message:
+        """Send a request (corr from `next_corr`) and wait, up to request_timeout, for the matching reply."""
+        timeout = self.request_timeout
+        if self._closed is not None:
+            raise BrokerUnavailable(str(self._closed))
+        corr: int = getattr(msg, "corr")  # noqa: B009 - every request message has one
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[corr] = fut
+        try:
+            self._writer.write(encode_control(msg))
+            async with asyncio.timeout(timeout):
+                await self._writer.drain()
+                reply = await fut
+        except TimeoutError:
+            raise BrokerUnavailable(f"no answer from {self.broker.listen} within {timeout} s") from None
+        except OSError as exc:
+            raise BrokerUnavailable(f"connection to {self.broker.listen} failed: {exc!r}") from exc
+        finally:
+            self._pending.pop(corr, None)
+        if isinstance(reply, Error):
+            raise RequestFailed(reply.code, reply.text)
+        return reply
+
+    async def send_frames(self, data: bytes) -> None:
+        """Write pre-encoded frames (e.g. a batch of ROUTED frames), then wait for the socket to drain."""
+        if self._closed is not None:
+            raise BrokerUnavailable(str(self._closed))
+        self._writer.write(data)
+        try:
+            await self._writer.drain()
+        except OSError as exc:
+            raise BrokerUnavailable(f"connection to {self.broker.listen} failed: {exc!r}") from exc
+
+    def next_corr(self) -> int:
+        """A fresh correlation id for this connection."""
+        return next(self._corr)
+
+    async def status(self) -> Status:
+        """The broker's STATUS."""
+        reply = await self.request(StatusReq(self.next_corr()))
+        if not isinstance(reply, Status):
+            raise BrokerUnavailable(f"expected STATUS, got {reply.op}")
+        return reply
+
+    async def route(self, target: Coord) -> RouteReply:
+        """Probe the route from this broker to the broker closest to target."""
+        reply = await self.request(RouteProbe(self.next_corr(), target))
+        if not isinstance(reply, RouteReply):
+            raise BrokerUnavailable(f"expected ROUTE_REPLY, got {reply.op}")
+        return reply
+
+    async def aclose(self) -> None:
+        """Close the connection and wait for the reader to finish."""
+        self._read_task.cancel()
+        await asyncio.gather(self._read_task, return_exceptions=True)
+        self._fail_all(BrokerUnavailable("client closed"))
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+
+
+async def _read_one(reader: asyncio.StreamReader, decoder: FrameDecoder) -> Message:
+    while True:
+        data = await reader.read(65536)
+        frames = decoder.feed(data)
+        if frames:
+            frame = frames[0]
+            if not isinstance(frame, ControlFrame):
+                raise RemoteProtocolError("routed frame before the handshake completed")
+            return frame.message
+        if not data:
+            raise BrokerUnavailable("connection closed during the handshake")
+
+
+def status_json(st: Status) -> dict[str, object]:
+    """STATUS in the JSON shape of `sedax status --json`."""
+    return {
+        "node": st.node.id,
+        "coord": [st.node.coord[0], st.node.coord[1]],
+        "listen": st.node.listen,
+        "neighbours": [n.to_json() for n in st.neighbours],
+        "topics": list(st.topics),
+        "loads": dict(st.loads),
+        "resilience": st.resilience,
+        "counters": dict(st.counters),
+    }
+
+
+def route_json(reply: RouteReply) -> dict[str, object]:
+    """ROUTE_REPLY in the JSON shape of `sedax route --json`."""
+    return {
+        "node": reply.node.to_json(),
+        "hops": reply.hops,
+        "path": [n.to_json() for n in reply.path],
+    }

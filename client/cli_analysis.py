@@ -1,0 +1,131 @@
+"""Analysis subcommands of the `sedax` CLI: `analyze` (PySpark job over metrics logs) and `viz` (overlay picture).
+
+`client/cli.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
+Exit code 2 means a usage problem the message explains (missing log directory, no logs, bad output name).
+PySpark, numpy and matplotlib are imported inside the handlers, so `sedax --help` stays cheap.
+
+Also runnable on its own: `python -m client.cli_analysis analyze LOG_DIR --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+EXIT_USAGE: Final = 2
+LEVELS: Final = ("L1", "L2", "L3")
+
+
+def _fail(msg: str) -> int:
+    print(f"sedax: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _missing_dirs(paths: Sequence[str]) -> list[str]:
+    # Remote URLs (hdfs://, s3a://) are Spark's to resolve; only plain local paths are checked here.
+    return [p for p in paths if "://" not in p and not Path(p).exists()]
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    missing = _missing_dirs(args.log_dirs)
+    if missing:
+        return _fail(f"log directory not found: {', '.join(missing)}")
+    from analysis.job import AnalysisInputError, run_analysis
+
+    try:
+        summary = run_analysis(
+            list(args.log_dirs),
+            args.out,
+            master=args.master,
+            bin_width=args.bin_width,
+            top=args.top,
+            ccdf_per_step=not args.no_ccdf_per_step,
+            plots=not args.no_plots,
+            driver_memory=args.driver_memory,
+        )
+    except AnalysisInputError as exc:
+        return _fail(str(exc))
+    print(
+        f"analysed {summary.records} records ({summary.snapshots} snapshots, {summary.events} events) "
+        f"of {len(summary.runs)} runs; skipped {summary.bad_total} bad lines; "
+        f"wrote {Path(args.out) / 'summary.md'} in {summary.seconds:.1f} s"
+    )
+    return 0
+
+
+def _cmd_viz(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.suffix.lower() not in (".svg", ".png"):
+        return _fail(f"--out must end in .svg or .png, got {out.name!r}")
+    from analysis.viz import VizError, picture_from_broker, picture_from_logs, render
+
+    try:
+        if args.log_dir is not None:
+            missing = _missing_dirs(args.log_dir)
+            if missing:
+                return _fail(f"log directory not found: {', '.join(missing)}")
+            pic = picture_from_logs(args.log_dir)
+        else:
+            pic = picture_from_broker(args.broker, timeout=args.timeout)
+        path = render(pic, out, args.level)
+    except VizError as exc:
+        return _fail(str(exc))
+    print(f"wrote {path}: {len(pic.nodes)} brokers, {len(pic.failed)} failed, {len(pic.moves)} topic moves")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the `analyze` and `viz` subcommands to an argparse subparsers object."""
+    a = subparsers.add_parser(
+        "analyze",
+        help="analyse metrics logs with PySpark: load quantiles/CCDFs, correlations, moved load",
+        description="Read every *.jsonl below LOG_DIR... (docs/logs.md) and write tables (Parquet, CSV), "
+        "plots (PNG) and summary.md to --out (docs/analysis.md).",
+    )
+    a.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="directory with *.jsonl logs (searched recursively)")
+    a.add_argument("--out", required=True, help="output directory (created if needed)")
+    a.add_argument("--master", default=None, help="Spark master URL (default local[*])")
+    a.add_argument(
+        "--bin-width",
+        type=float,
+        default=None,
+        help="time bin for V_ML/R_ML in the logs' time unit (s for brokers, τ for the simulator; "
+        "default D/100 per run)",
+    )
+    a.add_argument("--top", type=int, default=10, help="topics listed per metric in summary.md (default 10)")
+    a.add_argument("--driver-memory", default="1g", help="spark.driver.memory when starting Spark (default 1g)")
+    a.add_argument("--no-ccdf-per-step", action="store_true", help="skip the large per-step CCDF table")
+    a.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    a.set_defaults(func=_cmd_analyze)
+
+    v = subparsers.add_parser(
+        "viz",
+        help="draw the overlay: brokers, Delaunay links, Voronoi cells shaded by load, topic moves",
+        description="Draw brokers at their coordinates, Delaunay links, Voronoi cells shaded by the normalised "
+        "load of --level, topics' home-to-delegate arrows and failed brokers, as SVG or PNG.",
+    )
+    src = v.add_mutually_exclusive_group(required=True)
+    src.add_argument("--broker", metavar="HOST:PORT", help="any live broker; the overlay is crawled from it")
+    src.add_argument(
+        "--log-dir", action="append", metavar="DIR", help="metrics logs (last step of the newest run); repeatable"
+    )
+    v.add_argument("--out", required=True, metavar="FILE", help="output file, .svg or .png")
+    v.add_argument("--level", choices=LEVELS, default="L1", help="load level shading the cells (default L1)")
+    v.add_argument("--timeout", type=float, default=5.0, help="seconds per broker request (--broker; default 5)")
+    v.set_defaults(func=_cmd_viz)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `analyze`/`viz` without the rest of the `sedax` CLI; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="sedax")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,716 @@
+"""The SeDAX asyncio client: publish, subscribe, fetch and locate through any broker of the overlay.
+
+    async with Client(["127.0.0.1:7001", "127.0.0.1:7002"]) as c:
+        await c.publish("grid/f1/voltage", b"230.1")
+        async with c.subscribe("grid/f1/voltage") as sub:
+            async for msg in sub:
+                ...
+
+One `Client` owns one connection to its access broker at a time, its read loop and its heartbeat.  When
+that broker dies the client reconnects to another known broker (exponential backoff with jitter),
+re-subscribes every subscription from the timestamp of the last message it delivered (so nothing is missed)
+and re-sends every unacknowledged publish in order; the brokers drop what they already had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import random
+import secrets
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Self
+
+from overlay.protocol import (
+    PROTOCOL_VERSION,
+    ControlFrame,
+    FrameDecoder,
+    Hello,
+    HelloOk,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Refuse,
+    encode_control,
+    parse_address,
+)
+from overlay.pubsub import (
+    MAX_PAYLOAD_SIZE,
+    Ack,
+    Deliver,
+    Done,
+    Failed,
+    Fetch,
+    Fetched,
+    Locate,
+    Located,
+    Nack,
+    Publish,
+    Record,
+    Redirect,
+    Subscribe,
+    Subscribed,
+    Unsubscribe,
+)
+from overlay.topics import validate_topic
+
+log = logging.getLogger("sedax.client")
+
+# How many publishes may wait for their acknowledgement at once; publish() blocks beyond it, which is the
+# client's share of backpressure (the broker's is its bounded per-connection queue).
+DEFAULT_MAX_INFLIGHT: Final = 4096
+# A subscription buffers this many undelivered messages; beyond it the oldest are dropped and counted, so a
+# consumer that stopped iterating cannot grow the client's memory without bound.
+DEFAULT_SUB_QUEUE: Final = 65536
+READ_CHUNK: Final = 256 * 1024
+# The longest wait between two re-sends of unacknowledged publishes.
+MAX_RESEND_DELAY: Final = 8.0
+# Publishes sent back to back before publish_nowait lets the event loop run once.
+YIELD_EVERY: Final = 256
+# Unsent bytes above which a sender waits for the socket (backpressure without a drain per message).
+WRITE_HIGH_WATER: Final = 256 * 1024
+
+
+class ClientError(Exception):
+    """Base of client errors."""
+
+
+class ConnectError(ClientError):
+    """No broker of the list could be reached; check the addresses and that brokers run there."""
+
+
+class ClientClosed(ClientError):
+    """The client was closed while the operation waited."""
+
+
+class RequestFailed(ClientError):
+    """The overlay refused a request; `code` says why (overlay.pubsub.PubSubCode)."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedMessage:
+    """A delivered message: its topic, publisher and sequence number, the primary's timestamp, the payload."""
+
+    topic: str
+    publisher: str
+    seq: int
+    ts: float
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PublishAck:
+    """The acknowledgement of one publish: its sequence number and the primary's storage timestamp."""
+
+    topic: str
+    seq: int
+    ts: float
+
+
+@dataclass(slots=True)
+class _Pending:
+    msg: Publish
+    future: asyncio.Future[PublishAck]
+    sent_at: float
+
+
+class Subscription:
+    """An async iterator of the messages of one topic; `aclose()` (or `async with`) unsubscribes."""
+
+    def __init__(self, client: Client, topic: str, since: float | None, maxsize: int) -> None:
+        self._client = client
+        self.topic = topic
+        self.since = since  # resume point: the ts of the last message handed out
+        self._queue: deque[ReceivedMessage] = deque()
+        self._maxsize = maxsize
+        self._wakeup = asyncio.Event()
+        self._last_seq: dict[str, int] = {}
+        self.dropped = 0  # messages dropped because the consumer was too slow
+        self.duplicates = 0  # re-deliveries after a failover, suppressed by (publisher, seq)
+        self.gaps = 0  # missing sequence numbers: messages lost with a failed broker (resilience level 1)
+        self.closed = False
+        self._warned = False
+
+    def _deliver(self, d: Record) -> None:
+        last = self._last_seq.get(d.publisher)
+        if last is not None and d.seq <= last:
+            self.duplicates += 1
+            return
+        if last is not None and d.seq > last + 1:
+            self.gaps += d.seq - last - 1
+            log.warning(
+                "topic %s: %d message(s) of publisher %s missing before seq %d (lost with a failed broker)",
+                self.topic,
+                d.seq - last - 1,
+                d.publisher,
+                d.seq,
+            )
+        self._last_seq[d.publisher] = d.seq
+        if self.since is None or d.ts > self.since:
+            self.since = d.ts
+        if len(self._queue) >= self._maxsize:
+            self._queue.popleft()
+            self.dropped += 1
+            if not self._warned:
+                self._warned = True
+                log.warning("subscription %s: consumer too slow, dropping oldest messages", self.topic)
+        self._queue.append(ReceivedMessage(self.topic, d.publisher, d.seq, d.ts, d.payload))
+        self._wakeup.set()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> ReceivedMessage:
+        while not self._queue:
+            if self.closed:
+                raise StopAsyncIteration
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return self._queue.popleft()
+
+    async def aclose(self) -> None:
+        """Unsubscribe and end the iteration."""
+        if self.closed:
+            return
+        self.closed = True
+        self._wakeup.set()
+        await self._client._unsubscribe(self)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class _Connection:
+    """One TCP connection to an access broker: the stream, the frame decoder and the read loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.address = address
+        self.decoder = FrameDecoder()
+        self.closed = asyncio.Event()
+        # Frames queued in one turn of the event loop go out in one write (one system call, not one each).
+        self._wbuf = bytearray()
+        self._flush_scheduled = False
+
+    def send(self, data: bytes) -> None:
+        self._wbuf += data
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        if self._wbuf and not self.writer.is_closing():
+            self.writer.write(bytes(self._wbuf))
+        self._wbuf.clear()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._wbuf) + self.writer.transport.get_write_buffer_size()
+
+    async def drain(self) -> None:
+        self.flush()
+        with contextlib.suppress(ConnectionError):
+            await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.closed.set()
+
+
+class Client:
+    """A connection to the SeDAX overlay through one access broker at a time (see module docstring)."""
+
+    def __init__(
+        self,
+        brokers: Sequence[str] | str,
+        *,
+        client_id: str | None = None,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 10.0,
+        ack_timeout: float = 1.0,
+        heartbeat_interval: float = 0.5,
+        heartbeat_misses: int = 3,
+        reconnect: bool = True,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        subscription_queue: int = DEFAULT_SUB_QUEUE,
+        on_event: Callable[[str, str], None] | None = None,
+    ) -> None:
+        addrs = [brokers] if isinstance(brokers, str) else list(brokers)
+        if not addrs:
+            raise ValueError("give at least one broker address HOST:PORT")
+        for a in addrs:
+            parse_address(a)  # ValueError with the reason
+        self.brokers = addrs
+        self.client_id = client_id or f"c-{os.getpid()}-{secrets.token_hex(4)}"
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self.ack_timeout = ack_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_misses = heartbeat_misses
+        self.reconnect = reconnect
+        self.subscription_queue = subscription_queue
+        self._on_event = on_event
+        self._conn: _Connection | None = None
+        self._connected = asyncio.Event()
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._corr = itertools.count(1)
+        self._requests: dict[int, asyncio.Future[Message]] = {}
+        self._seq: dict[str, int] = {}  # next sequence number per topic
+        self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
+        self._inflight = asyncio.Semaphore(max_inflight)
+        self._subs: dict[str, Subscription] = {}
+        self._last_rx = 0.0
+        self.topic_coords: dict[str, tuple[float, float]] = {}  # C(t) learned from SUBSCRIBED / REDIRECT
+        self.reconnects = 0
+        self.resent = 0
+        # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
+        # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
+        self._resend_delay: dict[str, float] = {}
+        self._unyielded = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def address(self) -> str | None:
+        """The access broker currently connected, if any."""
+        return self._conn.address if self._conn is not None and not self._conn.closed.is_set() else None
+
+    async def connect(self) -> None:
+        """Connect to the first reachable broker of the list (ConnectError if none answers)."""
+        await self._connect_any(self.brokers)
+        self._spawn(self._heartbeat())
+        self._spawn(self._resender())
+
+    def _spawn(self, coro: object) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("client task failed", exc_info=task.exception())
+
+    async def _connect_any(self, order: Sequence[str]) -> None:
+        errors = []
+        for addr in order:
+            try:
+                await self._connect_one(addr)
+            except (OSError, TimeoutError, ProtocolError, ConnectError) as exc:
+                errors.append(f"{addr}: {exc}")
+            else:
+                return
+        raise ConnectError("no broker reachable: " + "; ".join(errors))
+
+    async def _connect_one(self, addr: str) -> None:
+        host, port = parse_address(addr)
+        async with asyncio.timeout(self.connect_timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            conn = _Connection(reader, writer, addr)
+            try:
+                conn.send(encode_control(Hello(PROTOCOL_VERSION, self.client_id, "client")))
+                await conn.drain()
+                while True:
+                    data = await reader.read(READ_CHUNK)
+                    frames = conn.decoder.feed(data)
+                    if not data:
+                        raise ConnectError(f"{addr} closed the connection during the handshake")
+                    if frames:
+                        break
+            except BaseException:
+                conn.close()
+                raise
+        first = frames[0]
+        if isinstance(first, ControlFrame) and isinstance(first.message, Refuse):
+            conn.close()
+            raise ConnectError(f"{addr} refused: {first.message.code}: {first.message.text}")
+        if not (isinstance(first, ControlFrame) and isinstance(first.message, HelloOk)):
+            conn.close()
+            raise ConnectError(f"{addr} did not answer HELLO with HELLO_OK")
+        self._conn = conn
+        self._last_rx = asyncio.get_running_loop().time()
+        self._connected.set()
+        self._spawn(self._read_loop(conn))
+        for f in frames[1:]:
+            self._on_frame(f)
+        self._event("connected", addr)
+
+    def _event(self, kind: str, detail: str) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, detail)
+
+    async def aclose(self) -> None:
+        """Close the connection, fail what waits, and stop the client's tasks."""
+        if self._closing:
+            return
+        self._closing = True
+        for sub in list(self._subs.values()):
+            sub.closed = True
+            sub._wakeup.set()
+        if self._conn is not None:
+            await self._conn.drain()
+            self._conn.close()
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        exc = ClientClosed("the client was closed")
+        for fut in self._requests.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        for per_topic in self._pending.values():
+            for p in per_topic.values():
+                if not p.future.done():
+                    p.future.set_exception(exc)
+        self._requests.clear()
+
+    # ---- reading -------------------------------------------------------------------------------------
+    async def _read_loop(self, conn: _Connection) -> None:
+        try:
+            while True:
+                data = await conn.reader.read(READ_CHUNK)
+                self._last_rx = asyncio.get_running_loop().time()
+                frames = conn.decoder.feed(data)
+                for f in frames:
+                    self._on_frame(f)
+                if not data:
+                    break
+        except (ConnectionError, ProtocolError) as exc:
+            log.warning("connection to %s lost: %s", conn.address, exc)
+        finally:
+            conn.close()
+            if self._conn is conn:
+                self._connected.clear()
+                if not self._closing:
+                    self._spawn(self._reconnect(conn.address))
+
+    def _on_frame(self, frame: object) -> None:
+        if not isinstance(frame, ControlFrame):
+            return
+        m = frame.message
+        match m:
+            case Deliver():
+                sub = self._subs.get(m.topic)
+                if sub is not None:
+                    for rec in m.records:
+                        sub._deliver(rec)
+            case Ack():
+                self._acked(m)
+            case Nack():
+                self._nacked(m)
+            case Redirect():
+                self.topic_coords[m.topic] = m.coord
+                self._event("redirect", f"{m.topic} -> {m.coord}")
+            case Subscribed():
+                self.topic_coords[m.topic] = m.coord
+                self._resolve(m.corr, m)
+            case Done() | Fetched() | Located() | Failed():
+                self._resolve(m.corr, m)
+            case Ping():
+                if self._conn is not None:
+                    self._conn.send(encode_control(Pong(m.seq)))
+            case _:
+                pass  # PONG and anything newer: liveness is all they tell
+
+    def _resolve(self, corr: int, m: Message) -> None:
+        fut = self._requests.pop(corr, None)
+        if fut is not None and not fut.done():
+            fut.set_result(m)
+
+    # ---- liveness and reconnect ----------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        seq = itertools.count()
+        loop = asyncio.get_running_loop()
+        while True:
+            wake = loop.time() + self.heartbeat_interval
+            await asyncio.sleep(self.heartbeat_interval)
+            late = loop.time() - wake
+            if late > 0:
+                self._last_rx += late  # our own loop was busy: the broker is not to blame for that stretch
+            conn = self._conn
+            if conn is None or conn.closed.is_set():
+                continue
+            if loop.time() - self._last_rx > self.heartbeat_interval * self.heartbeat_misses:
+                log.warning("access broker %s silent for %d heartbeats", conn.address, self.heartbeat_misses)
+                conn.close()
+                continue
+            conn.send(encode_control(Ping(next(seq))))
+
+    async def _reconnect(self, failed: str) -> None:
+        if not self.reconnect:
+            self._fail_all(ConnectError(f"connection to {failed} lost and reconnect is off"))
+            return
+        self._event("disconnected", failed)
+        delay = 0.05
+        while not self._closing:
+            # Try the other brokers first: the failed one is probably dead.
+            others = [a for a in self.brokers if a != failed]
+            random.shuffle(others)
+            try:
+                await self._connect_any([*others, failed])
+            except ConnectError as exc:
+                log.warning("reconnect failed, retrying in %.2fs: %s", delay, exc)
+                await asyncio.sleep(delay * (1.0 + random.random()))
+                delay = min(delay * 2, 2.0)
+                continue
+            self.reconnects += 1
+            await self._restore()
+            return
+
+    async def _restore(self) -> None:
+        """After a reconnect: re-subscribe from the last delivered timestamp, re-send unacknowledged publishes."""
+        for sub in list(self._subs.values()):
+            if not sub.closed:
+                self._spawn(self._resubscribe(sub))
+        self._resend_all()
+
+    async def _resubscribe(self, sub: Subscription) -> None:
+        try:
+            await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+        except (RequestFailed, TimeoutError, ClientError) as exc:
+            log.warning("re-subscribing %s failed: %s", sub.topic, exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for fut in self._requests.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._requests.clear()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    async def _send(self, msg: Message) -> None:
+        if self._closing:
+            raise ClientClosed("the client is closed")
+        if not self._connected.is_set():
+            async with asyncio.timeout(self.request_timeout):
+                await self._connected.wait()
+        conn = self._conn
+        if conn is None:
+            raise ConnectError("not connected")
+        conn.send(encode_control(msg))
+        # Drain only above the high-water mark: a burst of publishes goes out in few writes.
+        if conn.buffered > WRITE_HIGH_WATER:
+            await conn.drain()
+
+    async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate) -> Message:
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._requests[msg.corr] = fut
+        try:
+            await self._send(msg)
+            async with asyncio.timeout(self.request_timeout):
+                reply = await fut
+        finally:
+            self._requests.pop(msg.corr, None)
+        if isinstance(reply, Failed):
+            raise RequestFailed(reply.code, reply.text)
+        return reply
+
+    # ---- publishing ----------------------------------------------------------------------------------
+    def _acked(self, m: Ack) -> None:
+        # Cumulative: everything up to m.seq is stored (a primary accepts a publisher's messages in order).
+        per_topic = self._pending.get(m.topic)
+        if not per_topic or m.publisher != self.client_id:
+            return
+        # The dict is in sequence order (insertion order, re-sends keep their place): pop from the front.
+        while per_topic:
+            seq = next(iter(per_topic))
+            if seq > m.seq:
+                break
+            p = per_topic.pop(seq)
+            if not p.future.done():
+                p.future.set_result(PublishAck(m.topic, seq, m.ts))
+            self._inflight.release()
+        self._resend_delay.pop(m.topic, None)  # progress: back to the normal delay
+
+    def _nacked(self, m: Nack) -> None:
+        per_topic = self._pending.get(m.topic, {})
+        if m.code == "out_of_order":
+            # The primary misses earlier messages that we still hold: send them again, in order.
+            self._resend_topic(m.topic, from_seq=m.expected)
+            return
+        p = per_topic.pop(m.seq, None)
+        if p is not None and not p.future.done():
+            p.future.set_exception(RequestFailed(m.code, m.text))
+            self._inflight.release()
+
+    async def publish(self, topic: str, payload: bytes | str) -> PublishAck:
+        """Publish and wait for the acknowledgement (RequestFailed if refused, TimeoutError if none comes)."""
+        fut = await self.publish_nowait(topic, payload)
+        async with asyncio.timeout(self.request_timeout):
+            return await fut
+
+    async def publish_nowait(self, topic: str, payload: bytes | str) -> asyncio.Future[PublishAck]:
+        """Send a publish and return a future for its acknowledgement; waits only when too many are in flight.
+
+        Raises ValueError at once for an invalid topic name or an oversized payload.
+        """
+        if topic not in self._seq:
+            validate_topic(topic)
+        data = payload.encode() if isinstance(payload, str) else bytes(payload)
+        if len(data) > MAX_PAYLOAD_SIZE:
+            raise ValueError(f"payload of {len(data)} bytes is over the limit of {MAX_PAYLOAD_SIZE}")
+        await self._inflight.acquire()
+        seq = self._seq.get(topic, 0)
+        self._seq[topic] = seq + 1
+        per_topic = self._pending.setdefault(topic, {})
+        base = next(iter(per_topic), seq)  # the lowest unacknowledged sequence number
+        msg = Publish(topic, self.client_id, seq, data, base)
+        fut: asyncio.Future[PublishAck] = asyncio.get_running_loop().create_future()
+        per_topic[seq] = _Pending(msg, fut, asyncio.get_running_loop().time())
+        with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
+            await self._send(msg)
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
+            # A tight publish loop must not starve this client's own reading and heartbeats.
+            self._unyielded = 0
+            await asyncio.sleep(0)
+        return fut
+
+    async def flush(self) -> None:
+        """Wait until every publish sent so far is acknowledged or failed (bound it with asyncio.timeout)."""
+        futs = [p.future for per in self._pending.values() for p in per.values()]
+        if futs:
+            await asyncio.gather(*futs, return_exceptions=True)
+
+    @property
+    def unacknowledged(self) -> int:
+        """Publishes still waiting for their acknowledgement."""
+        return sum(len(v) for v in self._pending.values())
+
+    def _resend_topic(self, topic: str, from_seq: int = 0) -> None:
+        conn = self._conn
+        if conn is None or conn.closed.is_set():
+            return
+        per_topic = self._pending.get(topic, {})
+        now = asyncio.get_running_loop().time()
+        base = next(iter(per_topic), 0)
+        for seq in sorted(per_topic):
+            if seq < from_seq:
+                continue
+            p = per_topic[seq]
+            p.sent_at = now
+            old = p.msg
+            p.msg = Publish(old.topic, old.publisher, old.seq, old.payload, base)
+            conn.send(encode_control(p.msg))
+            self.resent += 1
+
+    def _resend_all(self) -> None:
+        for topic in list(self._pending):
+            self._resend_topic(topic)
+
+    async def _resender(self) -> None:
+        # An acknowledgement that does not come in ack_timeout was lost with a broker on the way: send again.
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.ack_timeout / 2)
+            if not self._connected.is_set():
+                continue
+            now = loop.time()
+            for topic, per_topic in list(self._pending.items()):
+                delay = self._resend_delay.get(topic, self.ack_timeout)
+                if per_topic and per_topic[next(iter(per_topic))].sent_at < now - delay:
+                    self._resend_delay[topic] = min(delay * 2, MAX_RESEND_DELAY)
+                    self._resend_topic(topic)
+            if self._conn is not None:
+                await self._conn.drain()
+
+    # ---- subscribing, fetching, locating ---------------------------------------------------------------
+    def subscribe(self, topic: str, since: float | None = None) -> _SubscribeCall:
+        """Subscribe to topic: `async with c.subscribe(t) as sub` or `sub = await c.subscribe(t)`.
+
+        With `since` (a timestamp as in the messages' `ts`), stored messages newer than it come first.
+        Raises RequestFailed (already_subscribed, bad_topic, not_allowed, ...) when the overlay refuses.
+        """
+        return _SubscribeCall(self, topic, since)
+
+    async def _subscribe(self, topic: str, since: float | None) -> Subscription:
+        validate_topic(topic)
+        if topic in self._subs:
+            raise RequestFailed("already_subscribed", f"this client is already subscribed to {topic!r}")
+        sub = Subscription(self, topic, since, self.subscription_queue)
+        self._subs[topic] = sub
+        try:
+            await self._request(Subscribe(next(self._corr), topic, since))
+        except BaseException:
+            self._subs.pop(topic, None)
+            raise
+        return sub
+
+    async def _unsubscribe(self, sub: Subscription) -> None:
+        if self._subs.get(sub.topic) is sub:
+            del self._subs[sub.topic]
+        if self._closing or not self._connected.is_set():
+            return
+        with contextlib.suppress(RequestFailed, TimeoutError, ClientError):
+            await self._request(Unsubscribe(next(self._corr), sub.topic))
+
+    async def fetch(self, topic: str, since: float = 0.0, limit: int | None = None) -> list[Record]:
+        """Stored messages of topic with ts > since, oldest first (all of them, paging as needed, or limit)."""
+        validate_topic(topic)
+        out: list[Record] = []
+        while True:
+            want = 512 if limit is None else min(512, limit - len(out))
+            reply = await self._request(Fetch(next(self._corr), topic, since, want))
+            assert isinstance(reply, Fetched)
+            out.extend(reply.records)
+            if not reply.more or not reply.records or (limit is not None and len(out) >= limit):
+                return out
+            since = reply.records[-1].ts
+
+    async def locate(self, topic: str) -> Located:
+        """Where topic lives: home, current coordinate, primary/secondary/tertiary and delegate list."""
+        validate_topic(topic)
+        reply = await self._request(Locate(next(self._corr), topic))
+        assert isinstance(reply, Located)
+        return reply
+
+
+class _SubscribeCall:
+    """Lets `subscribe()` be awaited or used as `async with`."""
+
+    def __init__(self, client: Client, topic: str, since: float | None) -> None:
+        self._client = client
+        self._topic = topic
+        self._since = since
+        self._sub: Subscription | None = None
+
+    def __await__(self) -> Generator[object, None, Subscription]:
+        return self._client._subscribe(self._topic, self._since).__await__()
+
+    async def __aenter__(self) -> Subscription:
+        self._sub = await self._client._subscribe(self._topic, self._since)
+        return self._sub
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._sub is not None:
+            await self._sub.aclose()

@@ -1,0 +1,128 @@
+"""Balancing decisions of Sec. V and VI, independent of how the answers were gathered.
+
+The coordinate selection algorithms (IndCoord, BestLocalCoord, BestRegionalCoord, BestGlobalCoord) differ only
+in *which* nodes answer and *what* each answers; the decision that follows is the same: take the best answer
+(Tiebreaker(C*)) and delegate when it is better than the topic's current coordinate (Alg. 1 lines 3-6,
+Alg. 2 lines 3-6).  The simulator gathers answers from its global view, a broker over the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final, Generic, TypeVar
+
+from overlay.load import CoordMetric, Level
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+
+class Selection(StrEnum):
+    """Coordinate selection algorithms of Sec. V."""
+
+    INDCOORD = "indcoord"  # V-A: metrics of n_queries random coordinates
+    BESTLOCAL = "bestlocal"  # V-B: each queried node answers its locally best coordinate
+    BESTREGIONAL = "bestregional"  # V-C: best within n_hops of the queried node
+    BESTGLOBAL = "bestglobal"  # V-D: flooding, every node answers
+
+
+class Goal(StrEnum):
+    """Load-balancing goal: which node load L^i_N to equalise."""
+
+    L1 = "L1"
+    L2 = "L2"
+    L3 = "L3"
+
+    @property
+    def level(self) -> Level:
+        """The resilience level i whose loads L^i this goal balances."""
+        return {"L1": 1, "L2": 2, "L3": 3}[self.value]  # type: ignore[return-value]
+
+
+class BalanceMode(StrEnum):
+    """When to balance (Sec. VI): never, at topic addition, every Δτ, or both."""
+
+    NONE = "none"
+    ADDITION = "addition"
+    CONTINUOUS = "continuous"
+    COMBINED = "combined"
+
+    @property
+    def at_addition(self) -> bool:
+        """Balance when a topic is first created (Alg. 1)."""
+        return self in (BalanceMode.ADDITION, BalanceMode.COMBINED)
+
+    @property
+    def continuous(self) -> bool:
+        """Balance every Δτ (Alg. 2)."""
+        return self in (BalanceMode.CONTINUOUS, BalanceMode.COMBINED)
+
+
+DEFAULT_QUERIES: Final = 10  # n_queries: Table III shows 10 is where IndCoord/BestLocalCoord become good
+DEFAULT_HOPS: Final = 1  # n_hops for BestRegionalCoord
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceParams:
+    """How a node selects coordinates and when it moves a topic."""
+
+    goal: Goal = Goal.L3
+    selection: Selection = Selection.BESTLOCAL
+    n_queries: int = DEFAULT_QUERIES
+    n_hops: int = DEFAULT_HOPS
+    # Extra margin (in load units) a candidate must beat the current coordinate's L_max by before a topic
+    # moves.  0 is the paper's rule; a live cluster uses a positive value so that measurement noise and a
+    # topic's own growth do not move it back and forth (the oscillation Pulsar and Cruise Control users see).
+    min_gain: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_queries < 1:
+            raise ValueError(f"n_queries must be at least 1, got {self.n_queries}")
+        if self.n_hops < 0:
+            raise ValueError(f"n_hops must be non-negative, got {self.n_hops}")
+        if self.min_gain < 0:
+            raise ValueError(f"min_gain must be non-negative, got {self.min_gain}")
+
+
+@dataclass(frozen=True, slots=True)
+class Offer(Generic[C]):
+    """One answer to a coordinate query: a coordinate and its Sec. IV-D criteria."""
+
+    coord: C
+    metric: CoordMetric
+
+
+def tiebreaker(offers: Sequence[Offer[C]]) -> Offer[C]:
+    """Tiebreaker(C*) of Alg. 1 line 3 / Alg. 2 line 3: a best offer in the Sec. IV-D order.
+
+    On a full tie the earliest offer wins, so the delegating node's own answer (listed first) is preferred
+    and no topic moves for nothing.
+    """
+    if not offers:
+        raise ValueError("tiebreaker needs at least one offer")
+    best = offers[0]
+    for o in offers[1:]:
+        if o.metric.better_than(best.metric):
+            best = o
+    return best
+
+
+def decide(current: CoordMetric, offers: Sequence[Offer[C]], min_gain: float = 0.0) -> Offer[C] | None:
+    """Alg. 1 lines 3-6 and Alg. 2 lines 3-6: the offer to delegate to, or None to stay at C(t).
+
+    current is the metric of the topic's present coordinate computed *without* the topic (Sec. V), the
+    offers likewise.
+    """
+    if not offers:
+        return None
+    best = tiebreaker(offers)
+    return best if best.metric.better_than(current, min_gain) else None
+
+
+def smallest_topic(loads: Mapping[T, float]) -> T | None:
+    """Alg. 2 line 1: t_vmin, the smallest topic among those v is responsible for (ties by name)."""
+    if not loads:
+        return None
+    return min(loads.items(), key=lambda kv: (kv[1], str(kv[0])))[0]

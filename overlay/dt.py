@@ -1,0 +1,162 @@
+"""Delaunay maintenance for one broker, without I/O: what a node knows and which neighbours it wants.
+
+A broker's view holds itself, its linked neighbours with the neighbour lists they advertise (2-hop
+knowledge), and candidates (nodes learned from a JOIN_ACCEPT or from a failed or departed neighbour).  The
+desired neighbour set is the set of Delaunay neighbours of self in the triangulation of everything known.
+
+Why this is enough (Liebeherr et al., IEEE JSAC 2002; Lee & Lam, ICDCS 2007): a Delaunay edge of the whole
+point set is still a Delaunay edge of any subset holding both ends, and the star of triangles around a node
+in the full triangulation stays empty-circled in a subset, so the local triangulation of any superset of the
+node's true neighbours yields exactly the true neighbours.  Once links and adverts are consistent, the
+2-hop set is such a superset; after a failure the dead node's former neighbours (kept as candidates) are
+the only nodes that can gain an edge to us, so they fill the hole.
+
+Time enters only as numbers passed in by the caller (tombstone expiry), so the view is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from overlay.geometry import Coord, delaunay_neighbour_map
+from overlay.protocol import NodeInfo
+
+
+@dataclass
+class NeighbourView:
+    """One broker's knowledge of the overlay around it.
+
+    Attributes:
+        me: this broker.
+        nodes: every node known by id (self excluded), with coordinate and listen address.
+        linked: ids with an established link (the greedy forwarding table).
+        adverts: for each linked node, the neighbour ids it last advertised.
+        candidates: ids learned from a JOIN_ACCEPT or a lost neighbour, kept until linked or not wanted.
+        tombstones: ids known to be gone, with the time their tombstone expires.  A stale advert of a
+            neighbour that has not noticed the failure yet must not bring a dead node back.
+    """
+
+    me: NodeInfo
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    linked: set[str] = field(default_factory=set)
+    adverts: dict[str, frozenset[str]] = field(default_factory=dict)
+    candidates: set[str] = field(default_factory=set)
+    tombstones: dict[str, float] = field(default_factory=dict)
+    _route: list[tuple[str, float, float]] = field(default_factory=list)
+
+    # ----------------------------------------------------------------------------------------- updates
+
+    def _note(self, info: NodeInfo) -> bool:
+        if info.id == self.me.id or info.id in self.tombstones:
+            return False
+        self.nodes[info.id] = info
+        return True
+
+    def link_up(self, info: NodeInfo) -> None:
+        """A link to info is established: it is a forwarding neighbour and is alive (tombstone cleared)."""
+        if info.id == self.me.id:
+            return
+        self.tombstones.pop(info.id, None)
+        self.nodes[info.id] = info
+        self.linked.add(info.id)
+        self.candidates.discard(info.id)
+        self._rebuild_route()
+
+    def learn(self, node_id: str, neighbours: Iterable[NodeInfo]) -> None:
+        """Record the neighbour list advertised by the linked node node_id (its NEIGHBOURS message)."""
+        if node_id not in self.linked:
+            return
+        ids: set[str] = set()
+        for info in neighbours:
+            if info.id == self.me.id or self._note(info):
+                ids.add(info.id)
+        self.adverts[node_id] = frozenset(ids)
+
+    def add_candidates(self, infos: Iterable[NodeInfo]) -> None:
+        """Nodes worth considering as neighbours (JOIN_ACCEPT view, LEAVE list of a departing neighbour)."""
+        for info in infos:
+            if self._note(info) and info.id not in self.linked:
+                self.candidates.add(info.id)
+
+    def unlink(self, node_id: str) -> None:
+        """The link to node_id closed although the node is alive (not a Delaunay edge any more)."""
+        self.linked.discard(node_id)
+        self.adverts.pop(node_id, None)
+        self._rebuild_route()
+
+    def forget(self, node_id: str, now: float, ttl: float) -> None:
+        """node_id failed or left: drop it and its advert, keep its former neighbours as candidates.
+
+        The node is tombstoned until now + ttl so adverts that still list it do not resurrect it.
+        """
+        advert = self.adverts.pop(node_id, frozenset())
+        self.linked.discard(node_id)
+        self.candidates.discard(node_id)
+        self.nodes.pop(node_id, None)
+        self.tombstones[node_id] = now + ttl
+        for other in advert:
+            if other != self.me.id and other in self.nodes and other not in self.linked:
+                self.candidates.add(other)
+        self._rebuild_route()
+
+    def expire(self, now: float) -> bool:
+        """Drop tombstones older than now; True if any expired (the known set may grow again)."""
+        gone = [k for k, t in self.tombstones.items() if t <= now]
+        for k in gone:
+            del self.tombstones[k]
+        return bool(gone)
+
+    def prune(self, keep: set[str]) -> None:
+        """Drop candidates not in keep and nodes no longer referenced by links, adverts or candidates."""
+        self.candidates &= keep
+        referenced = set(self.linked) | self.candidates
+        for advert in self.adverts.values():
+            referenced |= advert
+        for k in [k for k in self.nodes if k not in referenced]:
+            del self.nodes[k]
+
+    # --------------------------------------------------------------------------------------- queries
+
+    def known(self) -> dict[str, Coord]:
+        """Coordinates of self, linked nodes, their advertised neighbours and candidates (no tombstones)."""
+        ids = set(self.linked) | self.candidates
+        for k in self.linked:
+            ids |= self.adverts.get(k, frozenset())
+        ids.discard(self.me.id)
+        out: dict[str, Coord] = {self.me.id: self.me.coord}
+        for k in ids:
+            info = self.nodes.get(k)
+            if info is not None and k not in self.tombstones:
+                out[k] = info.coord
+        return out
+
+    def desired(self) -> set[str]:
+        """Delaunay neighbours of self in the triangulation of every known node."""
+        known = self.known()
+        if len(known) == 1:
+            return set()
+        return delaunay_neighbour_map(known)[self.me.id]
+
+    def infos(self, ids: Iterable[str]) -> list[NodeInfo]:
+        """NodeInfo of each known id (unknown ids skipped), ordered by id for stable messages."""
+        return [self.nodes[k] for k in sorted(ids) if k in self.nodes]
+
+    def _rebuild_route(self) -> None:
+        self._route = sorted((k, self.nodes[k].coord[0], self.nodes[k].coord[1]) for k in self.linked)
+
+    def next_hop(self, x: float, y: float) -> str | None:
+        """Greedy forwarding over linked neighbours: the one closest to (x, y), or None if self is closest.
+
+        Same rule and tie-break as `overlay.geometry.greedy_next_hop` (distance, then id), inlined because
+        it runs for every routed frame.
+        """
+        best_id: str | None = None
+        best_key = self.me.id
+        best_d = math.hypot(self.me.coord[0] - x, self.me.coord[1] - y)
+        for k, nx, ny in self._route:
+            d = math.hypot(nx - x, ny - y)
+            if d < best_d or (d == best_d and k < best_key):
+                best_d, best_key, best_id = d, k, k
+        return best_id

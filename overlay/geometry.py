@@ -1,0 +1,303 @@
+"""Geometry of the SeDAX overlay: coordinate space, geographic hash, Delaunay/Voronoi, N_j(c), greedy routing.
+
+Pure functions over coordinates; no I/O, no clocks.  The broker uses the same functions on the nodes it knows
+(itself, its Delaunay neighbours and their neighbours); the simulator uses them on the whole node set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+from scipy.spatial import Delaunay, QhullError, cKDTree
+
+Coord = tuple[float, float]
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+K = TypeVar("K")
+
+# Two coordinates closer than this are "the same place": the overlay refuses a second broker there, because
+# greedy forwarding and the Voronoi partition both need distinct sites.
+MIN_SITE_SEPARATION: Final = 1e-9
+
+# Relative tolerance for collinearity tests; coordinates are doubles in a space of order 1.
+_COLLINEAR_EPS: Final = 1e-12
+
+
+class BadCoordinate(ValueError):
+    """A coordinate is not a finite point inside the configured space."""
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """The rectangle [xmin, xmax] x [ymin, ymax] that holds node and topic coordinates (default: unit square)."""
+
+    xmin: float = 0.0
+    ymin: float = 0.0
+    xmax: float = 1.0
+    ymax: float = 1.0
+
+    def __post_init__(self) -> None:
+        vals = (self.xmin, self.ymin, self.xmax, self.ymax)
+        if not all(math.isfinite(v) for v in vals):
+            raise BadCoordinate(f"space bounds must be finite, got {vals}")
+        if not (self.xmax > self.xmin and self.ymax > self.ymin):
+            raise BadCoordinate(f"space must have positive width and height, got {vals}")
+
+    @property
+    def area(self) -> float:
+        """Area of the rectangle."""
+        return (self.xmax - self.xmin) * (self.ymax - self.ymin)
+
+    @property
+    def corners(self) -> list[Coord]:
+        """The four corners, counter-clockwise from (xmin, ymin)."""
+        return [
+            (self.xmin, self.ymin),
+            (self.xmax, self.ymin),
+            (self.xmax, self.ymax),
+            (self.xmin, self.ymax),
+        ]
+
+    def contains(self, c: Sequence[float]) -> bool:
+        """True if c is a finite point of the closed rectangle."""
+        if len(c) != 2:
+            return False
+        x, y = float(c[0]), float(c[1])
+        return math.isfinite(x) and math.isfinite(y) and self.xmin <= x <= self.xmax and self.ymin <= y <= self.ymax
+
+    def validate(self, c: Sequence[float], what: str = "coordinate") -> Coord:
+        """Return c as a float pair, or raise BadCoordinate saying what is wrong with it."""
+        try:
+            x, y = float(c[0]), float(c[1])
+            if len(c) != 2:
+                raise BadCoordinate(f"{what} must have exactly two components, got {len(c)}")
+        except (TypeError, IndexError, ValueError) as exc:
+            raise BadCoordinate(f"{what} must be a pair of numbers, got {c!r}") from exc
+        if not self.contains((x, y)):
+            raise BadCoordinate(
+                f"{what} ({x}, {y}) is outside the space "
+                f"[{self.xmin}, {self.xmax}] x [{self.ymin}, {self.ymax}] or not finite"
+            )
+        return (x, y)
+
+    def uniform(self, rng: np.random.Generator, n: int) -> FloatArray:
+        """n coordinates drawn uniformly from the rectangle, shape (n, 2)."""
+        pts = rng.random((n, 2))
+        pts[:, 0] = self.xmin + pts[:, 0] * (self.xmax - self.xmin)
+        pts[:, 1] = self.ymin + pts[:, 1] * (self.ymax - self.ymin)
+        return pts
+
+    def to_list(self) -> list[float]:
+        """The bounds as [xmin, ymin, xmax, ymax] (the wire and config form)."""
+        return [self.xmin, self.ymin, self.xmax, self.ymax]
+
+
+UNIT_SQUARE: Final = Space()
+
+
+def parse_coord(text: str, space: Space = UNIT_SQUARE) -> Coord:
+    """Parse "X,Y" into a coordinate inside space, raising BadCoordinate with the reason."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise BadCoordinate(f"coordinate must be written X,Y, got {text!r}")
+    try:
+        c = (float(parts[0]), float(parts[1]))
+    except ValueError as exc:
+        raise BadCoordinate(f"coordinate must be two numbers X,Y, got {text!r}") from exc
+    return space.validate(c)
+
+
+def geohash(topic: str, space: Space = UNIT_SQUARE) -> Coord:
+    """The geographic hash h(t) of a topic name: SHA-256 mapped uniformly into the space (Sec. I-A).
+
+    The first two 64-bit words of the digest give x and y; 53 bits of each make a uniform double in [0, 1),
+    so every broker and every client computes the same coordinate for the same name.
+    """
+    digest = hashlib.sha256(topic.encode("utf-8")).digest()
+    ux = (int.from_bytes(digest[0:8], "big") >> 11) / float(1 << 53)
+    uy = (int.from_bytes(digest[8:16], "big") >> 11) / float(1 << 53)
+    return (space.xmin + ux * (space.xmax - space.xmin), space.ymin + uy * (space.ymax - space.ymin))
+
+
+def distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """Euclidean distance d(a, b)."""
+    return math.hypot(a[0] - b[0], a[1] - b[1])
+
+
+def _order_key(d: float, key: object) -> tuple[float, str]:
+    # Ties in distance are broken by the node key's text so every node, with the same view, picks the same one.
+    return (d, str(key))
+
+
+def closest(nodes: Mapping[K, Sequence[float]], c: Sequence[float], k: int = 1) -> list[K]:
+    """N_1(c) .. N_k(c) among nodes: their keys ordered by distance to c, ties broken by key."""
+    ranked = sorted(nodes.items(), key=lambda kv: _order_key(distance(kv[1], c), kv[0]))
+    return [key for key, _ in ranked[:k]]
+
+
+def greedy_next_hop(
+    self_key: K, self_coord: Sequence[float], neighbours: Mapping[K, Sequence[float]], target: Sequence[float]
+) -> K | None:
+    """Greedy geographic forwarding: the neighbour strictly closer to target than this node, closest first.
+
+    Returns None when no neighbour is closer, i.e. this node is N_1(target).  On a Delaunay triangulation
+    greedy forwarding always ends at the closest node (Lee & Lam, ICDCS 2007), so None means "deliver here".
+    Ties between this node and a neighbour are broken by key, as in `closest`, so all nodes agree on N_1.
+    """
+    best_key: K | None = None
+    best = _order_key(distance(self_coord, target), self_key)
+    for key, coord in neighbours.items():
+        cand = _order_key(distance(coord, target), key)
+        if cand < best:
+            best, best_key = cand, key
+    return best_key
+
+
+def _collinear(points: FloatArray) -> bool:
+    if len(points) < 3:
+        return True
+    centred = points - points.mean(axis=0)
+    sv = np.linalg.svd(centred, compute_uv=False)
+    scale = max(float(sv[0]), 1e-300)
+    return float(sv[1]) <= _COLLINEAR_EPS * scale * max(1.0, float(np.abs(points).max()))
+
+
+def delaunay_neighbours(points: FloatArray) -> list[set[int]]:
+    """Delaunay neighbour sets of points (shape (n, 2)), by index.
+
+    Degenerate inputs have a defined answer too: one point has no neighbours, and points on one line are
+    linked to their predecessor and successor along it (the limit of a triangulation of a flat point set),
+    so a 2-node or collinear overlay is still connected and greedy routing still reaches the closest node.
+    """
+    n = len(points)
+    nbrs: list[set[int]] = [set() for _ in range(n)]
+    if n <= 1:
+        return nbrs
+    if n == 2 or _collinear(points):
+        centred = points - points.mean(axis=0)
+        direction = np.linalg.svd(centred)[2][0]
+        order = np.argsort(centred @ direction, kind="stable")
+        for a, b in itertools.pairwise(order):
+            nbrs[int(a)].add(int(b))
+            nbrs[int(b)].add(int(a))
+        return nbrs
+    try:
+        tri = Delaunay(points)
+    except QhullError:
+        # Nearly-flat sets that passed the collinearity test: joggle the input (Qhull's QJ) to get a valid
+        # triangulation of the perturbed points, which is a triangulation of the originals up to ties.
+        tri = Delaunay(points, qhull_options="QJ")
+    indptr, indices = tri.vertex_neighbor_vertices
+    for i in range(n):
+        nbrs[i].update(int(j) for j in indices[indptr[i] : indptr[i + 1]])
+    return nbrs
+
+
+def delaunay_neighbour_map(sites: Mapping[K, Sequence[float]]) -> dict[K, set[K]]:
+    """Delaunay neighbours keyed like sites (a mapping key -> coordinate)."""
+    keys = list(sites)
+    pts = np.array([sites[k] for k in keys], dtype=np.float64).reshape(-1, 2)
+    idx = delaunay_neighbours(pts)
+    return {keys[i]: {keys[j] for j in idx[i]} for i in range(len(keys))}
+
+
+def hop_distances(neighbours: Sequence[Iterable[int]], source: int, max_hops: int) -> dict[int, int]:
+    """Breadth-first hop counts from source up to max_hops in a neighbour graph given by index."""
+    seen = {source: 0}
+    frontier = [source]
+    for h in range(1, max_hops + 1):
+        nxt: list[int] = []
+        for u in frontier:
+            for w in neighbours[u]:
+                if w not in seen:
+                    seen[w] = h
+                    nxt.append(w)
+        frontier = nxt
+    return seen
+
+
+def _clip(poly: list[Coord], a: float, b: float, c: float) -> list[Coord]:
+    # Sutherland-Hodgman against the half-plane a*x + b*y <= c.
+    out: list[Coord] = []
+    n = len(poly)
+    for i in range(n):
+        p, q = poly[i], poly[(i + 1) % n]
+        fp = a * p[0] + b * p[1] - c
+        fq = a * q[0] + b * q[1] - c
+        if fp <= 0:
+            out.append(p)
+        if (fp < 0 < fq) or (fq < 0 < fp):
+            t = fp / (fp - fq)
+            out.append((p[0] + t * (q[0] - p[0]), p[1] + t * (q[1] - p[1])))
+    return out
+
+
+def voronoi_cell(site: Sequence[float], others: Iterable[Sequence[float]], space: Space = UNIT_SQUARE) -> list[Coord]:
+    """Voronoi(v) clipped to the space: the convex polygon of points closer to site than to any of others.
+
+    Passing only the Delaunay neighbours of the site gives the exact cell, since only they bound it.
+    Vertices come counter-clockwise; an empty list means the cell has no area inside the space.
+    """
+    poly: list[Coord] = list(space.corners)
+    sx, sy = float(site[0]), float(site[1])
+    for o in others:
+        ox, oy = float(o[0]), float(o[1])
+        # |p - s|^2 <= |p - o|^2  <=>  2 (o - s) . p <= |o|^2 - |s|^2
+        poly = _clip(poly, 2 * (ox - sx), 2 * (oy - sy), ox * ox + oy * oy - sx * sx - sy * sy)
+        if not poly:
+            break
+    return poly
+
+
+def polygon_area(poly: Sequence[Sequence[float]]) -> float:
+    """Area of a simple polygon (shoelace formula)."""
+    n = len(poly)
+    if n < 3:
+        return 0.0
+    s = 0.0
+    for i in range(n):
+        x0, y0 = poly[i]
+        x1, y1 = poly[(i + 1) % n]
+        s += x0 * y1 - x1 * y0
+    return abs(s) / 2.0
+
+
+def voronoi_cells(points: FloatArray, space: Space = UNIT_SQUARE) -> list[list[Coord]]:
+    """Voronoi cells of all points clipped to the space, by index."""
+    nbrs = delaunay_neighbours(points)
+    return [voronoi_cell(points[i], (points[j] for j in sorted(nbrs[i])), space) for i in range(len(points))]
+
+
+def sample_in_polygon(poly: Sequence[Sequence[float]], n: int, rng: np.random.Generator) -> FloatArray:
+    """n points uniform in a convex polygon (fan triangulation, area-weighted, then uniform in a triangle)."""
+    if len(poly) < 3 or n <= 0:
+        return np.empty((0, 2))
+    p = np.asarray(poly, dtype=np.float64)
+    a, b, c = p[0], p[1:-1], p[2:]
+    areas = np.abs((b[:, 0] - a[0]) * (c[:, 1] - a[1]) - (c[:, 0] - a[0]) * (b[:, 1] - a[1])) / 2.0
+    total = float(areas.sum())
+    if total <= 0.0:
+        return np.repeat(p[:1], n, axis=0)
+    tri = rng.choice(len(areas), size=n, p=areas / total)
+    r1 = rng.random(n)
+    r2 = rng.random(n)
+    flip = r1 + r2 > 1.0
+    r1[flip], r2[flip] = 1.0 - r1[flip], 1.0 - r2[flip]
+    out: FloatArray = a + r1[:, None] * (b[tri] - a) + r2[:, None] * (c[tri] - a)
+    return out
+
+
+def nearest_k(points: FloatArray, queries: FloatArray, k: int, tree: cKDTree | None = None) -> IntArray:
+    """Indices of the k closest points for each query, shape (m, k): column j-1 is N_j(c)."""
+    t = tree if tree is not None else cKDTree(points)
+    k_eff = min(k, len(points))
+    _, idx = t.query(queries, k=k_eff)
+    out: IntArray = np.asarray(idx, dtype=np.int64).reshape(len(queries), k_eff)
+    return out

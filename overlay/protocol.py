@@ -1,0 +1,808 @@
+"""SeDAX wire protocol: framing and messages, sans-IO (no asyncio, no sockets, no clocks).
+
+A connection carries frames: a 4-byte big-endian length, one byte of frame kind, then the body; the length
+counts the kind byte and the body.  Two kinds exist:
+
+* CONTROL: the body is one msgpack map ``{"op": ..., field: value, ...}`` decoded into a `Message`.
+* ROUTED: a fixed `struct` header (destination x, y as f64, hops u8, hop limit u8, flags u8) and an opaque
+  body; hops counts the links crossed before the current one.  A forwarding broker reads the destination and
+  bumps the hop count without decoding the body, which is what makes greedy forwarding cheap (Sec. I-A:
+  every broker forwards messages addressed to a coordinate).
+
+Broker and client only move bytes: `FrameDecoder.feed` turns received bytes into frames, the ``encode_*``
+functions turn frames into bytes.  Errors say whose fault they are: `RemoteProtocolError` for anything the
+peer sent, `LocalProtocolError` for our own misuse (as in h11).
+
+New message types (later issues add SUBSCRIBE, PUBLISH, ...) are dataclasses decorated with
+`register_message`; fields whose annotation is not yet known get a codec through `register_field_type`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, TypeAlias, TypeVar, get_args
+
+import msgpack
+
+PROTOCOL_VERSION: Final = 1
+
+# One frame must fit in memory before it is processed, so its size is bounded.  1 MiB is far above the largest
+# control message (a STATUS with MAX_LIST_LEN entries is < 100 KiB) and leaves room for publish payloads of
+# later issues, while a hostile peer announcing a 4 GiB frame is refused before a single body byte is kept.
+MAX_FRAME_SIZE: Final = 1 << 20
+
+# Node ids appear in logs, status output and tie-breaks; 64 printable characters are plenty for a uuid.
+MAX_ID_LEN: Final = 64
+# "host:port" with a DNS name of at most 253 characters, brackets of an IPv6 literal and a 5-digit port.
+MAX_ADDR_LEN: Final = 262
+# Human-readable reasons (REFUSE, ERROR) are for logs; longer text is a bug or an attack.
+MAX_TEXT_LEN: Final = 1024
+# Neighbour lists hold a node's Delaunay neighbours (6 on average, rarely above 20); route paths hold at most
+# 255 hops (u8 hop counter).  1024 bounds both with a wide margin.
+MAX_LIST_LEN: Final = 1024
+# The hop counter and limit are u8 in the ROUTED header.
+MAX_HOP_LIMIT: Final = 255
+# Coordinates live in a space of order 1; anything beyond this magnitude is garbage, and bounding it keeps
+# distances finite (hypot of two 1e150s would still be finite, but no real space is that large).
+MAX_COORD_ABS: Final = 1e12
+# Correlation ids are unsigned 63-bit so they survive msgpack and every language's signed int64.
+MAX_CORR: Final = (1 << 63) - 1
+
+# ROUTED flag: every broker that receives the frame appends itself to the body's path (route probes only; it
+# costs a decode and re-encode per hop, which ordinary routed traffic must not pay).
+FLAG_TRACE: Final = 0x01
+KNOWN_FLAGS: Final = FLAG_TRACE
+
+_LEN: Final = struct.Struct(">I")
+_PREFIX: Final = struct.Struct(">IB")
+ROUTED_HEADER: Final = struct.Struct(">ddBBB")
+_ROUTED_PREFIX_LEN: Final = _PREFIX.size + ROUTED_HEADER.size
+
+_ID_RE: Final = re.compile(r"[A-Za-z0-9._:\-]+")
+
+Coord: TypeAlias = tuple[float, float]
+Role: TypeAlias = Literal["broker", "client", "admin"]
+RefuseCode: TypeAlias = Literal[
+    "version_mismatch",
+    "duplicate_coordinate",
+    "duplicate_node_id",
+    "coordinate_outside_space",
+    "shutting_down",
+    "not_allowed",
+]
+ErrorCode: TypeAlias = Literal["coordinate_outside_space", "busy", "unreachable", "not_allowed"]
+UnlinkReason: TypeAlias = Literal["not_neighbour", "duplicate_link"]
+
+
+class ProtocolError(Exception):
+    """The SeDAX protocol was violated; see the subclass for whose fault it is."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to build or send something the protocol does not allow: a bug in the calling code."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that violate the protocol: close the connection and log the reason."""
+
+
+class FrameKind(IntEnum):
+    """The frame kind byte that follows the length."""
+
+    CONTROL = 1
+    ROUTED = 2
+
+
+# --------------------------------------------------------------------------------------------------- checks
+
+
+def _check_id(value: str, what: str) -> None:
+    if not (0 < len(value) <= MAX_ID_LEN) or not _ID_RE.fullmatch(value):
+        raise LocalProtocolError(f"{what} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9._:-], got {value!r}")
+
+
+def _check_coord(value: Coord, what: str) -> None:
+    x, y = value
+    if not (math.isfinite(x) and math.isfinite(y)) or abs(x) > MAX_COORD_ABS or abs(y) > MAX_COORD_ABS:
+        raise LocalProtocolError(f"{what} must be finite with |x|, |y| <= {MAX_COORD_ABS:g}, got {value!r}")
+
+
+def _check_text(value: str, what: str, limit: int = MAX_TEXT_LEN) -> None:
+    if len(value) > limit:
+        raise LocalProtocolError(f"{what} is {len(value)} characters, the limit is {limit}")
+
+
+def _check_list(value: tuple[Any, ...], what: str) -> None:
+    if len(value) > MAX_LIST_LEN:
+        raise LocalProtocolError(f"{what} has {len(value)} entries, the limit is {MAX_LIST_LEN}")
+
+
+def _check_uint(value: int, what: str, limit: int) -> None:
+    if not 0 <= value <= limit:
+        raise LocalProtocolError(f"{what} must be in 0..{limit}, got {value}")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split "host:port" (or "[v6]:port") into host and port, raising ValueError saying what is wrong."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"address must be HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"port must be a number in {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port} in {text!r}")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    """The "host:port" text of an address, bracketing IPv6 literals."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_address(value: str, what: str, *, allow_empty: bool) -> None:
+    if not value and allow_empty:
+        return
+    _check_text(value, what, MAX_ADDR_LEN)
+    try:
+        parse_address(value)
+    except ValueError as exc:
+        raise LocalProtocolError(f"{what}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------ messages
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A broker as others see it: id, coordinate and the address it listens on."""
+
+    id: str
+    coord: Coord
+    listen: str
+
+    def __post_init__(self) -> None:
+        _check_id(self.id, "node id")
+        _check_coord(self.coord, "node coordinate")
+        _check_address(self.listen, "listen address", allow_empty=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form used by status and route output."""
+        return {"id": self.id, "coord": [self.coord[0], self.coord[1]], "listen": self.listen}
+
+
+class Message:
+    """Base of every control message; subclasses are frozen slotted dataclasses with a Literal `op`."""
+
+    __slots__ = ()
+    op: ClassVar[str]
+
+
+M = TypeVar("M", bound=Message)
+
+MESSAGE_TYPES: Final[dict[str, type[Message]]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _FieldCodec:
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+_FIELD_CODECS: Final[dict[str, _FieldCodec]] = {}
+_MESSAGE_CODECS: Final[dict[type[Message], tuple[tuple[str, _FieldCodec], ...]]] = {}
+
+
+def register_field_type(annotation: str, encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> None:
+    """Teach the codec a field annotation (as written in the dataclass, e.g. "tuple[str, ...]").
+
+    `decode` receives the msgpack value and must return the field value or raise ValueError/TypeError; the
+    message's `__post_init__` then checks bounds.
+    """
+    if annotation in _FIELD_CODECS:
+        raise LocalProtocolError(f"field type {annotation!r} already has a codec")
+    _FIELD_CODECS[annotation] = _FieldCodec(encode, decode)
+
+
+def register_message(cls: type[M]) -> type[M]:
+    """Class decorator: add a message dataclass to the op registry so the codec can encode and decode it."""
+    op = cls.op
+    if op in MESSAGE_TYPES:
+        raise LocalProtocolError(f"op {op!r} is already registered to {MESSAGE_TYPES[op].__name__}")
+    codecs: list[tuple[str, _FieldCodec]] = []
+    for f in fields(cls):  # type: ignore[arg-type]
+        ann = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
+        codec = _FIELD_CODECS.get(ann)
+        if codec is None:
+            raise LocalProtocolError(f"{cls.__name__}.{f.name}: no codec for field type {ann!r}")
+        if f.name == "op":
+            raise LocalProtocolError(f"{cls.__name__}: 'op' is reserved for the message tag")
+        codecs.append((f.name, codec))
+    MESSAGE_TYPES[op] = cls
+    _MESSAGE_CODECS[cls] = tuple(codecs)
+    return cls
+
+
+# Field decoders: strict about types (a bool is not an int, a string is not a list), lenient only where
+# msgpack itself is (an integer is accepted where a float is expected).
+
+
+def _dec_int(v: Any) -> int:
+    if type(v) is not int:
+        raise TypeError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _dec_float(v: Any) -> float:
+    if type(v) not in (int, float):
+        raise TypeError(f"expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _dec_str(v: Any) -> str:
+    if type(v) is not str:
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _dec_bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise TypeError(f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def _dec_bytes(v: Any) -> bytes:
+    if type(v) is not bytes:
+        raise TypeError(f"expected binary, got {type(v).__name__}")
+    return v
+
+
+def _dec_list(v: Any) -> list[Any]:
+    if type(v) is not list:
+        raise TypeError(f"expected an array, got {type(v).__name__}")
+    if len(v) > MAX_LIST_LEN:
+        raise ValueError(f"array of {len(v)} entries exceeds {MAX_LIST_LEN}")
+    return v
+
+
+def _dec_coord(v: Any) -> Coord:
+    items = _dec_list(v)
+    if len(items) != 2:
+        raise ValueError(f"a coordinate has two components, got {len(items)}")
+    return (_dec_float(items[0]), _dec_float(items[1]))
+
+
+def _enc_coord(c: Coord) -> list[float]:
+    return [c[0], c[1]]
+
+
+def _dec_node(v: Any) -> NodeInfo:
+    items = _dec_list(v)
+    if len(items) != 3:
+        raise ValueError(f"a node is [id, coord, listen], got {len(items)} entries")
+    return NodeInfo(_dec_str(items[0]), _dec_coord(items[1]), _dec_str(items[2]))
+
+
+def _enc_node(n: NodeInfo) -> list[Any]:
+    return [n.id, [n.coord[0], n.coord[1]], n.listen]
+
+
+def _optional(codec: _FieldCodec) -> _FieldCodec:
+    return _FieldCodec(
+        lambda v: None if v is None else codec.encode(v),
+        lambda v: None if v is None else codec.decode(v),
+    )
+
+
+def _tuple_of(codec: _FieldCodec) -> _FieldCodec:
+    return _FieldCodec(
+        lambda v: [codec.encode(x) for x in v],
+        lambda v: tuple(codec.decode(x) for x in _dec_list(v)),
+    )
+
+
+def _dec_str_int_map(v: Any) -> dict[str, int]:
+    if type(v) is not dict:
+        raise TypeError(f"expected a map, got {type(v).__name__}")
+    if len(v) > MAX_LIST_LEN:
+        raise ValueError(f"map of {len(v)} entries exceeds {MAX_LIST_LEN}")
+    return {_dec_str(k): _dec_int(x) for k, x in v.items()}
+
+
+def _literal(alias: Any) -> _FieldCodec:
+    allowed = frozenset(get_args(alias))
+
+    def dec(v: Any) -> str:
+        s = _dec_str(v)
+        if s not in allowed:
+            raise ValueError(f"{s!r} is not one of {sorted(allowed)}")
+        return s
+
+    return _FieldCodec(lambda v: v, dec)
+
+
+def _ident(v: Any) -> Any:
+    return v
+
+
+_INT = _FieldCodec(_ident, _dec_int)
+_STR = _FieldCodec(_ident, _dec_str)
+_COORD = _FieldCodec(_enc_coord, _dec_coord)
+_NODE = _FieldCodec(_enc_node, _dec_node)
+for _ann, _codec in {
+    "int": _INT,
+    "float": _FieldCodec(_ident, _dec_float),
+    "str": _STR,
+    "bool": _FieldCodec(_ident, _dec_bool),
+    "bytes": _FieldCodec(_ident, _dec_bytes),
+    "Coord": _COORD,
+    "Coord | None": _optional(_COORD),
+    "NodeInfo": _NODE,
+    "NodeInfo | None": _optional(_NODE),
+    "tuple[NodeInfo, ...]": _tuple_of(_NODE),
+    "tuple[str, ...]": _tuple_of(_STR),
+    "dict[str, int]": _FieldCodec(dict, _dec_str_int_map),
+    "Role": _literal(Role),
+    "RefuseCode": _literal(RefuseCode),
+    "ErrorCode": _literal(ErrorCode),
+    "UnlinkReason": _literal(UnlinkReason),
+}.items():
+    register_field_type(_ann, _codec.encode, _codec.decode)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First message on every connection, from the side that connected.
+
+    Brokers give their coordinate and listen address; clients and admin tools may leave them empty.
+    """
+
+    op: ClassVar[Literal["hello"]] = "hello"
+    version: int
+    node: str
+    role: Role
+    coord: Coord | None = None
+    listen: str = ""
+
+    def __post_init__(self) -> None:
+        _check_uint(self.version, "protocol version", 0xFFFF)
+        _check_id(self.node, "node id")
+        if self.coord is not None:
+            _check_coord(self.coord, "hello coordinate")
+        _check_address(self.listen, "listen address", allow_empty=self.role != "broker")
+        if self.role == "broker" and self.coord is None:
+            raise LocalProtocolError("a broker's HELLO must carry its coordinate")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class HelloOk(Message):
+    """The accepting broker's answer to HELLO: the connection is established; here is who I am."""
+
+    op: ClassVar[Literal["hello_ok"]] = "hello_ok"
+    version: int
+    node: NodeInfo
+
+    def __post_init__(self) -> None:
+        _check_uint(self.version, "protocol version", 0xFFFF)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Refuse(Message):
+    """A HELLO or a JOIN is refused; the connection is closed after it.  corr is the JOIN's, else 0."""
+
+    op: ClassVar[Literal["refuse"]] = "refuse"
+    code: RefuseCode
+    text: str
+    corr: int = 0
+
+    def __post_init__(self) -> None:
+        _check_text(self.text, "refuse text")
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Join(Message):
+    """A new broker asks to join; routed to its own coordinate so the closest live broker answers.
+
+    The newcomer sends it to a bootstrap broker with origin None; the bootstrap fills in itself as origin and
+    routes it, and the answer (JOIN_ACCEPT or REFUSE) is routed back to the origin's coordinate.
+    """
+
+    op: ClassVar[Literal["join"]] = "join"
+    corr: int
+    node: NodeInfo
+    origin: NodeInfo | None = None
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class JoinAccept(Message):
+    """The closest broker's view for a newcomer: itself and its neighbours (the first candidates)."""
+
+    op: ClassVar[Literal["join_accept"]] = "join_accept"
+    corr: int
+    node: NodeInfo
+    neighbours: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_list(self.neighbours, "join_accept neighbours")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Neighbours(Message):
+    """The sender's current desired neighbour set; sent when it changes and when a link comes up."""
+
+    op: ClassVar[Literal["neighbours"]] = "neighbours"
+    neighbours: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        _check_list(self.neighbours, "neighbour list")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Heartbeat; the peer answers PONG with the same seq."""
+
+    op: ClassVar[Literal["ping"]] = "ping"
+    seq: int
+
+    def __post_init__(self) -> None:
+        _check_uint(self.seq, "ping seq", MAX_CORR)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """Answer to PING."""
+
+    op: ClassVar[Literal["pong"]] = "pong"
+    seq: int
+
+    def __post_init__(self) -> None:
+        _check_uint(self.seq, "pong seq", MAX_CORR)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Leave(Message):
+    """The sender leaves the overlay; its neighbour list lets the receivers fill the hole at once."""
+
+    op: ClassVar[Literal["leave"]] = "leave"
+    neighbours: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        _check_list(self.neighbours, "leave neighbours")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Unlink(Message):
+    """The sender closes this link but stays in the overlay (not a Delaunay edge any more, or a duplicate)."""
+
+    op: ClassVar[Literal["unlink"]] = "unlink"
+    reason: UnlinkReason
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class RouteProbe(Message):
+    """Find the broker closest to target and the path to it.
+
+    From an admin tool: origin None, empty path.  In the overlay (ROUTED with FLAG_TRACE): origin is the
+    broker that started the probe and every broker that receives it appends itself to path.
+    """
+
+    op: ClassVar[Literal["route_probe"]] = "route_probe"
+    corr: int
+    target: Coord
+    origin: NodeInfo | None = None
+    path: tuple[NodeInfo, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_coord(self.target, "probe target")
+        _check_list(self.path, "probe path")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class RouteReply(Message):
+    """The broker a probe reached (N_1 of the target), the number of overlay hops and the path taken."""
+
+    op: ClassVar[Literal["route_reply"]] = "route_reply"
+    corr: int
+    node: NodeInfo
+    hops: int
+    path: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_uint(self.hops, "hop count", MAX_HOP_LIMIT)
+        _check_list(self.path, "route path")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class StatusReq(Message):
+    """Ask a broker for its STATUS."""
+
+    op: ClassVar[Literal["status_req"]] = "status_req"
+    corr: int
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """A broker's state: itself, its established neighbour links, topics, loads and counters."""
+
+    op: ClassVar[Literal["status"]] = "status"
+    corr: int
+    node: NodeInfo
+    neighbours: tuple[NodeInfo, ...]
+    desired: tuple[str, ...]
+    topics: tuple[str, ...]
+    loads: dict[str, int]
+    counters: dict[str, int]
+    resilience: int
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_list(self.neighbours, "status neighbours")
+        _check_list(self.desired, "status desired")
+        _check_list(self.topics, "status topics")
+        _check_uint(self.resilience, "resilience", 3)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A request (matched by corr) failed; the connection stays open."""
+
+    op: ClassVar[Literal["error"]] = "error"
+    corr: int
+    code: ErrorCode
+    text: str
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_text(self.text, "error text")
+
+
+# -------------------------------------------------------------------------------------------------- frames
+
+
+class ControlFrame(NamedTuple):
+    """A decoded CONTROL frame."""
+
+    message: Message
+
+
+class RoutedFrame(NamedTuple):
+    """A ROUTED frame: destination, hop counter and limit, flags, and the still-encoded body.
+
+    A NamedTuple rather than a dataclass because a busy broker builds ~10^5 of these per second.
+    """
+
+    x: float
+    y: float
+    hops: int
+    hop_limit: int
+    flags: int
+    body: bytes
+
+
+Frame: TypeAlias = ControlFrame | RoutedFrame
+
+
+def encode_message(msg: Message) -> bytes:
+    """The msgpack body of a message (used inside CONTROL frames and as the body of ROUTED frames)."""
+    codecs = _MESSAGE_CODECS.get(type(msg))
+    if codecs is None:
+        raise LocalProtocolError(f"{type(msg).__name__} is not a registered message type")
+    wire: dict[str, Any] = {"op": msg.op}
+    for name, codec in codecs:
+        wire[name] = codec.encode(getattr(msg, name))
+    data: bytes = msgpack.packb(wire, use_bin_type=True)
+    if len(data) + _ROUTED_PREFIX_LEN > MAX_FRAME_SIZE:
+        raise LocalProtocolError(f"{msg.op} encodes to {len(data)} bytes, over MAX_FRAME_SIZE")
+    return data
+
+
+def _message_from_wire(wire: Any) -> Message:
+    if type(wire) is not dict:
+        raise TypeError(f"a message is a map, got {type(wire).__name__}")
+    op = wire.pop("op", None)
+    cls = MESSAGE_TYPES.get(op) if type(op) is str else None
+    if cls is None:
+        raise ValueError(f"unknown op {op!r}")
+    codecs = _MESSAGE_CODECS[cls]
+    extra = set(wire) - {name for name, _ in codecs}
+    if extra:
+        raise ValueError(f"{op}: unknown fields {sorted(extra)}")
+    return cls(**{name: codec.decode(wire[name]) for name, codec in codecs if name in wire})
+
+
+def decode_message(data: bytes) -> Message:
+    """Decode one msgpack-encoded message, raising RemoteProtocolError for anything malformed."""
+    try:
+        # unpackb derives its max_*_len limits from len(data), which MAX_FRAME_SIZE bounds; the explicit
+        # limits below are tighter where the protocol allows it (no ext types at all, short arrays and maps).
+        wire = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_FRAME_SIZE,
+            max_bin_len=MAX_FRAME_SIZE,
+            max_array_len=MAX_LIST_LEN,
+            max_map_len=MAX_LIST_LEN,
+            max_ext_len=0,
+        )
+        return _message_from_wire(wire)
+    except (msgpack.UnpackException, ValueError, TypeError, OverflowError, LocalProtocolError) as exc:
+        raise RemoteProtocolError(f"bad message: {exc}") from exc
+
+
+def encode_control(msg: Message) -> bytes:
+    """One CONTROL frame carrying msg."""
+    body = encode_message(msg)
+    return _PREFIX.pack(len(body) + 1, FrameKind.CONTROL) + body
+
+
+def _check_routed(x: float, y: float, hops: int, hop_limit: int, flags: int) -> None:
+    _check_coord((x, y), "routed destination")
+    if not 1 <= hop_limit <= MAX_HOP_LIMIT:
+        raise LocalProtocolError(f"hop limit must be in 1..{MAX_HOP_LIMIT}, got {hop_limit}")
+    if not 0 <= hops < hop_limit:
+        raise LocalProtocolError(f"hop count must be in 0..{hop_limit - 1} (links crossed before this one), got {hops}")
+    if flags & ~KNOWN_FLAGS or flags < 0:
+        raise LocalProtocolError(f"unknown routed flags {flags:#x}")
+
+
+def append_routed(
+    buf: bytearray, x: float, y: float, body: bytes, *, hop_limit: int, hops: int = 0, flags: int = 0
+) -> None:
+    """Append one ROUTED frame to buf: the cheap way to build a batch of frames for one write()."""
+    _check_routed(x, y, hops, hop_limit, flags)
+    length = 1 + ROUTED_HEADER.size + len(body)
+    if length > MAX_FRAME_SIZE:
+        raise LocalProtocolError(f"routed frame of {length} bytes is over MAX_FRAME_SIZE")
+    buf += _PREFIX.pack(length, FrameKind.ROUTED)
+    buf += ROUTED_HEADER.pack(x, y, hops, hop_limit, flags)
+    buf += body
+
+
+def encode_routed(dest: Coord, body: bytes, *, hop_limit: int, hops: int = 0, flags: int = 0) -> bytes:
+    """One ROUTED frame addressed to dest with an opaque body."""
+    buf = bytearray()
+    append_routed(buf, dest[0], dest[1], body, hop_limit=hop_limit, hops=hops, flags=flags)
+    return bytes(buf)
+
+
+def encode_routed_message(dest: Coord, msg: Message, *, hop_limit: int, flags: int = 0) -> bytes:
+    """One ROUTED frame addressed to dest whose body is msg."""
+    return encode_routed(dest, encode_message(msg), hop_limit=hop_limit, flags=flags)
+
+
+def forward_routed(frame: RoutedFrame, body: bytes | None = None) -> bytes:
+    """The frame as the next hop receives it: hop count + 1, body unchanged unless a new one is given.
+
+    `hops` counts the links crossed before the current one (the originator writes 0), so a receiver has seen
+    hops + 1 links.  A frame may cross at most hop_limit links: the caller checks `may_forward` first.
+    """
+    b = frame.body if body is None else body
+    if not may_forward(frame):
+        raise LocalProtocolError(f"hop limit {frame.hop_limit} reached; the frame must be dropped")
+    return b"".join(
+        (
+            _PREFIX.pack(1 + ROUTED_HEADER.size + len(b), FrameKind.ROUTED),
+            ROUTED_HEADER.pack(frame.x, frame.y, frame.hops + 1, frame.hop_limit, frame.flags),
+            b,
+        )
+    )
+
+
+def may_forward(frame: RoutedFrame) -> bool:
+    """True if the frame may cross one more link without exceeding its hop limit."""
+    return frame.hops + 1 < frame.hop_limit
+
+
+class FrameDecoder:
+    """Incremental frame parser: feed received bytes, get complete frames.
+
+    `feed(b"")` signals EOF; EOF inside a frame is a RemoteProtocolError.  After any error the decoder stays
+    broken (every later feed raises the same error) because the byte stream has lost its framing.
+    """
+
+    __slots__ = ("_buf", "_eof", "_error", "max_frame_size")
+
+    def __init__(self, max_frame_size: int = MAX_FRAME_SIZE) -> None:
+        if not 1 + ROUTED_HEADER.size <= max_frame_size <= MAX_FRAME_SIZE:
+            raise LocalProtocolError(f"max_frame_size must be in {1 + ROUTED_HEADER.size}..{MAX_FRAME_SIZE}")
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+        self._eof = False
+        self._error: RemoteProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Add received bytes (b"" = EOF) and return every frame they complete, in order."""
+        if self._error is not None:
+            raise self._error
+        if self._eof:
+            raise LocalProtocolError("feed() after EOF")
+        if not data:
+            self._eof = True
+            if self._buf:
+                self._fail(f"connection closed inside a frame ({len(self._buf)} bytes pending)")
+            return []
+        buf = self._buf
+        buf += data
+        out: list[Frame] = []
+        pos = 0
+        end_of_data = len(buf)
+        limit = self.max_frame_size
+        try:
+            while end_of_data - pos >= 4:
+                # The length is checked as soon as it is known, before any of the body is waited for.
+                (length,) = _LEN.unpack_from(buf, pos)
+                if length > limit:
+                    self._fail(f"frame length {length} exceeds the limit of {limit} bytes")
+                if length == 0:
+                    self._fail("frame length 0 (a frame has at least its kind byte)")
+                end = pos + 4 + length
+                if end > end_of_data:
+                    break
+                kind = buf[pos + 4]
+                start = pos + 5
+                if kind == FrameKind.ROUTED:
+                    if length < 1 + ROUTED_HEADER.size:
+                        self._fail(f"routed frame of {length} bytes is shorter than its header")
+                    x, y, hops, hop_limit, flags = ROUTED_HEADER.unpack_from(buf, start)
+                    if not (abs(x) <= MAX_COORD_ABS and abs(y) <= MAX_COORD_ABS):  # also false for NaN
+                        self._fail(f"routed destination ({x}, {y}) is not a finite coordinate")
+                    if hops >= hop_limit:
+                        self._fail(f"routed frame has crossed {hops + 1} links, over its hop limit {hop_limit}")
+                    if flags & ~KNOWN_FLAGS:
+                        self._fail(f"unknown routed flags {flags:#x}")
+                    out.append(RoutedFrame(x, y, hops, hop_limit, flags, bytes(buf[start + ROUTED_HEADER.size : end])))
+                elif kind == FrameKind.CONTROL:
+                    out.append(ControlFrame(decode_message(bytes(buf[start:end]))))
+                else:
+                    self._fail(f"unknown frame kind {kind}")
+                pos = end
+        except RemoteProtocolError as exc:
+            self._error = exc
+            self._buf = bytearray()
+            raise
+        del buf[:pos]
+        return out
+
+    @staticmethod
+    def _fail(text: str) -> NoReturn:
+        raise RemoteProtocolError(text)

@@ -1,0 +1,480 @@
+"""Pub/sub messages: what clients say to their access broker and what brokers route to a topic's coordinate.
+
+Clients speak CONTROL frames to the broker they are attached to (their *access* broker).  The access broker
+wraps each request into a ROUTED frame addressed to the topic's coordinate C(t) (h(t) until delegated), so it
+reaches the topic's primary N1(C(t)) by greedy forwarding; answers are routed back to the access broker's own
+coordinate, of which it is the closest node.  Registered in the `overlay.protocol` codec on import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Literal, TypeAlias
+
+from overlay.protocol import (
+    MAX_CORR,
+    MAX_FRAME_SIZE,
+    MAX_ID_LEN,
+    MAX_LIST_LEN,
+    LocalProtocolError,
+    Message,
+    NodeInfo,
+    register_field_type,
+    register_message,
+)
+
+Coord: TypeAlias = tuple[float, float]
+
+# A payload must fit in one frame together with its envelope (topic, ids, routing header); 1 KiB of headroom
+# covers the largest envelope (256-byte topic, two 64-byte ids, a NodeInfo with a 262-byte address).
+MAX_PAYLOAD_SIZE: Final = MAX_FRAME_SIZE - 1024
+# How many stored messages one FETCH answer or one replication batch carries; more are paged.
+MAX_BATCH: Final = 512
+# Only so many bytes of payload go into one batch frame, so batches stay under MAX_FRAME_SIZE.
+MAX_BATCH_BYTES: Final = MAX_FRAME_SIZE // 2
+
+PubSubCode: TypeAlias = Literal[
+    "bad_topic",  # the topic name breaks a naming rule (overlay.topics)
+    "too_large",  # payload over MAX_PAYLOAD_SIZE
+    "already_subscribed",  # a second SUBSCRIBE for the same topic on one session
+    "not_subscribed",  # UNSUBSCRIBE of a topic the session is not subscribed to
+    "unknown_topic",  # FETCH/LOCATE of a topic no broker holds
+    "unreachable",  # the topic's coordinate could not be reached (overlay partitioned or hop limit)
+    "not_allowed",  # an ACL denies it
+    "timeout",  # the primary did not answer in time
+    "shutting_down",  # the broker is leaving
+    "out_of_order",  # a publisher's sequence has a gap the client can fill: re-send from `expected`
+    "bad_request",  # anything else the client got wrong
+]
+
+
+def _check_corr(corr: int) -> None:
+    if not 0 <= corr <= MAX_CORR:
+        raise LocalProtocolError(f"correlation id must be in 0..{MAX_CORR}, got {corr}")
+
+
+def _check_publisher(publisher: str, seq: int) -> None:
+    if not 0 < len(publisher) <= MAX_ID_LEN or not publisher.isprintable():
+        raise LocalProtocolError(f"publisher id must be 1..{MAX_ID_LEN} printable characters, got {publisher!r}")
+    if not 0 <= seq <= MAX_CORR:
+        raise LocalProtocolError(f"sequence number must be in 0..{MAX_CORR}, got {seq}")
+
+
+def _check_ts(ts: float, what: str) -> None:
+    if not math.isfinite(ts):
+        raise LocalProtocolError(f"{what} must be a finite number of seconds, got {ts}")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One stored message as it travels in FETCH answers, replication and hand-over."""
+
+    ts: float
+    publisher: str
+    seq: int
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        _check_ts(self.ts, "record timestamp")
+        _check_publisher(self.publisher, self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class SubRef:
+    """A subscription as the topic's holders keep it: access broker, and the client session there."""
+
+    access: NodeInfo
+    session: str
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.session) <= MAX_ID_LEN:
+            raise LocalProtocolError(f"session id must be 1..{MAX_ID_LEN} characters")
+
+
+@dataclass(frozen=True, slots=True)
+class Delegation:
+    """One entry of a topic's delegate list (Sec. III-A): a coordinate and when the topic started there."""
+
+    coord: Coord
+    start: float
+
+
+def _dec_list(v: Any) -> list[Any]:
+    if type(v) is not list:
+        raise TypeError(f"expected an array, got {type(v).__name__}")
+    if len(v) > MAX_LIST_LEN:
+        raise ValueError(f"array of {len(v)} entries exceeds {MAX_LIST_LEN}")
+    return v
+
+
+def _dec_float(v: Any) -> float:
+    if type(v) not in (int, float):
+        raise TypeError(f"expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _dec_bytes(v: Any) -> bytes:
+    if type(v) is not bytes:
+        raise TypeError(f"expected binary, got {type(v).__name__}")
+    return v
+
+
+def _dec_record(v: Any) -> Record:
+    ts, pub, seq, payload = _dec_list(v)
+    if type(pub) is not str or type(seq) is not int or type(payload) is not bytes:
+        raise TypeError("a record is [ts, publisher, seq, payload]")
+    return Record(_dec_float(ts), pub, seq, payload)
+
+
+def _dec_node(v: Any) -> NodeInfo:
+    nid, coord, listen = _dec_list(v)
+    x, y = _dec_list(coord)
+    if type(nid) is not str or type(listen) is not str:
+        raise TypeError("a node is [id, [x, y], listen]")
+    return NodeInfo(nid, (_dec_float(x), _dec_float(y)), listen)
+
+
+def _enc_node(n: NodeInfo) -> list[Any]:
+    return [n.id, [n.coord[0], n.coord[1]], n.listen]
+
+
+def _dec_subref(v: Any) -> SubRef:
+    node, session = _dec_list(v)
+    if type(session) is not str:
+        raise TypeError("a subscription is [node, session]")
+    return SubRef(_dec_node(node), session)
+
+
+def _dec_delegation(v: Any) -> Delegation:
+    coord, start = _dec_list(v)
+    x, y = _dec_list(coord)
+    return Delegation((_dec_float(x), _dec_float(y)), _dec_float(start))
+
+
+register_field_type(
+    "tuple[Record, ...]",
+    lambda rs: [[r.ts, r.publisher, r.seq, r.payload] for r in rs],
+    lambda v: tuple(_dec_record(x) for x in _dec_list(v)),
+)
+register_field_type(
+    "tuple[SubRef, ...]",
+    lambda ss: [[_enc_node(s.access), s.session] for s in ss],
+    lambda v: tuple(_dec_subref(x) for x in _dec_list(v)),
+)
+register_field_type(
+    "tuple[Delegation, ...]",
+    lambda ds: [[[d.coord[0], d.coord[1]], d.start] for d in ds],
+    lambda v: tuple(_dec_delegation(x) for x in _dec_list(v)),
+)
+register_field_type(
+    "tuple[bytes, ...]",
+    list,
+    lambda v: tuple(_dec_bytes(x) for x in _dec_list(v)),
+)
+register_field_type(
+    "float | None",
+    lambda v: v,
+    lambda v: None if v is None else _dec_float(v),
+)
+register_field_type(
+    "PubSubCode",
+    lambda v: v,
+    lambda v: _code(v),
+)
+_CODES: Final = frozenset(PubSubCode.__args__)  # type: ignore[attr-defined]
+
+
+def _code(v: Any) -> str:
+    if type(v) is not str or v not in _CODES:
+        raise ValueError(f"unknown error code {v!r}")
+    return v
+
+
+# ----------------------------------------------------------------------------- client <-> access broker
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Subscribe(Message):
+    """Subscribe this session to a topic; with `since`, first replay the stored messages newer than it."""
+
+    op: ClassVar[Literal["subscribe"]] = "subscribe"
+    corr: int
+    topic: str
+    since: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_corr(self.corr)
+        if self.since is not None:
+            _check_ts(self.since, "since")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Subscribed(Message):
+    """The topic's primary registered the subscription; `coord` is the topic's current coordinate C(t)."""
+
+    op: ClassVar[Literal["subscribed"]] = "subscribed"
+    corr: int
+    topic: str
+    coord: Coord
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Unsubscribe(Message):
+    """End a subscription."""
+
+    op: ClassVar[Literal["unsubscribe"]] = "unsubscribe"
+    corr: int
+    topic: str
+
+    def __post_init__(self) -> None:
+        _check_corr(self.corr)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    """A request without other answer (UNSUBSCRIBE) succeeded."""
+
+    op: ClassVar[Literal["done"]] = "done"
+    corr: int
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Publish(Message):
+    """Publish one message; (publisher, seq) identifies it for acknowledgement and de-duplication.
+
+    A publisher numbers its messages on each topic 0, 1, 2, ... without gaps; `base` is its lowest
+    unacknowledged number when it sent this one (everything below was acknowledged).  The primary accepts
+    seq = last + 1, re-acknowledges seq <= last, and for a gap asks for a re-send (`out_of_order`) unless
+    base shows the missing ones were acknowledged before: then they were lost with a failed broker and the
+    gap is accepted, so subscribers see it and report the loss instead of waiting forever.
+    """
+
+    op: ClassVar[Literal["publish"]] = "publish"
+    topic: str
+    publisher: str
+    seq: int
+    payload: bytes
+    base: int = 0
+
+    def __post_init__(self) -> None:
+        # The topic name and the payload size are checked by the broker, which answers NACK with the reason;
+        # a malformed envelope (ids, numbers) is a protocol error.
+        _check_publisher(self.publisher, self.seq)
+        if not 0 <= self.base <= self.seq:
+            raise LocalProtocolError(f"base must be in 0..seq ({self.seq}), got {self.base}")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """Cumulative: the primary stored every message of this publisher on this topic up to seq (and, at
+    resilience 2 and 3, so did the secondary).  One ACK answers a whole batch, since a primary accepts a
+    publisher's messages strictly in sequence order."""
+
+    op: ClassVar[Literal["ack"]] = "ack"
+    topic: str
+    publisher: str
+    seq: int
+    ts: float
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Nack(Message):
+    """The message was refused; it will not be delivered.  code says why, text what to do."""
+
+    op: ClassVar[Literal["nack"]] = "nack"
+    topic: str
+    publisher: str
+    seq: int
+    code: PubSubCode
+    text: str
+    expected: int = -1  # with out_of_order: the first sequence number to re-send
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Deliver(Message):
+    """Messages for a subscriber, in publish order per publisher (one frame carries a batch)."""
+
+    op: ClassVar[Literal["deliver"]] = "deliver"
+    topic: str
+    records: tuple[Record, ...]
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Fetch(Message):
+    """Stored messages of a topic with timestamp > since, oldest first, at most limit."""
+
+    op: ClassVar[Literal["fetch"]] = "fetch"
+    corr: int
+    topic: str
+    since: float = 0.0
+    limit: int = MAX_BATCH
+
+    def __post_init__(self) -> None:
+        _check_corr(self.corr)
+        _check_ts(self.since, "since")
+        if not 1 <= self.limit <= MAX_BATCH:
+            raise LocalProtocolError(f"fetch limit must be in 1..{MAX_BATCH}, got {self.limit}")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Fetched(Message):
+    """Answer to FETCH; `more` says another FETCH since the last record's ts would return more."""
+
+    op: ClassVar[Literal["fetched"]] = "fetched"
+    corr: int
+    topic: str
+    records: tuple[Record, ...]
+    more: bool
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Locate(Message):
+    """Where is a topic: home, current coordinate, holders and delegate list."""
+
+    op: ClassVar[Literal["locate"]] = "locate"
+    corr: int
+    topic: str
+
+    def __post_init__(self) -> None:
+        _check_corr(self.corr)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Located(Message):
+    """Answer to LOCATE."""
+
+    op: ClassVar[Literal["located"]] = "located"
+    corr: int
+    topic: str
+    home: Coord
+    coord: Coord
+    primary: NodeInfo
+    secondary: NodeInfo | None
+    tertiary: NodeInfo | None
+    delegates: tuple[Delegation, ...]
+    size: int
+    subscribers: int
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Redirect(Message):
+    """The topic now lives at another coordinate C(t): address later requests there (Sec. III-B)."""
+
+    op: ClassVar[Literal["redirect"]] = "redirect"
+    topic: str
+    coord: Coord
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Failed(Message):
+    """A request (matched by corr) failed; code says why and text what to do.  The connection stays open."""
+
+    op: ClassVar[Literal["failed"]] = "failed"
+    corr: int
+    topic: str
+    code: PubSubCode
+    text: str
+
+
+# ------------------------------------------------------------------------------- broker <-> broker (ROUTED)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class TopicRequest(Message):
+    """A client request on its way to the topic's primary, with the access broker and session to answer.
+
+    `requests` are the session's own messages (SUBSCRIBE, UNSUBSCRIBE, PUBLISH, FETCH, LOCATE) as encoded,
+    in order, batched per destination; the primary answers with TOPIC_REPLY routed to `access.coord`.
+    `via_home` is set once the home node has looked the topic up in its delegate list, so a delegate does
+    not send it back (Sec. III-B).
+    """
+
+    op: ClassVar[Literal["topic_request"]] = "topic_request"
+    access: NodeInfo
+    session: str
+    requests: tuple[bytes, ...]
+    via_home: bool = False
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class TopicReply(Message):
+    """Answers and deliveries for client sessions on the access broker at the routed destination."""
+
+    op: ClassVar[Literal["topic_reply"]] = "topic_reply"
+    access: str  # node id the reply is meant for; another node reached means that access broker is gone
+    sessions: tuple[str, ...]
+    reply: bytes
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class SessionGone(Message):
+    """Sent back to a topic's coordinate when a delivery found no such session: drop the subscription."""
+
+    op: ClassVar[Literal["session_gone"]] = "session_gone"
+    topic: str
+    access: str
+    session: str
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Replicate(Message):
+    """Primary -> replica: new records and the full subscriber list of a topic; answered by REPLICATED.
+
+    `full` marks a complete copy (a new replica being pre-populated, Sec. IV-B level 3, or a hand-over):
+    the replica replaces what it had.  `coord` is C(t), `delegates` the delegate list (Sec. III-A).
+    """
+
+    op: ClassVar[Literal["replicate"]] = "replicate"
+    corr: int
+    topic: str
+    coord: Coord
+    origin: NodeInfo
+    records: tuple[Record, ...]
+    subscribers: tuple[SubRef, ...]
+    delegates: tuple[Delegation, ...]
+    full: bool
+    last_seq: dict[str, int]
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Replicated(Message):
+    """Replica -> primary: REPLICATE corr is stored.  Also the answer to PULL when the node holds nothing."""
+
+    op: ClassVar[Literal["replicated"]] = "replicated"
+    corr: int
+    topic: str
+    node: str
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Pull(Message):
+    """A broker that became closest to a topic's coordinate asks the previous holder for the topic before
+    serving it (Sec. III-C: a returning primary checks with its secondary first).  Answered by a full
+    REPLICATE, or by REPLICATED when the asked node holds nothing of the topic."""
+
+    op: ClassVar[Literal["pull"]] = "pull"
+    corr: int
+    topic: str
+    coord: Coord
+    origin: NodeInfo

@@ -1,0 +1,125 @@
+"""Simulator records in the exported-metrics log schema 1 (docs/logs.md) and a rotating JSON-lines writer.
+
+The simulator writes what a broker cluster writes, in topic units, so `sedax analyze` reads both: one
+`snapshot` per node per step and one `event` per delegation.  Record builders are pure; `JsonlWriter` is the
+only code here that touches files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Final
+
+from overlay.geometry import FloatArray
+from overlay.sim.experiments import MoveRecord, Overlay
+
+SCHEMA: Final = 1
+# docs/logs.md: rotate at 64 MiB and keep 5 files by default, the same limits the brokers use.
+DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_KEEP: Final = 5
+
+Record = dict[str, object]
+
+
+def snapshot_records(
+    run: str, step: int, ts: float, overlay: Overlay, loads: FloatArray, counters: FloatArray | None = None
+) -> Iterator[Record]:
+    """One `snapshot` record per node: loads is (3, nodes) in topic units; counters the moved load so far."""
+    for v in range(len(overlay.points)):
+        rec: Record = {
+            "schema": SCHEMA,
+            "type": "snapshot",
+            "run": run,
+            "source": "sim",
+            "ts": ts,
+            "step": step,
+            "node": str(v),
+            "coord": [float(overlay.points[v, 0]), float(overlay.points[v, 1])],
+            "loads": {"L1": float(loads[0, v]), "L2": float(loads[1, v]), "L3": float(loads[2, v])},
+            "unit": "topic",
+            "cell_area": float(overlay.cell_area[v]),
+            "neighbours": [str(w) for w in overlay.neighbours[v]],
+        }
+        if counters is not None:
+            rec["counters"] = {"moved_load": float(counters[v])}
+        yield rec
+
+
+def move_record(run: str, ts: float, mv: MoveRecord) -> Record:
+    """The `event` record of one delegation (Alg. 1) or move (Alg. 2); its load feeds V_ML, eq. (13)."""
+    return {
+        "schema": SCHEMA,
+        "type": "event",
+        "run": run,
+        "source": "sim",
+        "ts": ts,
+        "step": max(mv.step, 0),
+        "node": str(mv.node),
+        "event": mv.kind,
+        "topic": f"t{mv.topic}",
+        "load": mv.load,
+        "from": list(mv.source),
+        "to": list(mv.target),
+        "peer": None,
+        "seconds": None,
+    }
+
+
+class JsonlWriter:
+    """Appends records to `<dir>/<name>.jsonl`, rotating to `.1.jsonl`, `.2.jsonl`, .. past max_bytes."""
+
+    def __init__(
+        self, directory: Path, name: str, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP
+    ) -> None:
+        if max_bytes < 1 or keep < 1:
+            raise ValueError(f"max_bytes and keep must be positive, got {max_bytes}, {keep}")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.name = name
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.path = directory / f"{name}.jsonl"
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._size = self.path.stat().st_size
+
+    def write(self, rec: Record) -> None:
+        """Write one record as one line; rotate first if the line would pass the size limit."""
+        line = json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n"
+        data = line.encode("utf-8")
+        if self._size > 0 and self._size + len(data) > self.max_bytes:
+            self._rotate()
+        self._fh.write(line)
+        self._size += len(data)
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        # shift x.(k).jsonl -> x.(k+1).jsonl from the oldest down; the one past `keep` files is dropped
+        oldest = self.directory / f"{self.name}.{self.keep - 1}.jsonl"
+        if oldest.exists():
+            oldest.unlink()
+        for k in range(self.keep - 2, 0, -1):
+            src = self.directory / f"{self.name}.{k}.jsonl"
+            if src.exists():
+                os.replace(src, self.directory / f"{self.name}.{k + 1}.jsonl")
+        if self.keep > 1:
+            os.replace(self.path, self.directory / f"{self.name}.1.jsonl")
+        else:
+            self.path.unlink()
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._size = 0
+
+    def close(self) -> None:
+        """Flush and close the current file."""
+        self._fh.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

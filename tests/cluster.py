@@ -1,0 +1,92 @@
+"""Helpers for the broker tests: condition polling with a deadline, raw connections, expected routes."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+from broker.cluster import BrokerProcess, LocalCluster
+from client.admin import AdminClient
+from overlay.geometry import closest
+from overlay.protocol import parse_address
+
+POLL = 0.02
+
+
+async def wait_for(cond: Callable[[], bool | Awaitable[bool]], within: float, what: str = "condition") -> float:
+    """Poll cond until it is true; fail the test after `within` seconds.  Returns the seconds it took."""
+    start = time.monotonic()
+    while True:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return time.monotonic() - start
+        if time.monotonic() - start > within:
+            raise AssertionError(f"{what} not reached within {within} s")
+        await asyncio.sleep(POLL)
+
+
+def log_size(bp: BrokerProcess) -> int:
+    """Current length of the broker's stderr log (to look only at what a test causes)."""
+    try:
+        return Path(bp.err_path).stat().st_size
+    except OSError:
+        return 0
+
+
+def log_has(bp: BrokerProcess, text: str, since: int = 0) -> bool:
+    """True if the broker's stderr log contains text after byte offset since."""
+    try:
+        with Path(bp.err_path).open("rb") as f:
+            f.seek(since)
+            return text in f.read().decode(errors="replace")
+    except OSError:
+        return False
+
+
+async def raw_connect(bp: BrokerProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A plain TCP connection to a broker (for hostile-input tests)."""
+    host, port = parse_address(bp.listen)
+    return await asyncio.open_connection(host, port)
+
+
+async def read_until_eof(reader: asyncio.StreamReader, within: float) -> bytes:
+    """Everything the broker sends until it closes the connection; fails if it stays open past `within` s."""
+    chunks = []
+    async with asyncio.timeout(within):
+        while chunk := await reader.read(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def check_routes(cluster: LocalCluster, n: int, seed: int) -> list[int]:
+    """Probe n random targets from random live brokers; assert each ends at the closest broker.
+
+    Returns the hop counts.
+    """
+    rng = np.random.default_rng(seed)
+    live = cluster.live()
+    coords = {bp.node_id: bp.coord for bp in live}
+    clients = await asyncio.gather(*(AdminClient.connect(bp.listen) for bp in live))
+    try:
+        targets = [(float(x), float(y)) for x, y in rng.random((n, 2))]
+        sources = [int(i) for i in rng.integers(len(live), size=n)]
+        replies = await asyncio.gather(*(clients[s].route(t) for s, t in zip(sources, targets, strict=True)))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+    wrong = []
+    for s, t, r in zip(sources, targets, replies, strict=True):
+        want = closest(coords, t)[0]
+        if r.node.id != want:
+            wrong.append(f"{t} from {live[s].node_id}: reached {r.node.id}, closest is {want}")
+        assert r.path[0].id == live[s].node_id
+        assert r.path[-1].id == r.node.id
+        assert r.hops == len(r.path) - 1
+    assert not wrong, f"{len(wrong)} of {n} probes ended at the wrong broker:\n" + "\n".join(wrong[:10])
+    return [r.hops for r in replies]

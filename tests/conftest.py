@@ -1,0 +1,47 @@
+"""Shared fixtures: local broker clusters (real processes on 127.0.0.1, ports chosen by the OS)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from broker.cluster import LocalCluster
+
+# The suite shares 2 cores with broker processes and Spark: hypothesis's speed health checks would fail
+# tests for the machine's load, not for a property; every test still has its pytest-timeout bound.
+settings.register_profile("sedax", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("sedax")
+
+# Failure detection fast enough for the tests' 5 s heal bound, hostile peers dismissed quickly.
+# A SIGKILLed broker is detected at once by the connection reset; the heartbeat only catches silent peers.
+# The tests run ten brokers and their clients on two shared cores, where a 0.6 s window would declare busy
+# brokers dead, so they use 2 s (0.25 s x 8).
+FAST_ARGS = (
+    "--hello-timeout", "0.5", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8", "--client-timeout", "1.0",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster20(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """20 brokers at seeded random coordinates, shared by the tests of one module."""
+    cluster = LocalCluster(20, seed=20, state_dir=tmp_path_factory.mktemp("cluster20"), broker_args=FAST_ARGS)
+    try:
+        asyncio.run(cluster.start())
+        yield cluster
+    finally:
+        asyncio.run(cluster.close())
+
+
+@pytest.fixture(scope="module")
+def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """3 brokers, for hostile-input and CLI tests."""
+    coords = [(0.25, 0.25), (0.75, 0.3), (0.5, 0.8)]
+    cluster = LocalCluster(3, coords=coords, state_dir=tmp_path_factory.mktemp("cluster3"), broker_args=FAST_ARGS)
+    try:
+        asyncio.run(cluster.start())
+        yield cluster
+    finally:
+        asyncio.run(cluster.close())

@@ -1,0 +1,102 @@
+"""The overlay CLI subcommands (status, route, cluster up/down) as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker.cluster import LocalCluster
+from overlay.geometry import closest
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "client.cli_overlay", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+async def test_status_json(cluster3: LocalCluster) -> None:
+    bp = cluster3.nodes[0]
+    await cluster3.wait_converged(10.0)
+    res = await asyncio.to_thread(_cli, "status", "--broker", bp.listen, "--json")
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["coord"] == list(bp.coord) and st["listen"] == bp.listen and st["node"] == bp.node_id
+    assert {n["id"] for n in st["neighbours"]} == {"n1", "n2"}
+    assert all(n["listen"] and len(n["coord"]) == 2 for n in st["neighbours"])
+    assert st["topics"] == [] and st["loads"] == {"L1": 0, "L2": 0, "L3": 0}
+    text = await asyncio.to_thread(_cli, "status", "--broker", bp.listen)
+    assert text.returncode == 0 and "neighbours (2)" in text.stdout
+
+
+async def test_route_json(cluster3: LocalCluster) -> None:
+    await cluster3.wait_converged(10.0)
+    src = cluster3.nodes[0]
+    res = await asyncio.to_thread(_cli, "route", "0.5,0.9", "--broker", src.listen, "--json")
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    want = closest({bp.node_id: bp.coord for bp in cluster3.nodes}, (0.5, 0.9))[0]
+    assert r["node"]["id"] == want
+    assert r["node"]["listen"] == cluster3.nodes[int(want[1:])].listen
+    assert r["hops"] == len(r["path"]) - 1 == 1
+    assert [p["id"] for p in r["path"]] == [src.node_id, want]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("route", "0.5", "--broker", "{addr}"), "coordinate must be written X,Y"),
+        (("route", "x,y", "--broker", "{addr}"), "two numbers"),
+        (("route", "2,2", "--broker", "{addr}"), "coordinate_outside_space"),
+        (("route", "0.5,0.5", "--broker", "127.0.0.1:1"), "cannot reach broker"),
+        (("status", "--broker", "127.0.0.1:1"), "cannot reach broker"),
+        (("status", "--broker", "nohost"), "HOST:PORT"),
+    ],
+)
+async def test_clear_errors_exit_2(cluster3: LocalCluster, args: tuple[str, ...], match: str) -> None:
+    res = await asyncio.to_thread(_cli, *(a.format(addr=cluster3.nodes[0].listen) for a in args))
+    assert res.returncode == 2
+    assert match in res.stderr and res.stderr.startswith("sedax: error:")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+async def test_cluster_up_and_down(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    res = await asyncio.to_thread(_cli, "cluster", "up", "--nodes", "4", "--seed", "3", "--state-dir", str(state))
+    pids: list[int] = []
+    try:
+        assert res.returncode == 0, res.stderr
+        assert "converged" in res.stdout and "sedax cluster down" in res.stdout
+        info = json.loads((state / "cluster.json").read_text())
+        pids = [n["pid"] for n in info["nodes"]]
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        st = await asyncio.to_thread(_cli, "status", "--broker", info["nodes"][0]["listen"], "--json")
+        assert st.returncode == 0
+        again = await asyncio.to_thread(_cli, "cluster", "up", "--nodes", "2", "--state-dir", str(state))
+        assert again.returncode == 2 and "cluster down" in again.stderr
+    finally:
+        down = await asyncio.to_thread(_cli, "cluster", "down", "--state-dir", str(state))
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.count("stopped") == 4
+    assert not any(_alive(p) for p in pids)
+    assert not (state / "cluster.json").exists()

@@ -1,0 +1,110 @@
+"""Brokers as processes: Delaunay convergence, exact greedy routing, healing after crashes and leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from cluster import check_routes
+from conftest import FAST_ARGS
+
+from broker.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+async def test_twenty_brokers_converge_to_scipy_delaunay(cluster20: LocalCluster) -> None:
+    await cluster20.wait_converged(30.0)
+    sts = await cluster20.statuses()
+    links = {nid: {n.id for n in st.neighbours} for nid, st in sts.items()}
+    assert len(links) == 20
+    assert links == cluster20.expected_neighbours()
+    # Links are symmetric and advertised sets agree with them once converged.
+    for nid, st in sts.items():
+        assert set(st.desired) == links[nid]
+        assert st.loads == {"L1": 0, "L2": 0, "L3": 0}
+
+
+async def test_routing_1000_targets_reaches_closest_broker(cluster20: LocalCluster) -> None:
+    await cluster20.wait_converged(30.0)
+    start = time.monotonic()
+    hops = await check_routes(cluster20, 1000, seed=1)
+    took = time.monotonic() - start
+    assert max(hops) <= 20
+    assert took < 20.0, f"1000 probes took {took:.1f} s"
+
+
+async def test_sigkill_three_brokers_heals_within_5s(cluster20: LocalCluster) -> None:
+    await cluster20.wait_converged(30.0)
+    live = cluster20.live()
+    rng = np.random.default_rng(3)
+    victims = [live[int(i)].index for i in rng.choice(len(live), size=3, replace=False)]
+    await asyncio.gather(*(cluster20.kill(i) for i in victims))
+    took = await cluster20.wait_converged(5.0)
+    assert took < 5.0
+    assert len(cluster20.live()) == 17
+    await check_routes(cluster20, 300, seed=4)
+
+
+async def test_sigterm_leave_heals(cluster20: LocalCluster) -> None:
+    await cluster20.wait_converged(30.0)
+    victim = cluster20.live()[len(cluster20.live()) // 2]
+    code = await cluster20.stop(victim.index)
+    assert code == 0, victim.stderr_tail()
+    await cluster20.wait_converged(5.0)
+    await check_routes(cluster20, 200, seed=5)
+
+
+async def test_five_brokers_joining_at_once_converge(cluster20: LocalCluster) -> None:
+    await cluster20.wait_converged(30.0)
+    before = len(cluster20.live())
+    await asyncio.gather(*(cluster20.add() for _ in range(5)))
+    await cluster20.wait_converged(15.0)
+    assert len(cluster20.live()) == before + 5
+    await check_routes(cluster20, 200, seed=6)
+
+
+def _run_broker(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker", "--listen", "127.0.0.1:0", *FAST_ARGS, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_duplicate_coordinate_is_refused(cluster20: LocalCluster) -> None:
+    taken = cluster20.live()[0]
+    entry = cluster20.live()[-1]
+    res = await asyncio.to_thread(
+        _run_broker, "--coord", f"{taken.coord[0]!r},{taken.coord[1]!r}", "--join", entry.listen
+    )
+    assert res.returncode == 3
+    assert "duplicate_coordinate" in res.stderr
+    assert f"already taken by broker {taken.node_id}" in res.stderr
+    assert res.stdout == ""  # never announced readiness
+
+
+async def test_coordinate_outside_space_is_refused(cluster20: LocalCluster) -> None:
+    entry = cluster20.live()[0]
+    # Locally: the default space is the unit square, so the flag itself is rejected.
+    res = await asyncio.to_thread(_run_broker, "--coord", "1.5,0.5", "--join", entry.listen)
+    assert res.returncode == 2
+    assert "outside the space" in res.stderr
+    # Remotely: a broker configured with a larger space is refused by the overlay.
+    res = await asyncio.to_thread(_run_broker, "--coord", "1.5,1.5", "--space", "0,0,2,2", "--join", entry.listen)
+    assert res.returncode == 3
+    assert "coordinate_outside_space" in res.stderr
+    assert "outside the space [0.0, 1.0] x [0.0, 1.0]" in res.stderr
+
+
+async def test_unreachable_join_address_fails_clearly() -> None:
+    # Port 1 on localhost is closed: connecting fails at once.
+    res = await asyncio.to_thread(_run_broker, "--coord", "0.5,0.5", "--join", "127.0.0.1:1")
+    assert res.returncode == 4
+    assert "could not join through any address" in res.stderr

@@ -1,0 +1,122 @@
+"""NeighbourView against scipy: 2-hop knowledge gives the true Delaunay neighbours, and holes fill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from overlay.dt import NeighbourView
+from overlay.geometry import delaunay_neighbour_map, greedy_next_hop
+from overlay.protocol import NodeInfo
+
+
+def _infos(points: np.ndarray) -> list[NodeInfo]:
+    return [NodeInfo(f"n{i}", (float(x), float(y)), f"127.0.0.1:{10000 + i}") for i, (x, y) in enumerate(points)]
+
+
+def _view_from_truth(me: NodeInfo, infos: dict[str, NodeInfo], truth: dict[str, set[str]]) -> NeighbourView:
+    """The view a node holds once the overlay is consistent: links to its neighbours and their adverts."""
+    view = NeighbourView(me)
+    for nid in sorted(truth[me.id]):
+        view.link_up(infos[nid])
+    for nid in sorted(truth[me.id]):
+        view.learn(nid, [infos[k] for k in sorted(truth[nid])])
+    return view
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [3, 4, 12, 60])
+def test_two_hop_view_desires_exactly_the_delaunay_neighbours(seed: int, n: int) -> None:
+    pts = np.random.default_rng(seed).random((n, 2))
+    infos = {i.id: i for i in _infos(pts)}
+    truth = delaunay_neighbour_map({k: v.coord for k, v in infos.items()})
+    for me in infos.values():
+        assert _view_from_truth(me, infos, truth).desired() == truth[me.id]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_forgetting_failed_nodes_fills_the_hole(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    pts = rng.random((40, 2))
+    infos = {i.id: i for i in _infos(pts)}
+    truth = delaunay_neighbour_map({k: v.coord for k, v in infos.items()})
+    # Non-adjacent failures heal in one step from local knowledge; adjacent ones take further advert rounds,
+    # which the process tests cover.
+    dead: set[str] = set()
+    for i in rng.permutation(40):
+        nid = f"n{int(i)}"
+        if len(dead) < 3 and not truth[nid] & dead:
+            dead.add(nid)
+    survivors = {k: v.coord for k, v in infos.items() if k not in dead}
+    after = delaunay_neighbour_map(survivors)
+    changed = 0
+    for me_id in survivors:
+        view = _view_from_truth(infos[me_id], infos, truth)
+        # Dead neighbours are detected by their links; dead 2-hop nodes vanish from the neighbours' adverts.
+        for d in sorted(dead & set(view.known())):
+            view.forget(d, now=0.0, ttl=5.0)
+        assert not dead & set(view.known())
+        if view.desired() != truth[me_id] - dead:
+            changed += 1
+        # The survivor's knowledge (2-hop + the dead's neighbours as candidates) is a superset of its new
+        # neighbours, so it can compute them at once, before anyone re-advertises.
+        assert view.desired() == after[me_id], me_id
+    assert changed > 0  # the failures did open holes that needed new edges
+
+
+def test_forget_keeps_former_neighbours_as_candidates_and_tombstones_expire() -> None:
+    infos = {i.id: i for i in _infos(np.array([[0.5, 0.5], [0.1, 0.1], [0.9, 0.1], [0.5, 0.95]]))}
+    view = NeighbourView(infos["n0"])
+    view.link_up(infos["n1"])
+    view.learn("n1", [infos["n0"], infos["n2"], infos["n3"]])
+    assert view.desired() == {"n1", "n2", "n3"}
+    view.forget("n1", now=10.0, ttl=2.0)
+    assert view.candidates == {"n2", "n3"}
+    assert view.desired() == {"n2", "n3"}
+    view.link_up(infos["n2"])
+    view.learn("n2", [infos["n0"], infos["n1"], infos["n3"]])  # stale: still lists n1
+    assert "n1" not in view.known()
+    assert not view.expire(11.0)
+    assert view.expire(12.5)
+    view.learn("n2", [infos["n0"], infos["n1"], infos["n3"]])
+    assert "n1" in view.known()
+
+
+def test_prune_drops_unwanted_candidates_and_unreferenced_nodes() -> None:
+    infos = {i.id: i for i in _infos(np.array([[0.5, 0.5], [0.4, 0.5], [0.6, 0.5], [0.9, 0.5]]))}
+    view = NeighbourView(infos["n0"])
+    view.add_candidates(infos.values())
+    assert view.candidates == {"n1", "n2", "n3"}
+    desired = view.desired()
+    assert desired == {"n1", "n2"}  # collinear: predecessor and successor only
+    view.prune(desired)
+    assert view.candidates == {"n1", "n2"}
+    assert "n3" not in view.nodes
+
+
+def test_single_and_pair() -> None:
+    a, b = _infos(np.array([[0.2, 0.2], [0.8, 0.8]]))
+    view = NeighbourView(a)
+    assert view.desired() == set()
+    assert view.next_hop(0.9, 0.9) is None
+    view.link_up(b)
+    assert view.desired() == {"n1"}
+    assert view.next_hop(0.9, 0.9) == "n1"
+    view.unlink("n1")
+    assert view.next_hop(0.9, 0.9) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_next_hop_matches_geometry_greedy_including_ties(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    # A coarse grid makes exact distance ties common.
+    pts = rng.integers(0, 5, size=(25, 2)) / 4.0
+    pts = np.unique(pts, axis=0)
+    infos = _infos(pts)
+    me, others = infos[0], infos[1:]
+    view = NeighbourView(me)
+    for o in others:
+        view.link_up(o)
+    nbrs = {o.id: o.coord for o in others}
+    for tx, ty in rng.integers(0, 9, size=(200, 2)) / 8.0:
+        assert view.next_hop(float(tx), float(ty)) == greedy_next_hop(me.id, me.coord, nbrs, (tx, ty))

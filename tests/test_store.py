@@ -1,0 +1,89 @@
+"""Topic names, patterns and the broker's topic store (retention, dedup, fetch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.store import MESSAGE_OVERHEAD, Retention, StoredMessage, TopicNotFound, TopicStore
+from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
+
+
+def test_topic_names() -> None:
+    assert validate_topic("grid/feeder-3/voltage") == "grid/feeder-3/voltage"
+    for bad, why in [
+        ("", "1..256"),
+        ("a" * 257, "1..256"),
+        ("grid//v", "empty level"),
+        ("/grid", "empty level"),
+        ("grid/+/v", "only patterns"),
+        ("grid/#", "only patterns"),
+        ("grid v", "whitespace"),
+        ("grid\x00", "control"),
+    ]:
+        with pytest.raises(BadTopic, match=why):
+            validate_topic(bad)
+
+
+def test_topic_patterns() -> None:
+    validate_pattern("grid/+/voltage")
+    validate_pattern("grid/#")
+    with pytest.raises(BadTopic, match="last level"):
+        validate_pattern("grid/#/x")
+    with pytest.raises(BadTopic, match="whole level"):
+        validate_pattern("grid/a+/x")
+    assert matches("grid/+/voltage", "grid/f1/voltage")
+    assert not matches("grid/+/voltage", "grid/f1/current")
+    assert not matches("grid/+/voltage", "grid/f1/x/voltage")
+    assert matches("grid/#", "grid/f1/x/voltage")
+    assert matches("grid/#", "grid")
+    assert not matches("grid/#", "other/x")
+    assert matches("a/b", "a/b") and not matches("a/b", "a")
+
+
+def msg(ts: float, seq: int, size: int = 10, pub: str = "p") -> StoredMessage:
+    return StoredMessage(ts, pub, seq, b"x" * size)
+
+
+def test_append_dedup_and_size() -> None:
+    store = TopicStore(Retention(max_age=None, max_bytes=None))
+    log = store.ensure("t")
+    assert log.append(msg(1.0, 0), now=1.0)
+    assert log.append(msg(2.0, 1), now=2.0)
+    assert not log.append(msg(3.0, 1), now=3.0)  # a re-send after failover
+    assert not log.append(msg(3.0, 0), now=3.0)
+    assert log.append(msg(3.0, 0, pub="q"), now=3.0)  # another publisher has its own sequence
+    assert log.size == 3 * (10 + 1 + MESSAGE_OVERHEAD)
+    assert store.sizes() == {"t": log.size}
+    with pytest.raises(TopicNotFound, match="locate"):
+        store.get("nope")
+
+
+def test_retention_by_age_and_bytes() -> None:
+    log = TopicStore(Retention(max_age=10.0, max_bytes=None)).ensure("t")
+    for i in range(5):
+        log.append(msg(float(i), i), now=float(i))
+    assert log.expire(now=13.5) == 4 * log.messages[0].size
+    assert [m.seq for m in log.messages] == [4]
+    one = 100 + 1 + MESSAGE_OVERHEAD
+    log2 = TopicStore(Retention(max_age=None, max_bytes=3 * one)).ensure("t")
+    for i in range(5):
+        log2.append(msg(float(i), i, size=100), now=float(i))
+    assert [m.seq for m in log2.messages] == [2, 3, 4]
+    assert log2.size == 3 * one
+    with pytest.raises(ValueError):
+        Retention(max_age=0)
+
+
+def test_since_and_merge() -> None:
+    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    for i in range(6):
+        log.append(msg(float(i), i), now=float(i))
+    assert [m.seq for m in log.since(2.0)] == [3, 4, 5]
+    assert [m.seq for m in log.since(-1.0, limit=2)] == [0, 1]
+    assert log.since(5.0) == []
+    other = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    other.append(msg(0.0, 0), now=0.0)
+    assert other.merge(reversed(log.messages), now=9.0) == 5
+    assert [m.seq for m in other.messages] == [0, 1, 2, 3, 4, 5]
+    assert other.size == log.size
+    assert other.merge(log.messages, now=9.0) == 0
