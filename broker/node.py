@@ -27,10 +27,13 @@ from dataclasses import replace
 from typing import Final
 
 from broker.config import BrokerConfig
+from broker.guard import Guard
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
+from broker.tls import Listener
+from client.credentials import connect_broker, peer_cert
 from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
@@ -95,9 +98,11 @@ class Broker:
     """A broker process's state and behaviour; the `LinkHandler` of all its links."""
 
     def __init__(self, config: BrokerConfig, log: logging.Logger | None = None) -> None:
+        """Raises ConfigError if the security settings are missing or unusable (see broker.guard)."""
         self.config = config
-        self.node_id = config.node_id or f"b-{uuid.uuid4().hex[:12]}"
         self.log = log or logging.getLogger("sedax.broker")
+        self.guard = Guard(config, self.log)
+        self.node_id = config.node_id or self.guard.name or f"b-{uuid.uuid4().hex[:12]}"
         self.tasks = TaskSet(self.log)
         self.info = NodeInfo(self.node_id, config.coord, "0.0.0.0:0")
         self.view = NeighbourView(self.info)
@@ -116,7 +121,7 @@ class Broker:
         self._dirty: set[PeerLink] = set()
         self._congested: set[PeerLink] = set()
         self._reconcile_handle: asyncio.Handle | None = None
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._closing = False
         self._peer_up = asyncio.Event()
         # Client sessions (pub/sub) by id; ids carry a per-process prefix so a restarted broker with the same
@@ -133,6 +138,7 @@ class Broker:
             PubSubConfig(
                 resilience=config.resilience,
                 retention=Retention(config.retention_seconds, config.retention_bytes),
+                acl=self.guard.acl,
             ),
         )
 
@@ -141,9 +147,17 @@ class Broker:
     async def start(self) -> None:
         """Bind the listening socket; afterwards `info.listen` holds the real port."""
         host, port = parse_address(self.config.listen)
-        self._server = await asyncio.start_server(self._on_connect, host, port)
-        bound = self._server.sockets[0].getsockname()
-        listen = self.config.advertise or format_address(host, int(bound[1]))
+        tls = self.guard.tls
+        self._listener = Listener(
+            tls.server if tls is not None else None,
+            self.config.hello_timeout,
+            self._on_stream,
+            lambda handshaking: not self._closing and self.guard.may_accept(len(self.links), handshaking),
+            self.tasks,
+            self.log,
+        )
+        bound = await self._listener.start(host, port)
+        listen = self.config.advertise or format_address(host, bound)
         self.info = NodeInfo(self.node_id, self.config.coord, listen)
         self.view = NeighbourView(self.info)
         self.port.refresh()
@@ -168,7 +182,7 @@ class Broker:
         self.links.add(link)
         return link
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing:
             writer.close()
             return
@@ -181,8 +195,8 @@ class Broker:
         self._closing = True
         if self._reconcile_handle is not None:
             self._reconcile_handle.cancel()
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         leave = Leave(tuple(self.view.infos(set(self.peers) | self._advertised)))
         closing = [
             link.aclose(
@@ -227,7 +241,7 @@ class Broker:
     async def _join_via(self, addr: str) -> JoinAccept:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.config.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
         link = self._new_link(reader, writer, outbound=True)
         hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
         try:
@@ -268,6 +282,9 @@ class Broker:
             return Refuse(
                 "version_mismatch", f"this broker speaks protocol {PROTOCOL_VERSION}, HELLO had {hello.version}"
             )
+        clients = sum(1 for x in self.links if x.role in ("client", "admin") and not x.outbound and x.established)
+        if (refusal := self.guard.admit(link, hello, clients)) is not None:
+            return refusal
         if hello.role == "broker" and hello.coord is not None:
             if not self.config.space.contains(hello.coord):
                 return Refuse("coordinate_outside_space", self._outside_text(hello.coord))
@@ -340,7 +357,11 @@ class Broker:
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
             case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() if link.role == "client":
-                self.pubsub.client_message(self._session(link), msg)
+                session = self._session(link)
+                if (refusal := self.guard.check_request(link, msg)) is not None:
+                    link.send_nowait(refusal)
+                else:
+                    self.pubsub.client_message(session, msg)
                 self._dirty.add(link)
             case _:
                 raise RemoteProtocolError(f"{msg.op} is not expected from a {link.role} link")
@@ -351,18 +372,25 @@ class Broker:
             sid = f"{self._session_prefix}-{next(self._session_ids)}"
             self._session_of[link] = sid
             self.sessions[sid] = link
+            self.pubsub.identities[sid] = link.identity
         return sid
 
     async def _pubsub_ticker(self) -> None:
         while not self._closing:
             await asyncio.sleep(PUBSUB_TICK)
             self.pubsub.tick()
+            self.guard.sweep_idle(self.links, self._now(), self._subscribed)
+
+    def _subscribed(self, link: PeerLink) -> bool:
+        sid = self._session_of.get(link)
+        return sid is not None and self.pubsub.subscriptions(sid) > 0
 
     def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
         """Forget a failed neighbour (the overlay heals) or just drop a link that is no longer wanted."""
         self.links.discard(link)
         self._dirty.discard(link)
         self._congested.discard(link)
+        self.guard.link_closed(link, reason)
         sid = self._session_of.pop(link, None)
         if sid is not None:
             del self.sessions[sid]
@@ -392,7 +420,9 @@ class Broker:
         dirty = self._dirty
         while dirty:
             link = dirty.pop()
-            if link.write_buffered > FLUSH_THRESHOLD:
+            # Client links are bounded by their send limit instead: waiting for a slow subscriber would
+            # stall every link this broker reads from.
+            if link.write_buffered > FLUSH_THRESHOLD and not link.send_limit:
                 self._congested.add(link)
         return bool(self._congested)
 
@@ -456,7 +486,12 @@ class Broker:
         try:
             host, port = parse_address(info.listen)
             async with asyncio.timeout(self.config.connect_timeout):
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
+            problem = self.guard.dialled_peer_problem(peer_cert(writer.get_extra_info("peercert")), info.id)
+            if problem is not None:
+                writer.transport.abort()
+                self._give_up(info.id, problem)
+                return
             link = self._new_link(reader, writer, outbound=True)
             hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
             ok = await link.open(hello)
@@ -482,6 +517,12 @@ class Broker:
 
     def on_routed(self, link: PeerLink, frame: RoutedFrame) -> None:
         """Greedy forwarding: pass the frame to the neighbour closest to its destination, or deliver it."""
+        peer = link.peer
+        if peer is None and not link.may_route:
+            self.guard.counters["routed_from_non_broker"] += 1
+            raise RemoteProtocolError(f"routed frame from {link.role} {link.identity or '?'}: only brokers route")
+        if self.guard.forged(frame, peer, self.info):
+            return
         nh = self.view.next_hop(frame.x, frame.y)
         if nh is None:
             self._deliver(frame)
@@ -592,6 +633,9 @@ class Broker:
         self._send_routed(target, RouteProbe(mine, target, self.info, (self.info,)), FLAG_TRACE)
 
     def _start_join(self, link: PeerLink, join: Join) -> None:
+        if (refusal := self.guard.may_join(link, join)) is not None:
+            link.send_nowait(refusal)
+            return
         coord = join.node.coord
         if not self.config.space.contains(coord):
             link.send_nowait(Refuse("coordinate_outside_space", self._outside_text(coord), join.corr))
@@ -634,6 +678,7 @@ class Broker:
             "links": len(self.links),
             "sessions": len(self.sessions),
             **self.pubsub.counters,
+            **self._security_counters(),
         }
         return Status(
             corr=corr,
@@ -645,6 +690,11 @@ class Broker:
             counters=counters,
             resilience=self.config.resilience,
         )
+
+    def _security_counters(self) -> dict[str, int]:
+        lst = self._listener
+        failures, refused = (lst.handshake_failures, lst.refused) if lst is not None else (0, 0)
+        return self.guard.status(self.links, failures, refused)
 
 
 class _PubSubPort:

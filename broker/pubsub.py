@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Final, Protocol
 
+from broker.acl import Acl, refusal
 from broker.store import Retention, StoredMessage, TopicLog, TopicStore
 from overlay.geometry import Coord, closest, geohash
 from overlay.load import failure_sums, l3_additional
@@ -123,6 +124,7 @@ class PubSubConfig:
     replication_timeout: float = REPLICATION_TIMEOUT
     pull_timeout: float = PULL_TIMEOUT
     redeliver_window: float = REDELIVER_WINDOW
+    acl: Acl | None = None  # topic ACL the holder enforces (broker/acl.py); None = everything allowed
 
 
 @dataclass(slots=True)
@@ -181,6 +183,8 @@ class PubSub:
         self._flush_scheduled = False
         self._valid_topics: set[str] = set()
         self._homes: dict[str, Coord] = {}
+        # Access side: who each local session authenticated as; sent along in TOPIC_REQUEST for the holder's ACL.
+        self.identities: dict[str, str] = {}
         self.counters: dict[str, int] = {
             "published": 0,
             "published_bytes": 0,
@@ -246,7 +250,7 @@ class PubSub:
         me = self.ov.me
         h = self._holders.get(topic)
         if (h.rank == 1 and h.coord == coord) if h is not None else self._closest_id(coord) == me.id:
-            self._handle_request(me, session, msg)  # 0 hops: no envelope at all
+            self._handle_request(me, session, msg, self.identities.get(session, ""))  # 0 hops: no envelope at all
         else:
             self._outgoing.setdefault((coord, session), []).append(encode_message(msg))
             self._schedule()
@@ -262,7 +266,7 @@ class PubSub:
         me = self.ov.me
         for (coord, session), reqs in out.items():
             for chunk in _byte_chunks(reqs):
-                self.ov.route(coord, TopicRequest(me, session, tuple(chunk)))
+                self.ov.route(coord, TopicRequest(me, session, tuple(chunk), identity=self.identities.get(session, "")))
         dirty, self._dirty = self._dirty, {}
         for h in dirty.values():
             self._flush(h)
@@ -283,6 +287,11 @@ class PubSub:
         """A local client went away: end its subscriptions at the topics' primaries."""
         for topic in self._session_topics.pop(session, set()):
             self._send_request(topic, session, Unsubscribe(0, topic))
+        self.identities.pop(session, None)
+
+    def subscriptions(self, session: str) -> int:
+        """How many topics a local session is subscribed to."""
+        return len(self._session_topics.get(session, ()))
 
     def _to_local(self, session: str, msg: Message) -> None:
         self.ov.to_session(session, control_frame(encode_message(msg)))
@@ -319,7 +328,7 @@ class PubSub:
                     except RemoteProtocolError as exc:
                         log.warning("dropping a topic request with a bad inner message: %s", exc)
                         continue
-                    self._handle_request(msg.access, msg.session, inner)
+                    self._handle_request(msg.access, msg.session, inner, msg.identity)
             case TopicReply():
                 self._reply_arrived(msg)
             case Replicate():
@@ -366,10 +375,13 @@ class PubSub:
             self._holders[topic] = h
         return h
 
-    def _handle_request(self, access: NodeInfo, session: str, req: Message) -> None:
+    def _handle_request(self, access: NodeInfo, session: str, req: Message, identity: str = "") -> None:
         topic = getattr(req, "topic", None)
         if not isinstance(topic, str):
             log.warning("dropping a topic request without a topic: %s", req.op)
+            return
+        if self.config.acl is not None and (denied := refusal(self.config.acl, identity, req, "holder")) is not None:
+            self._reply(access, [session], denied)  # the holder enforces the ACL, whatever the access broker did
             return
         known = topic in self._holders
         h = self._holder(topic)

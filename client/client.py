@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
+from client.credentials import Credentials, connect_broker
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -253,13 +254,18 @@ class Client:
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         subscription_queue: int = DEFAULT_SUB_QUEUE,
         on_event: Callable[[str, str], None] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
+        """Raises ValueError for a bad address and CredentialsError (a ValueError) for unusable credentials;
+        credentials default to the environment (client/credentials.py: SEDAX_CA, ... SEDAX_INSECURE)."""
         addrs = [brokers] if isinstance(brokers, str) else list(brokers)
         if not addrs:
             raise ValueError("give at least one broker address HOST:PORT")
         for a in addrs:
             parse_address(a)  # ValueError with the reason
         self.brokers = addrs
+        self.credentials = credentials if credentials is not None else Credentials.from_env()
+        self._ssl = self.credentials.ssl_context()
         self.client_id = client_id or f"c-{os.getpid()}-{secrets.token_hex(4)}"
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
@@ -283,6 +289,7 @@ class Client:
         self.topic_coords: dict[str, tuple[float, float]] = {}  # C(t) learned from SUBSCRIBED / REDIRECT
         self.reconnects = 0
         self.resent = 0
+        self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
         self._resend_delay: dict[str, float] = {}
@@ -333,10 +340,11 @@ class Client:
     async def _connect_one(self, addr: str) -> None:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await connect_broker(host, port, self._ssl, self.connect_timeout)
             conn = _Connection(reader, writer, addr)
             try:
-                conn.send(encode_control(Hello(PROTOCOL_VERSION, self.client_id, "client")))
+                token = self.credentials.token or ""
+                conn.send(encode_control(Hello(PROTOCOL_VERSION, self.client_id, "client", token=token)))
                 await conn.drain()
                 while True:
                     data = await reader.read(READ_CHUNK)
@@ -555,6 +563,11 @@ class Client:
         if m.code == "out_of_order":
             # The primary misses earlier messages that we still hold: send them again, in order.
             self._resend_topic(m.topic, from_seq=m.expected)
+            return
+        if m.code == "rate_limited":
+            # The access broker throttles us: keep the message; the resender sends it again after the
+            # acknowledgement time-out, backing off while the broker keeps refusing.
+            self.rate_limited += 1
             return
         p = per_topic.pop(m.seq, None)
         if p is not None and not p.future.done():

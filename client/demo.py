@@ -4,6 +4,8 @@ Starts N broker processes on loopback (the embedded default of `sedax cluster up
 are exactly the Delaunay triangulation, attaches a subscriber and a publisher to different brokers, streams
 messages over several topics, then kills the primary of one topic mid-stream and shows that delivery goes
 on without loss.  Exits 0 only if every acknowledged message reached the subscriber exactly once, in order.
+Every link is TLS (brokers with mutual TLS against a development CA created for the run, clients with
+client certificates) unless --insecure is given.
 """
 
 from __future__ import annotations
@@ -21,19 +23,26 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics: int) -> int:
+async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics: int, insecure: bool = False) -> int:
     """Run the demo; returns the exit code."""
     from broker.cluster import LocalCluster
 
     names = [f"grid/feeder-{i}/voltage" for i in range(topics)]
     _say(f"starting {nodes} brokers on 127.0.0.1 (resilience level {resilience}) ...")
-    async with LocalCluster(n=nodes, seed=seed, resilience=resilience) as cluster:
+    async with LocalCluster(n=nodes, seed=seed, resilience=resilience, tls=False if insecure else None) as cluster:
         took = await cluster.wait_converged()
         _say(f"overlay converged to the Delaunay triangulation in {took:.2f} s")
+        if cluster.tls:
+            _say(f"every link is TLS: brokers mutually authenticated by the development CA in {cluster.certs_dir}")
+        else:
+            _say("plain TCP (--insecure): no TLS, no client authentication")
         for bp in cluster.nodes:
             _say(f"  broker {bp.node_id:<14} at ({bp.coord[0]:.3f}, {bp.coord[1]:.3f})  {bp.listen}")
         addrs = [bp.listen for bp in cluster.nodes]
-        async with Client(addrs[:1] + addrs[1:]) as sub_client, Client(addrs[::-1]) as pub_client:
+        async with (
+            Client(addrs[:1] + addrs[1:], credentials=cluster.credentials("demo-subscriber")) as sub_client,
+            Client(addrs[::-1], credentials=cluster.credentials("demo-publisher")) as pub_client,
+        ):
             _say(f"subscriber attached to {sub_client.address}, publisher to {pub_client.address}")
             subs = {t: await sub_client.subscribe(t) for t in names}
             loc = await pub_client.locate(names[0])
@@ -85,7 +94,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.messages < 1 or args.topics < 1:
         print("sedax: error: --nodes, --messages and --topics must be at least 1", file=sys.stderr)
         return 2
-    return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics))
+    return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics, args.insecure))
 
 
 def register(subparsers: Any) -> None:
@@ -96,4 +105,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--messages", type=int, default=200)
     p.add_argument("--topics", type=int, default=4)
+    p.add_argument("--insecure", action="store_true", help="plain TCP instead of TLS (default: $SEDAX_INSECURE)")
     p.set_defaults(func=_cmd)

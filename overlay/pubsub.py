@@ -46,6 +46,7 @@ PubSubCode: TypeAlias = Literal[
     "shutting_down",  # the broker is leaving
     "out_of_order",  # a publisher's sequence has a gap the client can fill: re-send from `expected`
     "bad_request",  # anything else the client got wrong
+    "rate_limited",  # over the broker's per-client publish rate (--publish-rate): re-send later
 ]
 
 
@@ -402,7 +403,8 @@ class TopicRequest(Message):
     `requests` are the session's own messages (SUBSCRIBE, UNSUBSCRIBE, PUBLISH, FETCH, LOCATE) as encoded,
     in order, batched per destination; the primary answers with TOPIC_REPLY routed to `access.coord`.
     `via_home` is set once the home node has looked the topic up in its delegate list, so a delegate does
-    not send it back (Sec. III-B).
+    not send it back (Sec. III-B).  `identity` is who the access broker authenticated the session as (TLS
+    certificate name or token name); the topic's holder checks its ACL against it.
     """
 
     op: ClassVar[Literal["topic_request"]] = "topic_request"
@@ -410,6 +412,7 @@ class TopicRequest(Message):
     session: str
     requests: tuple[bytes, ...]
     via_home: bool = False
+    identity: str = ""
 
 
 @register_message
