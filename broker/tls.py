@@ -60,7 +60,7 @@ def _load(ctx_for: str, purpose: ssl.Purpose, cert: str, key: str, ca: str) -> s
     return ctx
 
 
-def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> dict[str, object] | None:
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> object:
     """A TLS handshake between two contexts in memory; the server side's view of the client certificate."""
     s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
     srv = server.wrap_bio(s_in, s_out, server_side=True)

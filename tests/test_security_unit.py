@@ -138,7 +138,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _tls(pki: dict[str, Path], cert: str = "b_cert", key: str = "b_key", **kw: object) -> BrokerConfig:
     return BrokerConfig(
-        coord=(0.5, 0.5), tls_cert=str(pki[cert]), tls_key=str(pki[key]), tls_ca=str(pki["ca"]), **kw  # type: ignore[arg-type]
+        coord=(0.5, 0.5),
+        tls_cert=str(pki[cert]),
+        tls_key=str(pki[key]),
+        tls_ca=str(pki["ca"]),
+        **kw,  # type: ignore[arg-type]
     )
 
 
