@@ -304,6 +304,9 @@ class PeerLink:
         except LocalProtocolError as exc:
             self._log.exception("bug while handling %r", self)
             reason, detail = CloseReason.INTERNAL_ERROR, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug while handling one peer's input closes that link, visibly
+            self._log.exception("bug while handling %r", self)
+            reason, detail = CloseReason.INTERNAL_ERROR, repr(exc)
         self._read_task = None  # closing must not cancel the task doing the closing
         await self.aclose(reason, detail)
 

@@ -38,6 +38,7 @@ from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
     FLAG_TRACE,
+    MAX_CORR,
     PROTOCOL_VERSION,
     Coord,
     Error,
@@ -612,7 +613,10 @@ class Broker:
             return
         link, client_corr = entry
         if link.established:
-            link.send_nowait(replace(msg, corr=client_corr))
+            try:
+                link.send_nowait(replace(msg, corr=client_corr))
+            except LinkClosed:
+                return  # the client's connection broke a moment ago; its close is on the way
             self._dirty.add(link)
 
     def _register(self, link: PeerLink, client_corr: int) -> int | None:
@@ -687,7 +691,9 @@ class Broker:
             desired=tuple(sorted(self._advertised)),
             topics=tuple(sorted(name for name, _, _ in self.pubsub.topics())),
             loads=self.pubsub.loads(),
-            counters=counters,
+            # Counters fed by clients (e.g. "lost", from a publisher's claimed base) must not make STATUS
+            # unencodable: msgpack integers are 64-bit.
+            counters={k: min(v, MAX_CORR) for k, v in counters.items()},
             resilience=self.config.resilience,
         )
 
@@ -725,7 +731,12 @@ class _PubSubPort:
         link = self._b.sessions.get(session)
         if link is None or not link.established:
             return False
-        link.write(frame)
+        try:
+            link.write(frame)
+        except LinkClosed:
+            # Broken a moment ago (its close is on the way): a failure here must not abort the batch of
+            # deliveries and acknowledgements for everyone else that this call is part of.
+            return False
         self._b._dirty.add(link)
         return True
 
