@@ -66,9 +66,7 @@ async def read_until_eof(reader: asyncio.StreamReader, within: float) -> bytes:
     return b"".join(chunks)
 
 
-async def check_routes(
-    cluster: LocalCluster, n: int, seed: int, credentials: Credentials | None = None
-) -> list[int]:
+async def check_routes(cluster: LocalCluster, n: int, seed: int, credentials: Credentials | None = None) -> list[int]:
     """Probe n random targets from random live brokers; assert each ends at the closest broker.
 
     Returns the hop counts.
