@@ -34,7 +34,17 @@ from broker.config import BrokerConfig, ConfigError
 from broker.link import CloseReason, PeerLink
 from broker.tls import BrokerTls, load_broker_tls
 from client.credentials import ROLE_BROKER, PeerCert
-from overlay.protocol import MAX_TOKEN_LEN, Hello, Join, Message, NodeInfo, Refuse, RefuseCode, RoutedFrame
+from overlay.protocol import (
+    MAX_FRAME_SIZE,
+    MAX_TOKEN_LEN,
+    Hello,
+    Join,
+    Message,
+    NodeInfo,
+    Refuse,
+    RefuseCode,
+    RoutedFrame,
+)
 from overlay.pubsub import Nack, Publish
 
 ANONYMOUS: Final = "anonymous"
@@ -171,6 +181,7 @@ class Guard:
                     )
             link.identity = hello.node
             link.may_route = True
+            link.limit_frames(MAX_FRAME_SIZE)  # routed frames carry publishes of up to MAX_PAYLOAD_SIZE
             return None
         if clients >= self.config.max_connections:
             self.counters["refused_too_many_connections"] += 1

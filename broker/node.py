@@ -180,6 +180,9 @@ class Broker:
             drain_timeout=c.drain_timeout,
             client_timeout=c.client_timeout,
         )
+        if not outbound:
+            # Until it proves to be a broker, a peer gets the client frame limit (guard.admit lifts it).
+            link.limit_frames(c.max_frame_size)
         self.links.add(link)
         return link
 

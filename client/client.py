@@ -293,6 +293,9 @@ class Client:
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
         self._resend_delay: dict[str, float] = {}
+        # Topics the access broker rate-limited, until when: nothing new is sent for them meanwhile, and the
+        # next re-send (from the first unacknowledged message, in order) happens after the back-off.
+        self._throttled: dict[str, float] = {}
         self._unyielded = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -560,14 +563,18 @@ class Client:
 
     def _nacked(self, m: Nack) -> None:
         per_topic = self._pending.get(m.topic, {})
+        now = asyncio.get_running_loop().time()
+        if m.code == "rate_limited":
+            # The access broker throttles us: keep the message and hold the topic back; the resender sends
+            # everything unacknowledged again after the back-off, which doubles while refusals continue.
+            self.rate_limited += 1
+            self._throttled[m.topic] = now + self._resend_delay.get(m.topic, self.ack_timeout)
+            return
         if m.code == "out_of_order":
+            if self._throttled.get(m.topic, 0.0) > now:
+                return  # a later message got through after an earlier one was refused: the re-send fixes it
             # The primary misses earlier messages that we still hold: send them again, in order.
             self._resend_topic(m.topic, from_seq=m.expected)
-            return
-        if m.code == "rate_limited":
-            # The access broker throttles us: keep the message; the resender sends it again after the
-            # acknowledgement time-out, backing off while the broker keeps refusing.
-            self.rate_limited += 1
             return
         p = per_topic.pop(m.seq, None)
         if p is not None and not p.future.done():
@@ -597,9 +604,11 @@ class Client:
         base = next(iter(per_topic), seq)  # the lowest unacknowledged sequence number
         msg = Publish(topic, self.client_id, seq, data, base)
         fut: asyncio.Future[PublishAck] = asyncio.get_running_loop().create_future()
-        per_topic[seq] = _Pending(msg, fut, asyncio.get_running_loop().time())
-        with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
-            await self._send(msg)
+        now = asyncio.get_running_loop().time()
+        per_topic[seq] = _Pending(msg, fut, now)
+        if self._throttled.get(topic, 0.0) <= now:  # else the resender sends it after the back-off
+            with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
+                await self._send(msg)
         self._unyielded += 1
         if self._unyielded >= YIELD_EVERY:
             # A tight publish loop must not starve this client's own reading and heartbeats.
