@@ -37,6 +37,11 @@ from overlay.protocol import (
     parse_address,
 )
 
+# Why a broker may hang up before answering HELLO: said with the error, as the broker cannot tell us.
+HANDSHAKE_HINT: Final = (
+    "a broker speaking TLS closes plain connections (--insecure) and ones whose certificate fails the "
+    "cluster CA; check --ca/--cert/--key"
+)
 # Default bound on connecting and on each request; a healthy local overlay answers in milliseconds.
 DEFAULT_TIMEOUT: Final = 5.0
 
@@ -110,10 +115,11 @@ class AdminClient:
                 kind: Role = "admin" if role == "admin" else "client"
                 writer.write(encode_control(Hello(PROTOCOL_VERSION, node, kind, token=creds.token or "")))
                 reply = await _read_one(reader, FrameDecoder())
-        except (OSError, TimeoutError, ProtocolError) as exc:
+        except (OSError, TimeoutError, ProtocolError, BrokerUnavailable) as exc:
             if writer is not None:
                 writer.transport.abort()
-            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
+            what = str(exc) if isinstance(exc, BrokerUnavailable) else repr(exc)
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {what}") from exc
         if isinstance(reply, Refuse):
             writer.transport.abort()
             raise BrokerUnavailable(f"broker at {addr} refused the connection: {reply.code}: {reply.text}")
@@ -234,7 +240,7 @@ async def _read_one(reader: asyncio.StreamReader, decoder: FrameDecoder) -> Mess
                 raise RemoteProtocolError("routed frame before the handshake completed")
             return frame.message
         if not data:
-            raise BrokerUnavailable("connection closed during the handshake")
+            raise BrokerUnavailable(f"connection closed during the handshake ({HANDSHAKE_HINT})")
 
 
 def status_json(st: Status) -> dict[str, object]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
+from client.admin import HANDSHAKE_HINT
 from client.credentials import Credentials, connect_broker
 from overlay.protocol import (
     PROTOCOL_VERSION,
@@ -360,7 +361,7 @@ class Client:
                     data = await reader.read(READ_CHUNK)
                     frames = conn.decoder.feed(data)
                     if not data:
-                        raise ConnectError(f"{addr} closed the connection during the handshake")
+                        raise ConnectError(f"{addr} closed the connection during the handshake ({HANDSHAKE_HINT})")
                     if frames:
                         break
             except BaseException:

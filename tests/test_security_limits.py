@@ -144,6 +144,7 @@ MESSAGES = 2000
 # has a receive window of megabytes on top, so only a stall of many MB would drop it.
 PAYLOAD = b"v" * 8192
 SEND_BUFFER = 2 << 20
+WINDOW = 128  # messages (1 MiB) the good subscriber may lag behind the publisher
 
 
 async def _slow_subscriber(bp: BrokerProcess, topic: str) -> tuple[asyncio.StreamWriter, asyncio.Task[None]]:
@@ -174,13 +175,33 @@ async def _slow_subscriber(bp: BrokerProcess, topic: str) -> tuple[asyncio.Strea
 
 
 async def _stream(addr: str, topic: str) -> float:
-    """Publish MESSAGES to topic and wait until a well-behaved subscriber has them all; returns msg/s."""
+    """Publish MESSAGES to topic and wait until a well-behaved subscriber has them all; returns msg/s.
+
+    The publisher stays within WINDOW messages of what the subscriber consumed, so the subscriber is one
+    that keeps up (the publisher shares this process and could otherwise outrun its reading).
+    """
     async with Client(addr) as sub_c, Client(addr, max_inflight=256) as pub:
         sub = await sub_c.subscribe(topic)
+        got: list[int] = []
+        progress = asyncio.Event()
+
+        async def consume() -> None:
+            async for m in sub:
+                got.append(m.seq)
+                progress.set()
+                if len(got) == MESSAGES:
+                    return
+
         start = time.monotonic()
-        acks = [await pub.publish_nowait(topic, PAYLOAD) for _ in range(MESSAGES)]
+        consumer = asyncio.create_task(consume())
+        acks = []
         async with asyncio.timeout(120):
-            got = [(await anext(sub)).seq for _ in range(MESSAGES)]
+            for i in range(MESSAGES):
+                acks.append(await pub.publish_nowait(topic, PAYLOAD))
+                while i - len(got) > WINDOW:
+                    progress.clear()
+                    await progress.wait()
+            await consumer
             await asyncio.gather(*acks)
         rate = MESSAGES / (time.monotonic() - start)
         assert got == list(range(MESSAGES)) and sub.dropped == 0
@@ -194,6 +215,7 @@ async def test_slow_subscriber_does_not_slow_delivery_to_others(tmp_path: Path, 
     async with LocalCluster(1, coords=CENTRE, resilience=1, tls=False, state_dir=tmp_path, broker_args=args) as c:
         bp = c.nodes[0]
         since = log_size(bp)
+        await _stream(bp.listen, "grid/warm-up/voltage")  # the first stream of a fresh broker is slower
         alone = await _stream(bp.listen, "grid/alone/voltage")
         writer, alive = await _slow_subscriber(bp, "grid/slow/voltage")
         try:
