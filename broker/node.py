@@ -211,6 +211,11 @@ class Broker:
             try:
                 accept = await self._join_via(addr)
             except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+                if self._peer_up.is_set():
+                    # The answer was late (a loaded machine), but the overlay accepted us meanwhile: neighbours
+                    # have linked to this broker.  Asking again elsewhere would only be refused as a duplicate.
+                    self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                    return
                 errors.append(f"{addr}: {exc!r}")
                 continue
             self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
@@ -607,7 +612,7 @@ class Broker:
         known = self.view.nodes.get(node.id)
         # The same broker asking again (its first JOIN's answer was late) is accepted again; another broker
         # with a live broker's id is not.
-        if node.id == self.node_id or (known is not None and known != node):
+        if node.id == self.node_id or (known is not None and tuple(known.coord) != tuple(node.coord)):
             return Refuse("duplicate_node_id", f"node id {node.id} is already in the overlay", join.corr)
         dup = self._duplicate_of(node.id, node.coord)
         if dup is not None:
