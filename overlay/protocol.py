@@ -551,6 +551,29 @@ class StatusReq(Message):
         _check_uint(self.corr, "correlation id", MAX_CORR)
 
 
+@dataclass(frozen=True, slots=True)
+class TopicHeld:
+    """A topic a broker holds, its role there (primary, delegate, secondary, tertiary, home) and its bytes."""
+
+    topic: str
+    role: str
+    size: int
+
+
+def _dec_held(v: Any) -> TopicHeld:
+    items = _dec_list(v)
+    if len(items) != 3:
+        raise ValueError("a held topic is [topic, role, size]")
+    return TopicHeld(_dec_str(items[0]), _dec_str(items[1]), _dec_int(items[2]))
+
+
+register_field_type(
+    "tuple[TopicHeld, ...]",
+    lambda hs: [[h.topic, h.role, h.size] for h in hs],
+    lambda v: tuple(_dec_held(x) for x in _dec_list(v)),
+)
+
+
 @register_message
 @dataclass(frozen=True, slots=True)
 class Status(Message):
@@ -565,9 +588,11 @@ class Status(Message):
     loads: dict[str, int]
     counters: dict[str, int]
     resilience: int
+    held: tuple[TopicHeld, ...] = ()
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_list(self.held, "status held topics")
         _check_list(self.neighbours, "status neighbours")
         _check_list(self.desired, "status desired")
         _check_list(self.topics, "status topics")
