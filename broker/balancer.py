@@ -348,6 +348,10 @@ class Balancer:
         else:
             t_min = smallest_topic(movable)
             chosen = [] if t_min is None else [t_min]
+        if dry_run and all_topics:  # an overview: every topic's decision at once, nothing moves
+            live = [t for t in chosen if self.pubsub.topic_coord(t) is not None]
+            plans.extend(await asyncio.gather(*(self.plan_topic(t, float(movable[t])) for t in live)))
+            return plans
         for topic in chosen:
             if self.pubsub.topic_coord(topic) is None:
                 continue

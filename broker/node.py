@@ -138,6 +138,7 @@ class Broker:
                 resilience=config.resilience,
                 retention=Retention(config.retention_seconds, config.retention_bytes),
                 move_cooldown=config.move_cooldown,
+                space=config.space,
             ),
         )
         self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)

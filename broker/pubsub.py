@@ -39,7 +39,7 @@ from overlay.delegation import (
     TertiaryNote,
     TopicMoved,
 )
-from overlay.geometry import Coord, closest, distance, geohash
+from overlay.geometry import UNIT_SQUARE, Coord, Space, closest, distance, geohash
 from overlay.load import failure_sums, l3_additional
 from overlay.protocol import FrameKind, Message, NodeInfo, RemoteProtocolError, decode_message, encode_message
 from overlay.pubsub import (
@@ -151,6 +151,7 @@ class PubSubConfig:
     move_timeout: float = MOVE_TIMEOUT
     forward_ttl: float = FORWARD_TTL
     move_cooldown: float = MOVE_COOLDOWN
+    space: Space = UNIT_SQUARE
 
 
 @dataclass(slots=True)
@@ -282,6 +283,13 @@ class PubSub:
                 except BadTopic as exc:
                     self._to_local(session, Failed(msg.corr, msg.topic, "bad_topic", str(exc)))
                     return
+                if isinstance(msg, MoveTopic) and not self.config.space.contains(msg.to):
+                    s = self.config.space
+                    text = (
+                        f"({msg.to[0]}, {msg.to[1]}) is outside the space [{s.xmin}, {s.xmax}] x [{s.ymin}, {s.ymax}]"
+                    )
+                    self._to_local(session, Failed(msg.corr, msg.topic, "bad_request", text))
+                    return
                 if isinstance(msg, Subscribe):
                     topics = self._session_topics.setdefault(session, set())
                     if msg.topic in topics:
@@ -319,7 +327,7 @@ class PubSub:
         me = self.ov.me
         h = self._holders.get(topic)
         if (h.rank == 1 and h.coord == coord) if h is not None else self._closest_id(coord) == me.id:
-            self._handle_request(me, session, msg)  # 0 hops: no envelope at all
+            self._handle_request(me, session, msg, coord)  # 0 hops: no envelope at all
         else:
             self._outgoing.setdefault((coord, session), []).append(encode_message(msg))
             self._schedule()

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from client import cli_analysis, cli_overlay, cli_pubsub, demo
+from client import cli_analysis, cli_balance, cli_overlay, cli_pubsub, demo
 from overlay.sim import cli as sim_cli
 
 
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     cli_overlay.register(sub)
     cli_pubsub.register(sub)
+    cli_balance.register(sub)
     sim_cli.register(sub)
     cli_analysis.register(sub)
     return parser

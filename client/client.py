@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import random
@@ -25,8 +26,9 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, Self
 
+from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -433,7 +435,7 @@ class Client:
             case Subscribed():
                 self.topic_coords[m.topic] = m.coord
                 self._resolve(m.corr, m)
-            case Done() | Fetched() | Located() | Failed():
+            case Done() | Fetched() | Located() | Failed() | BalancePlanned():
                 self._resolve(m.corr, m)
             case Ping():
                 if self._conn is not None:
@@ -520,7 +522,7 @@ class Client:
         if conn.buffered > WRITE_HIGH_WATER:
             await conn.drain()
 
-    async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate) -> Message:
+    async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate | MoveTopic | BalancePlan) -> Message:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._requests[msg.corr] = fut
         try:
@@ -691,6 +693,18 @@ class Client:
         reply = await self._request(Locate(next(self._corr), topic))
         assert isinstance(reply, Located)
         return reply
+
+    async def move(self, topic: str, to: tuple[float, float]) -> None:
+        """Move a topic to coordinate `to` now (an operator's delegation); RequestFailed says why not."""
+        validate_topic(topic)
+        reply = await self._request(MoveTopic(next(self._corr), topic, (float(to[0]), float(to[1]))))
+        assert isinstance(reply, Done)
+
+    async def balance_plan(self, all_topics: bool = False) -> list[dict[str, Any]]:
+        """A dry run of the access broker's balancing round: what it would move, and why (nothing moves)."""
+        reply = await self._request(BalancePlan(next(self._corr), all_topics))
+        assert isinstance(reply, BalancePlanned)
+        return [json.loads(p) for p in reply.plans]
 
 
 class _SubscribeCall:
