@@ -73,9 +73,11 @@ async def run_live(
         "--balance-interval", str(args.delta_tau), "--min-gain", "0", "--move-cooldown", str(2 * args.delta_tau),
         "--load-report-interval", "0.5", "--query-timeout", "1.0",
     )  # fmt: skip
+    base: list[dict[str, Any]] = []
     async with LocalCluster(len(coords), coords=coords, resilience=3, state_dir=state, broker_args=flags) as c:
         await c.wait_converged(60.0)
         await asyncio.sleep(1.5)  # first load reports (the brokers' region knowledge) before Alg. 1 runs
+        base = await statuses(c)  # signalling is counted from here on
         started = time.monotonic()
         summary = await run_load(
             [bp.listen for bp in c.nodes], args.topics, LoadModel.HETEROGENEOUS, args.unit_bytes, args.seed,
@@ -98,7 +100,7 @@ async def run_live(
     rounds = elapsed / args.delta_tau
     n = len(coords)
     signalling = {
-        name: counter_sum(sts, name) / rounds / n
+        name: (counter_sum(sts, name) - counter_sum(base, name)) / rounds / n
         for name in ("load_reports_sent", "load_report_bytes", "balance_queries", "balance_query_bytes",
                      "balance_offers", "balance_offer_bytes")
     }  # fmt: skip

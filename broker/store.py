@@ -7,6 +7,7 @@ The stored bytes of a topic are its load L_T(t) (Sec. IV-C1), measured in bytes,
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -124,15 +125,25 @@ class TopicLog:
         new = [m for m in msgs if not self.is_duplicate(m.publisher, m.seq)]
         if not new:
             return 0
-        combined = sorted([*self.messages, *new], key=lambda m: m.ts)
-        self.messages = deque(combined)
-        self.size = sum(m.size for m in combined)
+        if any(new[i].ts > new[i + 1].ts for i in range(len(new) - 1)):
+            new.sort(key=_ts)
+        if not self.messages or new[0].ts > self.messages[-1].ts:
+            # The common case (a replica receiving the primary's next batch): append, no re-sort of history.
+            self.messages.extend(new)
+            self.size += sum(m.size for m in new)
+        else:
+            self.messages = deque(heapq.merge(self.messages, new, key=_ts))
+            self.size = sum(m.size for m in self.messages)
         for m in new:
             if m.seq > self.last_seq.get(m.publisher, -1):
                 self.last_seq[m.publisher] = m.seq
                 self.last_seen[m.publisher] = now
         self.expire(now)
         return len(new)
+
+
+def _ts(m: StoredMessage) -> float:
+    return m.ts
 
 
 class _TsView:

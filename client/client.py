@@ -279,6 +279,7 @@ class Client:
         self._requests: dict[int, asyncio.Future[Message]] = {}
         self._seq: dict[str, int] = {}  # next sequence number per topic
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
+        self._low: dict[str, int] = {}  # topic -> lowest unacknowledged seq (or the next seq if none is)
         self._inflight = asyncio.Semaphore(max_inflight)
         self._subs: dict[str, Subscription] = {}
         self._last_rx = 0.0
@@ -541,16 +542,26 @@ class Client:
         per_topic = self._pending.get(m.topic)
         if not per_topic or m.publisher != self.client_id:
             return
-        # The dict is in sequence order (insertion order, re-sends keep their place): pop from the front.
-        while per_topic:
-            seq = next(iter(per_topic))
-            if seq > m.seq:
-                break
-            p = per_topic.pop(seq)
-            if not p.future.done():
-                p.future.set_result(PublishAck(m.topic, seq, m.ts))
-            self._inflight.release()
+        # Walk up from the lowest unacknowledged number: `next(iter(dict))` after many pops from a dict's front
+        # scans the deleted slots each time, which made long streams quadratic.
+        low = self._low.get(m.topic, 0)
+        while low <= m.seq:
+            p = per_topic.pop(low, None)
+            if p is not None:
+                if not p.future.done():
+                    p.future.set_result(PublishAck(m.topic, low, m.ts))
+                self._inflight.release()
+            low += 1
+        self._low[m.topic] = self._first_pending(m.topic, low)
         self._resend_delay.pop(m.topic, None)  # progress: back to the normal delay
+
+    def _first_pending(self, topic: str, low: int) -> int:
+        """The lowest unacknowledged sequence number of topic at or above low (the next one if none is)."""
+        per_topic = self._pending.get(topic, {})
+        end = self._seq.get(topic, 0)
+        while low < end and low not in per_topic:
+            low += 1
+        return low
 
     def _nacked(self, m: Nack) -> None:
         per_topic = self._pending.get(m.topic, {})
@@ -559,9 +570,12 @@ class Client:
             self._resend_topic(m.topic, from_seq=m.expected)
             return
         p = per_topic.pop(m.seq, None)
-        if p is not None and not p.future.done():
-            p.future.set_exception(RequestFailed(m.code, m.text))
+        if p is not None:
+            if not p.future.done():
+                p.future.set_exception(RequestFailed(m.code, m.text))
             self._inflight.release()
+            if m.seq == self._low.get(m.topic, 0):
+                self._low[m.topic] = self._first_pending(m.topic, m.seq)
 
     async def publish(self, topic: str, payload: bytes | str) -> PublishAck:
         """Publish and wait for the acknowledgement (RequestFailed if refused, TimeoutError if none comes)."""
@@ -583,7 +597,7 @@ class Client:
         seq = self._seq.get(topic, 0)
         self._seq[topic] = seq + 1
         per_topic = self._pending.setdefault(topic, {})
-        base = next(iter(per_topic), seq)  # the lowest unacknowledged sequence number
+        base = self._low.get(topic, 0) if per_topic else seq  # the lowest unacknowledged sequence number
         msg = Publish(topic, self.client_id, seq, data, base)
         fut: asyncio.Future[PublishAck] = asyncio.get_running_loop().create_future()
         per_topic[seq] = _Pending(msg, fut, asyncio.get_running_loop().time())
@@ -613,7 +627,7 @@ class Client:
             return
         per_topic = self._pending.get(topic, {})
         now = asyncio.get_running_loop().time()
-        base = next(iter(per_topic), 0)
+        base = self._low.get(topic, 0)
         for seq in sorted(per_topic):
             if seq < from_seq:
                 continue
@@ -638,7 +652,8 @@ class Client:
             now = loop.time()
             for topic, per_topic in list(self._pending.items()):
                 delay = self._resend_delay.get(topic, self.ack_timeout)
-                if per_topic and per_topic[next(iter(per_topic))].sent_at < now - delay:
+                first = per_topic.get(self._low.get(topic, 0)) if per_topic else None
+                if first is not None and first.sent_at < now - delay:
                     self._resend_delay[topic] = min(delay * 2, MAX_RESEND_DELAY)
                     self._resend_topic(topic)
             if self._conn is not None:
