@@ -70,7 +70,8 @@ async def run_live(
 ) -> dict[str, Any]:
     flags = (
         *BASE_ARGS, "--balance", mode, "--goal", "L3", "--selection", args.selection, "--queries", str(args.queries),
-        "--balance-interval", str(args.delta_tau), "--min-gain", "0", "--move-cooldown", str(2 * args.delta_tau),
+        "--balance-interval", str(args.delta_tau), "--min-gain", str(args.min_gain),
+        "--move-cooldown", str(args.cooldown),
         "--load-report-interval", "0.5", "--query-timeout", "1.0",
     )  # fmt: skip
     base: list[dict[str, Any]] = []
@@ -160,6 +161,8 @@ async def main() -> None:
     ap.add_argument("--delta-tau", type=float, default=0.5)
     ap.add_argument("--settle", type=float, default=90.0, help="longest continuous balancing phase (s)")
     ap.add_argument("--sim-rounds", type=int, default=50)
+    ap.add_argument("--min-gain", type=float, default=0.05, help="hysteresis of the live brokers (fraction)")
+    ap.add_argument("--cooldown", type=float, default=5.0, help="seconds before a topic may move again")
     ap.add_argument("--modes", default="none,addition,continuous")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--state", default="/tmp/sedax-bench-balance")

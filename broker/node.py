@@ -139,6 +139,7 @@ class Broker:
                 retention=Retention(config.retention_seconds, config.retention_bytes),
                 move_cooldown=config.move_cooldown,
                 space=config.space,
+                note_ttl=3 * config.load_report_interval + 1.0,
             ),
         )
         self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)

@@ -152,6 +152,9 @@ class PubSubConfig:
     forward_ttl: float = FORWARD_TTL
     move_cooldown: float = MOVE_COOLDOWN
     space: Space = UNIT_SQUARE
+    # A tertiary forgets a TERTIARY_NOTE this long after it was sent (primaries repeat theirs every load report
+    # interval), so a topic that moved away stops weighing on its former tertiary's L3_N at once.
+    note_ttl: float = 4.0
 
 
 @dataclass(slots=True)
@@ -416,6 +419,7 @@ class PubSub:
             case Activate():
                 self._activate_arrived(msg)
             case Release():
+                self._t3notes.pop(msg.topic, None)
                 h = self._holders.get(msg.topic)
                 if h is not None and _same(h.coord, msg.coord) and h.moving is None and (h.rank != 1 or h.staged):
                     self._drop(h)
@@ -426,7 +430,7 @@ class PubSub:
             case TopicMoved():
                 self._topic_moved_arrived(msg)
             case TertiaryNote():
-                until = self.ov.now() + 30.0
+                until = self.ov.now() + self.config.note_ttl
                 for (topic, n1, n2), size in zip(msg.pairs, msg.sizes, strict=True):
                     self._t3notes[topic] = (n1, n2, size, until)
             case SessionGone():
