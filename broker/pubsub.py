@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Final, Protocol
 
-from broker.store import Retention, StoredMessage, TopicLog, TopicStore
+from broker.store import Retention, TopicLog, TopicStore
 from overlay.delegation import (
     Activate,
     DelegateUpdate,
@@ -595,7 +595,7 @@ class PubSub:
                 h.subscribers[key] = SubRef(access, session)
                 h.meta_dirty = True
                 if req.since is not None:
-                    self._deliver_to([SubRef(access, session)], h.name, [_record(m) for m in h.log.since(req.since)])
+                    self._deliver_to([SubRef(access, session)], h.name, list(h.log.since(req.since)))
                 self._reply(access, [session], Subscribed(req.corr, h.name, h.coord))
                 self._mark(h)
             case Unsubscribe():
@@ -629,7 +629,7 @@ class PubSub:
                     if out and size > MAX_BATCH_BYTES:
                         more = True
                         break
-                    out.append(_record(m))
+                    out.append(m)
                 self._reply(access, [session], Fetched(req.corr, h.name, tuple(out), more))
             case MoveTopic():
                 self.request_move(h.name, req.to, reply=(access, session, req.corr), force=True)
@@ -704,7 +704,7 @@ class PubSub:
         ts = max(now, h.last_ts + TS_EPSILON)
         h.last_ts = ts
         rec = Record(ts, p.publisher, p.seq, p.payload)
-        h.log.append(StoredMessage(ts, p.publisher, p.seq, p.payload), now)
+        h.log.append(rec, now)
         self.counters["published"] += 1
         self.counters["published_bytes"] += len(p.payload)
         self._wait(h, rec, access, session)
@@ -740,7 +740,7 @@ class PubSub:
             h.replica = None
         # A back-fill replaces whatever the secondary had with the whole history; otherwise it merges.
         full = h.backfill
-        records = [_record(m) for m in h.log.messages] if full else list(h.outbox)
+        records = list(h.log.messages) if full else list(h.outbox)
         batches = _chunks(records)
         corr = 0
         for i, batch in enumerate(batches):
@@ -871,7 +871,7 @@ class PubSub:
         if r.full and r.corr not in h.pulling and h.rank != 1:
             h.log.messages.clear()
             h.log.size = 0
-        h.log.merge((StoredMessage(x.ts, x.publisher, x.seq, x.payload) for x in r.records), now)
+        h.log.merge(r.records, now)
         for pub, seq in r.last_seq.items():
             if seq > h.log.last_seq.get(pub, -1):
                 h.log.last_seq[pub] = seq
@@ -917,7 +917,7 @@ class PubSub:
         if h is None or (not h.log.messages and not h.subscribers and not h.log.last_seq):
             self.ov.route(p.origin.coord, Replicated(p.corr, p.topic, self.ov.me.id))
             return
-        batches = _chunks([_record(m) for m in h.log.messages])
+        batches = _chunks(list(h.log.messages))
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             self.ov.route(
@@ -1045,7 +1045,7 @@ class PubSub:
         )
         delivered_upto = h.undelivered[0].ts - TS_EPSILON / 2 if h.undelivered else h.last_ts
         dl = (*h.delegates, Delegation(mv.to, self.ov.now()))
-        batches = _chunks([_record(m) for m in h.log.messages])
+        batches = _chunks(list(h.log.messages))
         me = self.ov.me
         for i, batch in enumerate(batches):
             final = i == len(batches) - 1
@@ -1082,7 +1082,7 @@ class PubSub:
             h.waiter_max.clear()
             h.undelivered.clear()
             h.queued.clear()
-        h.log.merge((StoredMessage(x.ts, x.publisher, x.seq, x.payload) for x in r.records), now)
+        h.log.merge(r.records, now)
         for pub, seq in r.last_seq.items():
             if seq > h.log.last_seq.get(pub, -1):
                 h.log.last_seq[pub] = seq
@@ -1096,7 +1096,7 @@ class PubSub:
         if not r.corr:
             return  # a leading chunk; the final one carries the corr, the waiters and the delivery mark
         h.staged = _Staged(r.origin, r.corr, now, r.waiters)
-        h.undelivered = [_record(m) for m in h.log.since(r.delivered_upto)]
+        h.undelivered = list(h.log.since(r.delivered_upto))
         h.backfill = True
         h.replica = None
         h.inflight = None
@@ -1329,7 +1329,7 @@ class PubSub:
 
     def _redeliver(self, h: _Holder) -> None:
         window = h.last_ts - self.config.redeliver_window
-        self._deliver_to(h.subscribers.values(), h.name, [_record(m) for m in h.log.since(window)])
+        self._deliver_to(h.subscribers.values(), h.name, list(h.log.since(window)))
 
     # ---- time ------------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -1447,10 +1447,6 @@ class PubSub:
 
 def _same(a: Coord, b: Coord) -> bool:
     return distance(a, b) < SAME_COORD
-
-
-def _record(m: StoredMessage) -> Record:
-    return Record(m.ts, m.publisher, m.seq, m.payload)
 
 
 def _byte_chunks(items: list[bytes]) -> list[list[bytes]]:

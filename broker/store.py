@@ -11,11 +11,10 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias
 
-# Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
-# plus the id's length is what those cost in the msgpack form used for replication, so L_T(t) counts them.
-MESSAGE_OVERHEAD: Final = 24
+from overlay.pubsub import Record
+
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
 # are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
 PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
@@ -43,19 +42,8 @@ class Retention:
             raise ValueError(f"retention max_bytes must be at least 1, got {self.max_bytes}")
 
 
-@dataclass(frozen=True, slots=True)
-class StoredMessage:
-    """One published message as the primary stored it."""
-
-    ts: float  # the primary's clock when it stored the message; FETCH since T compares against it
-    publisher: str
-    seq: int
-    payload: bytes
-
-    @property
-    def size(self) -> int:
-        """Bytes this message adds to L_T(t)."""
-        return len(self.payload) + len(self.publisher) + MESSAGE_OVERHEAD
+# A stored message is the wire's Record: one object from PUBLISH to store, replication and delivery.
+StoredMessage: TypeAlias = Record
 
 
 @dataclass(frozen=True, slots=True)

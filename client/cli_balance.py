@@ -16,9 +16,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from broker.store import MESSAGE_OVERHEAD
 from client.cli_pubsub import EXIT_FAILED, EXIT_USAGE, _err, add_broker_flag, brokers_arg
 from client.client import Client, ClientError, PublishAck
+from overlay.pubsub import MESSAGE_OVERHEAD
 from overlay.sim.experiments import LoadModel, static_topic_loads
 from overlay.topics import BadTopic, validate_topic
 

@@ -66,9 +66,14 @@ def _check_ts(ts: float, what: str) -> None:
         raise LocalProtocolError(f"{what} must be a finite number of seconds, got {ts}")
 
 
+# Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
+# plus the id's length is what those cost in the msgpack form used for replication, so L_T(t) counts them.
+MESSAGE_OVERHEAD: Final = 24
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One stored message as it travels in FETCH answers, replication and hand-over."""
+    """One stored message: as a broker keeps it, and as it travels in FETCH answers, replication, hand-over."""
 
     ts: float
     publisher: str
@@ -78,6 +83,11 @@ class Record:
     def __post_init__(self) -> None:
         _check_ts(self.ts, "record timestamp")
         _check_publisher(self.publisher, self.seq)
+
+    @property
+    def size(self) -> int:
+        """Bytes this message adds to its topic's load L_T(t)."""
+        return len(self.payload) + len(self.publisher) + MESSAGE_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
