@@ -277,6 +277,7 @@ class Client:
         self._tasks: set[asyncio.Task[None]] = set()
         self._corr = itertools.count(1)
         self._requests: dict[int, asyncio.Future[Message]] = {}
+        self._request_msgs: dict[int, Message] = {}  # the requests of _requests, to re-send after a reconnect
         self._seq: dict[str, int] = {}  # next sequence number per topic
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
         self._low: dict[str, int] = {}  # topic -> lowest unacknowledged seq (or the next seq if none is)
@@ -491,10 +492,18 @@ class Client:
 
     async def _restore(self) -> None:
         """After a reconnect: re-subscribe from the last delivered timestamp, re-send unacknowledged publishes."""
+        # Requests whose answer died with the old connection go out again (all are safe to repeat); their
+        # callers are still waiting, within their own time-out.  A pending SUBSCRIBE re-subscribes its topic.
+        pending = [m for corr, m in self._request_msgs.items() if corr in self._requests]
+        subscribing = {m.topic for m in pending if isinstance(m, Subscribe)}
         for sub in list(self._subs.values()):
-            if not sub.closed:
+            if not sub.closed and sub.topic not in subscribing:
                 self._spawn(self._resubscribe(sub))
         self._resend_all()
+        conn = self._conn
+        if conn is not None:
+            for msg in pending:
+                conn.send(encode_control(msg))
 
     async def _resubscribe(self, sub: Subscription) -> None:
         try:
@@ -526,12 +535,14 @@ class Client:
     async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate | MoveTopic | BalancePlan) -> Message:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._requests[msg.corr] = fut
+        self._request_msgs[msg.corr] = msg
         try:
             await self._send(msg)
             async with asyncio.timeout(self.request_timeout):
                 reply = await fut
         finally:
             self._requests.pop(msg.corr, None)
+            self._request_msgs.pop(msg.corr, None)
         if isinstance(reply, Failed):
             raise RequestFailed(reply.code, reply.text)
         return reply
