@@ -27,7 +27,9 @@ from dataclasses import replace
 from typing import Final
 
 from broker.config import BrokerConfig
+from broker.eventlog import EventLog
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
+from broker.metrics import BrokerStats, MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
@@ -91,6 +93,10 @@ class JoinFailed(ConnectionError):
     """No join address answered; start the first broker without --join or check the addresses."""
 
 
+class StartFailed(RuntimeError):
+    """The broker could not open its metrics endpoint or its log; the message says which and why."""
+
+
 class Broker:
     """A broker process's state and behaviour; the `LinkHandler` of all its links."""
 
@@ -109,6 +115,8 @@ class Broker:
         self.dropped_bad_body = 0
         self.dropped_no_route = 0
         self.failures_detected = 0
+        self.forwarded_bytes = 0
+        self.joins_accepted = 0
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._advertised: frozenset[str] = frozenset()
         self._pending: dict[int, tuple[PeerLink, int]] = {}
@@ -135,6 +143,11 @@ class Broker:
                 retention=Retention(config.retention_seconds, config.retention_bytes),
             ),
         )
+        # Observability (docs/metrics.md, docs/logs.md): the endpoint and the log are opened in start().
+        self.stats = BrokerStats()
+        self.metrics: MetricsServer | None = None
+        self.eventlog: EventLog | None = None
+        self.pubsub.event = self.event
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -148,6 +161,7 @@ class Broker:
         self.view = NeighbourView(self.info)
         self.port.refresh()
         self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
+        await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
     def _new_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, outbound: bool) -> PeerLink:
@@ -179,6 +193,7 @@ class Broker:
         if self._closing:
             return
         self._closing = True
+        self.event("leave")
         if self._reconcile_handle is not None:
             self._reconcile_handle.cancel()
         if self._server is not None:
@@ -196,6 +211,7 @@ class Broker:
         except TimeoutError:
             self.log.warning("links did not drain within %.1f s; closing anyway", self.config.drain_timeout)
         await self.tasks.cancel_all("broker shut down")
+        await self._stop_observability()
         self.log.info("left the overlay")
 
     # ------------------------------------------------------------------------------------------------ join
@@ -214,6 +230,7 @@ class Broker:
                 errors.append(f"{addr}: {exc!r}")
                 continue
             self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
+            self.event("join", peer=accept.node.id)
             self.view.add_candidates([accept.node, *accept.neighbours])
             self._reconcile()
             try:
@@ -340,7 +357,10 @@ class Broker:
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
             case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() if link.role == "client":
-                self.pubsub.client_message(self._session(link), msg)
+                sid = self._session(link)
+                if type(msg) is Publish:  # metrics: publish-to-ACK latency
+                    self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
+                self.pubsub.client_message(sid, msg)
                 self._dirty.add(link)
             case _:
                 raise RemoteProtocolError(f"{msg.op} is not expected from a {link.role} link")
@@ -366,6 +386,7 @@ class Broker:
         sid = self._session_of.pop(link, None)
         if sid is not None:
             del self.sessions[sid]
+            self.stats.acks.session_closed(sid)
             if not self._closing:
                 self.pubsub.session_closed(sid)
         if self._pending:
@@ -379,6 +400,7 @@ class Broker:
             return
         if reason.is_failure:
             self.failures_detected += 1
+            self._note_failure(pid)
             self._failed_since_view.add(pid)
             self.log.warning("neighbour %s lost (%s: %s); healing", pid, reason.value, detail)
             self.view.forget(pid, self._now(), self.config.tombstone_ttl)
@@ -451,6 +473,8 @@ class Broker:
             for link in self.peers.values():
                 if link.established:
                     link.write(data)
+        if self.stats.healing_since is not None:
+            self._check_healed(frozen)
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
@@ -509,6 +533,7 @@ class Broker:
             self.dropped_no_route += 1
             return
         self.forwarded += 1
+        self.forwarded_bytes += len(frame.body)
         self._dirty.add(out)
 
     def _trace(self, body: bytes) -> bytes | None:
@@ -548,6 +573,7 @@ class Broker:
 
     def _handle_delivered(self, msg: Message, hops: int) -> None:
         self.delivered += 1
+        self.stats.hops.observe(hops)
         match msg:
             case Join(origin=NodeInfo() as origin):
                 self._send_routed(origin.coord, self._answer_join(msg))
@@ -615,6 +641,7 @@ class Broker:
         if not self.config.space.contains(node.coord):
             return Refuse("coordinate_outside_space", self._outside_text(node.coord), join.corr)
         self.log.info("accepting %s at (%s, %s)", node.id, *node.coord)
+        self.joins_accepted += 1
         neighbours = tuple(self.view.infos(self.peers))
         self.view.add_candidates([node])
         self._schedule_reconcile()
@@ -645,6 +672,83 @@ class Broker:
             counters=counters,
             resilience=self.config.resilience,
         )
+
+    # ------------------------------------------------------------------------------------ observability
+
+    async def _start_observability(self) -> None:
+        c = self.config
+        if c.metrics is not None:
+            self.metrics = MetricsServer(self)
+            try:
+                address = await self.metrics.start(c.metrics)
+            except OSError as exc:
+                raise StartFailed(f"cannot serve metrics on {c.metrics}: {exc.strerror or exc}") from None
+            self.log.info("metrics at http://%s/metrics", address)
+        if c.log_dir is not None:
+            try:
+                self.eventlog = EventLog(c, self.node_id)
+            except OSError as exc:
+                raise StartFailed(f"cannot write the metrics log in {c.log_dir}: {exc.strerror or exc}") from None
+            self.tasks.spawn(self.eventlog.snapshots(self), "log-snapshots")
+            self.log.info("metrics log %s, a snapshot every %s s", self.eventlog.path, c.log_interval)
+
+    async def _stop_observability(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.close()
+        if self.eventlog is not None:
+            self.eventlog.close()
+            self.eventlog = None
+
+    def event(
+        self,
+        kind: str,
+        *,
+        topic: str | None = None,
+        load: float | None = None,
+        frm: Coord | None = None,
+        to: Coord | None = None,
+        peer: str | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        """Record an event in the metrics log (docs/logs.md), if there is one.
+
+        kind: join, leave, failure, heal, takeover, delegation, move, retire; load in bytes for delegation
+        and move (it feeds V_ML, eq. 13); frm/to the old and new topic coordinate.
+        """
+        if self.eventlog is not None:
+            self.eventlog.event(kind, topic=topic, load=load, frm=frm, to=to, peer=peer, seconds=seconds)
+
+    def counter_values(self) -> dict[str, int]:
+        """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
+        return {
+            "forwarded": self.forwarded,
+            "forwarded_bytes": self.forwarded_bytes,
+            "routed_delivered": self.delivered,
+            "dropped_hop_limit": self.dropped_hop_limit,
+            "dropped_bad_body": self.dropped_bad_body,
+            "dropped_no_route": self.dropped_no_route,
+            "failures_detected": self.failures_detected,
+            "joins_accepted": self.joins_accepted,
+            **self.pubsub.counters,
+        }
+
+    def _note_failure(self, peer: str) -> None:
+        self.event("failure", peer=peer)
+        if self.stats.healing_since is None:
+            self.stats.healing_since = self._now()
+
+    def _check_healed(self, desired: frozenset[str]) -> None:
+        # Healed: every desired (Delaunay) neighbour, as this broker now sees them, is linked again.
+        for nid in desired:
+            link = self.peers.get(nid)
+            if link is None or not link.established:
+                return
+        since, self.stats.healing_since = self.stats.healing_since, None
+        if since is not None:
+            seconds = self._now() - since
+            self.stats.heal.observe(seconds)
+            self.event("heal", seconds=seconds)
+            self.log.info("overlay healed around the failure in %.3f s", seconds)
 
 
 class _PubSubPort:
@@ -677,6 +781,8 @@ class _PubSubPort:
             return False
         link.write(frame)
         self._b._dirty.add(link)
+        if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
+            self._b.stats.acks.frame(session, frame)
         return True
 
     def now(self) -> float:

@@ -193,6 +193,8 @@ class PubSub:
             "replicated_batches": 0,
             "lost": 0,
         }
+        # Observability: events for the metrics log (the broker sets Broker.event; docs/logs.md).
+        self.event: Callable[..., None] = _no_event
 
     # ================================================================ access side (local client sessions)
     def client_message(self, session: str, msg: Message) -> None:
@@ -742,6 +744,7 @@ class PubSub:
 
     def _take_over(self, h: _Holder) -> None:
         self.counters["takeovers"] += 1
+        self.event("takeover", topic=h.name)
         log.info("taking over topic %s (%d messages, %d subscribers)", h.name, len(h.log.messages), len(h.subscribers))
         # The other holders may know more than we do (the dead primary may have replicated to a secondary
         # that our view did not rank second at the time): merge their copies first, like a returning primary
@@ -790,6 +793,10 @@ class PubSub:
                 ranked = self._ranked(h.coord)
                 t3.append((ranked[0].id, ranked[1].id, float(h.log.size)))
         return {"L1": l1, "L2": l2, "L3": l2 + int(l3_additional(failure_sums(t3)))}
+
+
+def _no_event(kind: str, **fields: object) -> None:
+    """Events go nowhere unless the broker connects its metrics log."""
 
 
 def _record(m: StoredMessage) -> Record:
