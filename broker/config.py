@@ -19,10 +19,17 @@ from typing import Any, Final
 from broker.flags import add_broker_arguments
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
 from overlay.protocol import MAX_HOP_LIMIT, parse_address
+from overlay.sim.simlog import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 
 __all__ = ["BrokerConfig", "ConfigError", "add_broker_arguments", "build_config", "config_from_args"]
 
 ENV_PREFIX: Final = "SEDAX_"
+# Snapshots more often than this would make the log the broker's main work; rarer than an hour, useless.
+MIN_LOG_INTERVAL: Final = 0.05
+MAX_LOG_INTERVAL: Final = 3600.0
+# One snapshot line must fit a file, or every write would rotate.
+MIN_LOG_BYTES: Final = 64 * 1024
+MAX_RUN_LEN: Final = 128
 
 
 class ConfigError(ValueError):
@@ -45,7 +52,12 @@ class BrokerConfig:
         retention_seconds: how long a broker keeps published messages of a topic.
         retention_bytes: how many bytes per topic it keeps at most (oldest dropped first).
         metrics: "host:port" for the Prometheus endpoint, or None.
-        log_dir: directory for persistent logs, or None.
+        log_dir: directory for the exported metrics log (docs/logs.md), or None for no log.
+        log_interval: seconds between the broker's snapshots in that log; snapshot `step` is the number of
+            whole intervals since the Unix epoch, so brokers with the same interval share step numbers.
+        log_max_bytes: size at which the log file is rotated.
+        log_keep: log files kept, the current one included.
+        log_run: the `run` field of the records: one name for all brokers of one cluster lifetime.
         heartbeat_interval: seconds between PINGs on an idle link.
         heartbeat_misses: a link silent for this many intervals is declared dead (3 x 0.2 s = 0.6 s, well
             under the one-second failover goal).
@@ -84,6 +96,10 @@ class BrokerConfig:
     retention_bytes: int = 64 << 20
     metrics: str | None = None
     log_dir: str | None = None
+    log_interval: float = 5.0
+    log_max_bytes: int = DEFAULT_MAX_BYTES
+    log_keep: int = DEFAULT_KEEP
+    log_run: str = "cluster"
     heartbeat_interval: float = 0.2
     heartbeat_misses: int = 3
     hello_timeout: float = 2.0
@@ -164,6 +180,16 @@ class BrokerConfig:
             raise ConfigError(f"min_gain must be a fraction in [0, 1), got {self.min_gain}")
         if self.max_move_bytes < 0:
             raise ConfigError(f"max_move_bytes must be >= 0, got {self.max_move_bytes}")
+        if not (math.isfinite(self.log_interval) and MIN_LOG_INTERVAL <= self.log_interval <= MAX_LOG_INTERVAL):
+            raise ConfigError(
+                f"log_interval must be {MIN_LOG_INTERVAL}..{MAX_LOG_INTERVAL} seconds, got {self.log_interval}"
+            )
+        if self.log_max_bytes < MIN_LOG_BYTES:
+            raise ConfigError(f"log_max_bytes must be at least {MIN_LOG_BYTES}, got {self.log_max_bytes}")
+        if self.log_keep < 1:
+            raise ConfigError(f"log_keep must be at least 1 (the current file), got {self.log_keep}")
+        if not (0 < len(self.log_run) <= MAX_RUN_LEN and self.log_run.isprintable()):
+            raise ConfigError(f"log_run must be 1..{MAX_RUN_LEN} printable characters, got {self.log_run!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
@@ -254,7 +280,17 @@ def _to_opt_str(name: str, value: object) -> str | None:
 
 
 _INT_FIELDS: Final = frozenset(
-    {"resilience", "heartbeat_misses", "max_hops", "retention_bytes", "queries", "hops", "max_move_bytes"}
+    {
+        "resilience",
+        "heartbeat_misses",
+        "max_hops",
+        "retention_bytes",
+        "queries",
+        "hops",
+        "max_move_bytes",
+        "log_max_bytes",
+        "log_keep",
+    }
 )
 _FLOAT_FIELDS: Final = frozenset(
     {
@@ -271,6 +307,7 @@ _FLOAT_FIELDS: Final = frozenset(
         "move_cooldown",
         "load_report_interval",
         "query_timeout",
+        "log_interval",
     }
 )
 FIELD_NAMES: Final = tuple(f.name for f in fields(BrokerConfig))
@@ -295,7 +332,7 @@ def _convert_one(name: str, value: object) -> object:
         return _to_float(name, value)
     if name in ("metrics", "log_dir", "node_id", "advertise"):
         return _to_opt_str(name, value)
-    if name in ("listen", "log_level", "balance", "goal", "selection"):
+    if name in ("listen", "log_level", "balance", "goal", "selection", "log_run"):
         return _to_str(name, value)
     raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
 

@@ -29,7 +29,9 @@ from typing import Final
 
 from broker.balancer import Balancer
 from broker.config import BrokerConfig
+from broker.eventlog import EventLog
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
+from broker.metrics import BrokerStats, MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
@@ -95,6 +97,10 @@ class JoinFailed(ConnectionError):
     """No join address answered; start the first broker without --join or check the addresses."""
 
 
+class StartFailed(RuntimeError):
+    """The broker could not open its metrics endpoint or its log; the message says which and why."""
+
+
 class Broker:
     """A broker process's state and behaviour; the `LinkHandler` of all its links."""
 
@@ -113,6 +119,8 @@ class Broker:
         self.dropped_bad_body = 0
         self.dropped_no_route = 0
         self.failures_detected = 0
+        self.forwarded_bytes = 0
+        self.joins_accepted = 0
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._advertised: frozenset[str] = frozenset()
         self._pending: dict[int, tuple[PeerLink, int]] = {}
@@ -142,8 +150,12 @@ class Broker:
                 note_ttl=3 * config.load_report_interval + 1.0,
             ),
         )
+        # Observability (docs/metrics.md, docs/logs.md): the endpoint and the log are opened in start().
+        self.stats = BrokerStats()
+        self.metrics: MetricsServer | None = None
+        self.eventlog: EventLog | None = None
+        self.pubsub.event = self.event
         self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)
-        self.pubsub.on_event = self._pubsub_event
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -158,6 +170,7 @@ class Broker:
         self.port.refresh()
         self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
         self.balancer.start(self._now)
+        await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
     def _new_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, outbound: bool) -> PeerLink:
@@ -189,6 +202,7 @@ class Broker:
         if self._closing:
             return
         self._closing = True
+        self.event("leave")
         if self._reconcile_handle is not None:
             self._reconcile_handle.cancel()
         if self._server is not None:
@@ -206,6 +220,7 @@ class Broker:
         except TimeoutError:
             self.log.warning("links did not drain within %.1f s; closing anyway", self.config.drain_timeout)
         await self.tasks.cancel_all("broker shut down")
+        await self._stop_observability()
         self.log.info("left the overlay")
 
     # ------------------------------------------------------------------------------------------------ join
@@ -229,6 +244,7 @@ class Broker:
                 errors.append(f"{addr}: {exc!r}")
                 continue
             self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
+            self.event("join", peer=accept.node.id)
             self.view.add_candidates([accept.node, *accept.neighbours])
             self._reconcile()
             try:
@@ -355,7 +371,10 @@ class Broker:
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
             case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() | MoveTopic() if link.role == "client":
-                self.pubsub.client_message(self._session(link), msg)
+                sid = self._session(link)
+                if type(msg) is Publish:  # metrics: publish-to-ACK latency
+                    self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
+                self.pubsub.client_message(sid, msg)
                 self._dirty.add(link)
             case LoadReport() if link.role == "broker":
                 if current:
@@ -379,9 +398,6 @@ class Broker:
             texts = tuple(json.dumps(p) for p in plans[:1000])
             link.send_nowait(BalancePlanned(corr, texts))
 
-    def _pubsub_event(self, kind: str, fields: dict[str, object]) -> None:
-        self.log.info("event %s %s", kind, json.dumps(fields))
-
     async def _pubsub_ticker(self) -> None:
         while not self._closing:
             await asyncio.sleep(PUBSUB_TICK)
@@ -395,6 +411,7 @@ class Broker:
         sid = self._session_of.pop(link, None)
         if sid is not None:
             del self.sessions[sid]
+            self.stats.acks.session_closed(sid)
             if not self._closing:
                 self.pubsub.session_closed(sid)
         if self._pending:
@@ -408,6 +425,7 @@ class Broker:
             return
         if reason.is_failure:
             self.failures_detected += 1
+            self._note_failure(pid)
             self._failed_since_view.add(pid)
             self.log.warning("neighbour %s lost (%s: %s); healing", pid, reason.value, detail)
             self.view.forget(pid, self._now(), self.config.tombstone_ttl)
@@ -480,6 +498,8 @@ class Broker:
             for link in self.peers.values():
                 if link.established:
                     link.write(data)
+        if self.stats.healing_since is not None:
+            self._check_healed(frozen)
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
@@ -538,6 +558,7 @@ class Broker:
             self.dropped_no_route += 1
             return
         self.forwarded += 1
+        self.forwarded_bytes += len(frame.body)
         self._dirty.add(out)
 
     def _trace(self, body: bytes) -> bytes | None:
@@ -577,6 +598,7 @@ class Broker:
 
     def _handle_delivered(self, msg: Message, hops: int) -> None:
         self.delivered += 1
+        self.stats.hops.observe(hops)
         match msg:
             case Join(origin=NodeInfo() as origin):
                 self._send_routed(origin.coord, self._answer_join(msg))
@@ -648,6 +670,7 @@ class Broker:
         if not self.config.space.contains(node.coord):
             return Refuse("coordinate_outside_space", self._outside_text(node.coord), join.corr)
         self.log.info("accepting %s at (%s, %s)", node.id, *node.coord)
+        self.joins_accepted += 1
         neighbours = tuple(self.view.infos(self.peers))
         self.view.add_candidates([node])
         self._schedule_reconcile()
@@ -682,6 +705,84 @@ class Broker:
             held=tuple(TopicHeld(name, role, size) for name, role, size in held[:1000]),
         )
 
+    # ------------------------------------------------------------------------------------ observability
+
+    async def _start_observability(self) -> None:
+        c = self.config
+        if c.metrics is not None:
+            self.metrics = MetricsServer(self)
+            try:
+                address = await self.metrics.start(c.metrics)
+            except OSError as exc:
+                raise StartFailed(f"cannot serve metrics on {c.metrics}: {exc.strerror or exc}") from None
+            self.log.info("metrics at http://%s/metrics", address)
+        if c.log_dir is not None:
+            try:
+                self.eventlog = EventLog(c, self.node_id)
+            except OSError as exc:
+                raise StartFailed(f"cannot write the metrics log in {c.log_dir}: {exc.strerror or exc}") from None
+            self.tasks.spawn(self.eventlog.snapshots(self), "log-snapshots")
+            self.log.info("metrics log %s, a snapshot every %s s", self.eventlog.path, c.log_interval)
+
+    async def _stop_observability(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.close()
+        if self.eventlog is not None:
+            self.eventlog.close()
+            self.eventlog = None
+
+    def event(
+        self,
+        kind: str,
+        *,
+        topic: str | None = None,
+        load: float | None = None,
+        frm: Coord | None = None,
+        to: Coord | None = None,
+        peer: str | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        """Record an event in the metrics log (docs/logs.md), if there is one.
+
+        kind: join, leave, failure, heal, takeover, delegation, move, retire; load in bytes for delegation
+        and move (it feeds V_ML, eq. 13); frm/to the old and new topic coordinate.
+        """
+        if self.eventlog is not None:
+            self.eventlog.event(kind, topic=topic, load=load, frm=frm, to=to, peer=peer, seconds=seconds)
+
+    def counter_values(self) -> dict[str, int]:
+        """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
+        return {
+            "forwarded": self.forwarded,
+            "forwarded_bytes": self.forwarded_bytes,
+            "routed_delivered": self.delivered,
+            "dropped_hop_limit": self.dropped_hop_limit,
+            "dropped_bad_body": self.dropped_bad_body,
+            "dropped_no_route": self.dropped_no_route,
+            "failures_detected": self.failures_detected,
+            "joins_accepted": self.joins_accepted,
+            **self.pubsub.counters,
+            **self.balancer.counters,
+        }
+
+    def _note_failure(self, peer: str) -> None:
+        self.event("failure", peer=peer)
+        if self.stats.healing_since is None:
+            self.stats.healing_since = self._now()
+
+    def _check_healed(self, desired: frozenset[str]) -> None:
+        # Healed: every desired (Delaunay) neighbour, as this broker now sees them, is linked again.
+        for nid in desired:
+            link = self.peers.get(nid)
+            if link is None or not link.established:
+                return
+        since, self.stats.healing_since = self.stats.healing_since, None
+        if since is not None:
+            seconds = self._now() - since
+            self.stats.heal.observe(seconds)
+            self.event("heal", seconds=seconds)
+            self.log.info("overlay healed around the failure in %.3f s", seconds)
+
 
 class _PubSubPort:
     """The broker as the pub/sub layer sees it (broker.pubsub.Overlay)."""
@@ -713,6 +814,8 @@ class _PubSubPort:
             return False
         link.write(frame)
         self._b._dirty.add(link)
+        if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
+            self._b.stats.acks.frame(session, frame)
         return True
 
     def now(self) -> float:

@@ -250,9 +250,8 @@ class PubSub:
         self._t3notes: dict[str, tuple[str, str, float, float]] = {}  # tertiary: topic -> (N1, N2, size, until)
         self._lease_waits: dict[int, str] = {}  # lease corr -> topic
         # Set by the broker: Alg. 1 placement of a new topic (topic, done callback with the chosen coordinate or
-        # None) and an event sink for the metrics log.
+        # None).
         self.placer: Callable[[str, Callable[[Coord | None], None]], None] | None = None
-        self.on_event: Callable[[str, dict[str, object]], None] | None = None
         self.counters: dict[str, int] = {
             "published": 0,
             "published_bytes": 0,
@@ -270,6 +269,8 @@ class PubSub:
             "delegations": 0,
             "forwarded_requests": 0,
         }
+        # Observability: events for the metrics log (the broker sets Broker.event; docs/logs.md).
+        self.event: Callable[..., None] = _no_event
 
     # ================================================================ access side (local client sessions)
     def client_message(self, session: str, msg: Message) -> None:
@@ -560,7 +561,7 @@ class PubSub:
             dl = [Delegation(h.home, 0.0), Delegation(coord, now)]
             self._set_delegates(topic, dl)
             self.counters["delegations"] += 1
-            self._event("delegation", topic=topic, load=0.0, frm=list(h.home), to=list(coord))
+            self.event("delegation", topic=topic, load=0.0, frm=h.home, to=coord)
             queued, h.queued = h.queued, []
             self._drop(h)
             for access, session, req in queued:
@@ -581,10 +582,6 @@ class PubSub:
         if self._holders.get(h.name) is h:
             del self._holders[h.name]
             self.store.drop(h.name)
-
-    def _event(self, kind: str, **fields: object) -> None:
-        if self.on_event is not None:
-            self.on_event(kind, fields)
 
     def _serve(self, h: _Holder, access: NodeInfo, session: str, req: Message) -> None:
         match req:
@@ -1134,7 +1131,7 @@ class PubSub:
         self._release_old(h.name, old, mv.to)
         self.counters["moves"] += 1
         self.counters["moved_bytes"] += size
-        self._event("move", topic=h.name, load=float(size), frm=list(old), to=list(mv.to))
+        self.event("move", topic=h.name, load=float(size), frm=old, to=mv.to)
         log.info("moved topic %s (%d bytes) from (%.4f, %.4f) to (%.4f, %.4f)", h.name, size, *old, *mv.to)
         if mv.reply is not None:
             self._reply(mv.reply[0], [mv.reply[1]], Done(mv.reply[2]))
@@ -1166,7 +1163,7 @@ class PubSub:
         h.outbox = list(h.undelivered)
         h.meta_dirty = True
         self.counters["moves"] += 1
-        self._event("move", topic=h.name, load=0.0, frm=list(old), to=list(mv.to))
+        self.event("move", topic=h.name, load=0.0, frm=old, to=mv.to)
         if mv.reply is not None:
             self._reply(mv.reply[0], [mv.reply[1]], Done(mv.reply[2]))
         self._release_queue(h)
@@ -1318,6 +1315,7 @@ class PubSub:
 
     def _take_over(self, h: _Holder) -> None:
         self.counters["takeovers"] += 1
+        self.event("takeover", topic=h.name)
         log.info("taking over topic %s (%d messages, %d subscribers)", h.name, len(h.log.messages), len(h.subscribers))
         # The other holders may know more than we do (the dead primary may have replicated to a secondary
         # that our view did not rank second at the time): merge their copies first, like a returning primary
@@ -1447,6 +1445,10 @@ class PubSub:
 
 def _same(a: Coord, b: Coord) -> bool:
     return distance(a, b) < SAME_COORD
+
+
+def _no_event(kind: str, **fields: object) -> None:
+    """Events go nowhere unless the broker connects its metrics log."""
 
 
 def _byte_chunks(items: list[bytes]) -> list[list[bytes]]:
