@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,7 +127,10 @@ async def _cluster_up(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     if (state_dir / "cluster.json").exists():
         return _fail(f"{state_dir}/cluster.json exists: run `sedax cluster down --state-dir {state_dir}` first")
-    cluster = LocalCluster(n, seed=args.seed, coords=coords, resilience=args.resilience, state_dir=state_dir)
+    extra = shlex.split(args.broker_args) if args.broker_args else []
+    cluster = LocalCluster(
+        n, seed=args.seed, coords=coords, resilience=args.resilience, state_dir=state_dir, broker_args=tuple(extra)
+    )
     try:
         await cluster.start()
         took = await cluster.wait_converged(args.timeout)
@@ -195,6 +199,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--state-dir", dest="state_dir", default=DEFAULT_STATE_DIR, help="logs and state file")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for convergence (up)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
+    p.add_argument(
+        "--broker-args", dest="broker_args", metavar="FLAGS", help='flags for every broker, e.g. "--balance combined"'
+    )
     p.set_defaults(func=_cmd_cluster)
 
 
