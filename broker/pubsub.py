@@ -423,7 +423,10 @@ class PubSub:
                 self._t3notes.pop(msg.topic, None)
                 h = self._holders.get(msg.topic)
                 if h is not None and _same(h.coord, msg.coord) and h.moving is None and (h.rank != 1 or h.staged):
-                    self._drop(h)
+                    if h.staged is not None:
+                        self._drop_staged(h)
+                    else:
+                        self._drop(h)
             case DelegateUpdate():
                 self._delegate_update_arrived(msg)
             case DelegateUpdated():
@@ -510,8 +513,8 @@ class PubSub:
         if self._start_pull(h):
             h.queued.append((access, session, req))  # served once the previous holders answered
             return
-        if self._maybe_place(h):
-            h.queued.append((access, session, req))
+        if isinstance(req, (Publish, Subscribe)) and self._maybe_place(h):
+            h.queued.append((access, session, req))  # a new topic: Alg. 1 decides where it lives first
             return
         self._serve(h, access, session, req)
 
@@ -947,8 +950,8 @@ class PubSub:
         took_over, h.takeover = h.takeover, False
         if took_over:
             self._redeliver(h)
-        elif self._maybe_place(h):
-            return  # Alg. 1 decides where the new topic lives; requests wait for it
+        elif any(isinstance(r, (Publish, Subscribe)) for _, _, r in h.queued) and self._maybe_place(h):
+            return  # a new topic: Alg. 1 decides where it lives; requests wait for it
         queued, h.queued = h.queued, []
         for access, session, req in queued:
             self._serve(h, access, session, req)
@@ -1102,6 +1105,16 @@ class PubSub:
         h.meta_dirty = True
         h.pulling.clear()
         self._flush(h)
+
+    def _drop_staged(self, h: _Holder) -> None:
+        """A hand-over that will not be activated: drop it here and at the replicas it was copied to."""
+        queued, h.queued = h.queued, []
+        me = self.ov.me
+        for n in self._ranked(h.coord)[1:]:
+            self.ov.route(n.coord, Release(h.name, h.coord, me))
+        self._drop(h)
+        for access, session, req in queued:
+            self._forward_request(access, session, req, h.home, via_home=False)
 
     def _staged_ready(self, h: _Holder) -> None:
         """New primary: the replica caught up with the hand-over, so the old primary may let go."""
@@ -1350,10 +1363,7 @@ class PubSub:
                 self._abort_move(h, f"no confirmation from the new coordinate within {self.config.move_timeout:.1f} s")
             if h.staged is not None and now - h.staged.since > 2 * self.config.move_timeout + 1.0:
                 log.warning("hand-over of %s from %s never activated; dropping it", h.name, h.staged.origin.id)
-                queued, h.queued = h.queued, []
-                self._drop(h)
-                for access, session, req in queued:
-                    self._forward_request(access, session, req, h.home, via_home=False)
+                self._drop_staged(h)
         for topic in [t for t, (_, until) in self._forward.items() if until < now]:
             del self._forward[topic]
         for corr, (topic, dl, sent) in list(self._dl_unconfirmed.items()):
