@@ -169,7 +169,7 @@ class BrokerStats:
         self.ack_latency = Buckets(LATENCY_BOUNDS)
         self.heal = Buckets(HEAL_BOUNDS)
         self.acks = AckTimer(self.ack_latency)
-        # Loop time of the first failure not yet healed (see Broker._check_healed), or None.
+        # time.monotonic() of the first failure not yet healed (see Broker._check_healed), or None.
         self.healing_since: float | None = None
 
 
