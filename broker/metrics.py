@@ -26,7 +26,7 @@ import msgpack
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from overlay.protocol import RemoteProtocolError, decode_message, encode_message, format_address, parse_address
+from overlay.protocol import encode_message, format_address, parse_address
 from overlay.pubsub import Ack, Nack
 
 if TYPE_CHECKING:
@@ -130,27 +130,27 @@ class AckTimer:
             is_ack = False
         else:
             return
-        try:
-            msg = decode_message(frame[_FRAME_HEAD:])
-        except RemoteProtocolError:
-            return
-        if not isinstance(msg, Ack | Nack):
-            return
+        # The broker encoded this frame itself; only three fields are needed, so skip the typed decode.
         per = self.waiting.get(session)
-        q = per.get((msg.topic, msg.publisher)) if per is not None else None
-        if per is None or q is None:
+        try:
+            wire = msgpack.unpackb(frame[_FRAME_HEAD:], raw=False)
+            key, seq = (wire["topic"], wire["publisher"]), wire["seq"]
+            q = per.get(key) if per is not None else None
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            return
+        if per is None or q is None or type(seq) is not int:
             return
         if is_ack:
             now = time.monotonic()
-            while q and q[0][0] <= msg.seq:
+            while q and q[0][0] <= seq:
                 self.into.observe(now - q.popleft()[1])
                 self.size -= 1
         else:
-            kept = deque(e for e in q if e[0] != msg.seq)  # refused: no ACK will come for it
+            kept = deque(e for e in q if e[0] != seq)  # refused: no ACK will come for it
             self.size -= len(q) - len(kept)
-            q = per[(msg.topic, msg.publisher)] = kept
+            q = per[key] = kept
         if not q:
-            del per[(msg.topic, msg.publisher)]
+            del per[key]
             if not per:
                 del self.waiting[session]
 
@@ -169,7 +169,7 @@ class BrokerStats:
         self.ack_latency = Buckets(LATENCY_BOUNDS)
         self.heal = Buckets(HEAL_BOUNDS)
         self.acks = AckTimer(self.ack_latency)
-        # Loop time of the first failure not yet healed (see Broker._check_healed), or None.
+        # time.monotonic() of the first failure not yet healed (see Broker._check_healed), or None.
         self.healing_since: float | None = None
 
 

@@ -768,7 +768,8 @@ class Broker:
     def _note_failure(self, peer: str) -> None:
         self.event("failure", peer=peer)
         if self.stats.healing_since is None:
-            self.stats.healing_since = self._now()
+            # time.monotonic, not the loop's clock: uvloop's has millisecond steps and a heal can take less.
+            self.stats.healing_since = time.monotonic()
 
     def _check_healed(self, desired: frozenset[str]) -> None:
         # Healed: every desired (Delaunay) neighbour, as this broker now sees them, is linked again.
@@ -778,7 +779,7 @@ class Broker:
                 return
         since, self.stats.healing_since = self.stats.healing_since, None
         if since is not None:
-            seconds = self._now() - since
+            seconds = time.monotonic() - since
             self.stats.heal.observe(seconds)
             self.event("heal", seconds=seconds)
             self.log.info("overlay healed around the failure in %.3f s", seconds)

@@ -461,6 +461,8 @@ async def _live_run(log_dir: Path, state_dir: Path) -> tuple[str, set[str]]:
     return victim, neighbours
 
 
+# Five broker processes and a Spark job of its own: on two loaded cores this needs more than the default bound.
+@pytest.mark.timeout(600)
 def test_live_cluster_logs_match_numpy(spark: SparkSession, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     victim, neighbours = asyncio.run(_live_run(logs, tmp_path / "cluster"))
@@ -480,7 +482,7 @@ def test_live_cluster_logs_match_numpy(spark: SparkSession, tmp_path: Path) -> N
     assert sorted(e["node"] for e in kinds["join"]) == ["n1", "n2", "n3", "n4"]
     assert sorted(e["node"] for e in kinds["leave"]) == ["n0", "n1", "n2", "n3"]  # the victim could not
     assert {e["node"] for e in kinds["failure"] if e["peer"] == victim} == neighbours
-    assert all(e["seconds"] > 0 for e in kinds["heal"])
+    assert kinds["heal"] and all(e["seconds"] > 0 for e in kinds["heal"]), kinds["heal"]
     counts = summary_counts(out)
     assert counts["events"] == len(events) and counts["valid records"] == len(recs)
 
