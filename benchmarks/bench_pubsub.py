@@ -810,6 +810,9 @@ def main() -> int:
     p.add_argument("--profile", metavar="DIR", help="run the client workers under cProfile, stats into DIR")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    # SeDAX on plain TCP (brokers, clients, workers inherit it), as the peers run without TLS;
+    # benchmarks/bench_tls.py measures what TLS costs.
+    os.environ["SEDAX_INSECURE"] = "1"
     if args.worker:
         return worker_main(args.worker)
     return asyncio.run(main_async(args, settings(args)))

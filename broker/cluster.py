@@ -4,6 +4,10 @@
 brokers that are already running, waits for their readiness lines and, on request, for the overlay to
 converge to the Delaunay triangulation of the live coordinates (checked through STATUS against scipy).
 It keeps no event-loop-bound state between calls, so one cluster can serve tests running on different loops.
+
+Brokers speak TLS unless the cluster is insecure: a development CA and one broker certificate per node
+(CN = node id) are created under ``state_dir/certs`` (broker/certs.py), and `credentials(name)` issues
+client certificates for tools and tests.  `tls=None` means TLS unless SEDAX_INSECURE is set.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any, Final, Self
 
 import numpy as np
 
+from broker import certs
 from client.admin import AdminClient, AdminError
+from client.credentials import ENV_INSECURE, Credentials, parse_bool
 from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
 from overlay.protocol import Status
 
@@ -86,6 +92,8 @@ class LocalCluster:
         resilience: passed to every broker.
         state_dir: where logs and the state file go (default: a fresh directory under /tmp).
         broker_args: extra command-line flags for every broker.
+        tls: TLS with a development CA in state_dir/certs (True), plain TCP with --insecure (False), or
+            TLS unless the environment sets SEDAX_INSECURE (None).
     """
 
     n: int = 0
@@ -96,6 +104,7 @@ class LocalCluster:
     broker_args: Sequence[str] = ()
     space: Space = UNIT_SQUARE
     nodes: list[BrokerProcess] = field(default_factory=list)
+    tls: bool | None = None
     _rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +112,10 @@ class LocalCluster:
         if self.state_dir is None:
             self.state_dir = Path(f"/tmp/sedax-cluster-{os.getpid()}-{time.monotonic_ns()}")
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.tls is None:
+            self.tls = not parse_bool(ENV_INSECURE, os.environ.get(ENV_INSECURE, ""))
+        if self.tls:
+            certs.ensure_ca(self.certs_dir)
         if self.coords is not None and len(self.coords) < self.n:
             raise ClusterError(f"{self.n} brokers but only {len(self.coords)} coordinates")
 
@@ -118,6 +131,29 @@ class LocalCluster:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+    # ------------------------------------------------------------------------------------- credentials
+
+    @property
+    def certs_dir(self) -> Path:
+        """Where the development CA and the certificates live."""
+        assert self.state_dir is not None
+        return self.state_dir / "certs"
+
+    def credentials(self, name: str = "cluster-admin", role: str = "client") -> Credentials:
+        """Credentials for a client or tool named name (its certificate is issued on first use)."""
+        if not self.tls:
+            return Credentials(insecure=True)
+        cert, key = certs.ensure_issued(self.certs_dir, name, role)
+        return Credentials(ca=str(certs.ca_paths(self.certs_dir)[0]), cert=str(cert), key=str(key))
+
+    def tls_args(self, name: str) -> list[str]:
+        """Broker flags for TLS as node name (certificate issued on first use), or --insecure."""
+        if not self.tls:
+            return ["--insecure"]
+        cert, key = certs.ensure_issued(self.certs_dir, name, "broker")
+        ca = certs.ca_paths(self.certs_dir)[0]
+        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
 
     # -------------------------------------------------------------------------------------------- start
 
@@ -153,7 +189,7 @@ class LocalCluster:
         node_id = f"n{index}"
         joins = list(join) if join is not None else self._join_addresses()
         args = [sys.executable, "-m", "broker", "--coord", f"{c[0]!r},{c[1]!r}", "--node-id", node_id]
-        args += ["--listen", "127.0.0.1:0", "--resilience", str(self.resilience)]
+        args += ["--listen", "127.0.0.1:0", "--resilience", str(self.resilience), *self.tls_args(node_id)]
         if self.space != UNIT_SQUARE:
             args += ["--space", ",".join(repr(v) for v in self.space.to_list())]
         for a in joins:
@@ -163,6 +199,7 @@ class LocalCluster:
         err_path = self.state_dir / f"broker-{index}.err"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env.pop(ENV_INSECURE, None)  # the flags above decide
         with out_path.open("wb") as out, err_path.open("wb") as err:
             proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
@@ -246,8 +283,10 @@ class LocalCluster:
     async def statuses(self, within: float = 5.0) -> dict[str, Status]:
         """STATUS of every live broker, fetched concurrently."""
 
+        creds = self.credentials()
+
         async def one(bp: BrokerProcess) -> Status:
-            async with await AdminClient.connect(bp.listen, timeout=within) as c:
+            async with await AdminClient.connect(bp.listen, timeout=within, credentials=creds) as c:
                 return await c.status()
 
         live = self.live()
@@ -299,7 +338,8 @@ class LocalCluster:
                 }
                 for bp in self.nodes
                 if bp.alive
-            ]
+            ],
+            "tls": bool(self.tls),
         }
 
     def write_state(self) -> Path:

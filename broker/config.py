@@ -18,7 +18,8 @@ from typing import Any, Final
 
 from broker.flags import add_broker_arguments
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
-from overlay.protocol import MAX_HOP_LIMIT, parse_address
+from overlay.protocol import MAX_FRAME_SIZE, MAX_HOP_LIMIT, parse_address
+from overlay.pubsub import MAX_PAYLOAD_SIZE
 from overlay.sim.simlog import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 
 __all__ = ["BrokerConfig", "ConfigError", "add_broker_arguments", "build_config", "config_from_args"]
@@ -30,6 +31,9 @@ MAX_LOG_INTERVAL: Final = 3600.0
 # One snapshot line must fit a file, or every write would rotate.
 MIN_LOG_BYTES: Final = 64 * 1024
 MAX_RUN_LEN: Final = 128
+SLOW_CONSUMER_POLICIES: Final = ("disconnect", "drop")
+# A client link must at least carry a HELLO, a small publish and a status answer.
+MIN_FRAME_SIZE: Final = 4096
 
 
 class ConfigError(ValueError):
@@ -84,6 +88,26 @@ class BrokerConfig:
         move_cooldown: seconds before the balancer may move a topic again (the home enforces it).
         load_report_interval: seconds between the load reports sent to neighbours.
         query_timeout: seconds a coordinate selection waits for its answers.
+        tls_cert, tls_key, tls_ca: this broker's certificate and key and the cluster CA (PEM files), all
+            three or none.  Brokers link only with mutual TLS against the CA (a broker certificate, OU=broker,
+            whose CN is the peer's node id); clients present a certificate of the CA or a token.
+        insecure: plain TCP without TLS: only on a network where every host is trusted.  Without TLS files
+            a broker refuses to start unless this is set.
+        tokens_file: JSON {"NAME": "sha256:HEX"} of bearer tokens (`sedax certs token`); clients with a
+            token authenticate as NAME.  With TLS, clients then need a certificate or a token.
+        acl_file: topic ACL rules (broker/acl.py); without one every authenticated identity may do everything.
+        max_connections: client and admin connections served at once; more are refused at HELLO
+            (too_many_connections).  Broker links do not count.
+        max_frame_size: largest frame (bytes) accepted from a client or admin connection.
+        max_payload: largest publish payload (bytes); larger ones get NACK too_large.
+        publish_rate: publishes per second per client identity (token bucket, NACK rate_limited); 0 = no limit.
+        publish_burst: how many publishes a client may send at once before the rate applies.
+        client_send_buffer: bytes queued for one client that does not read; beyond it `slow_consumer_policy`
+            applies, so a slow subscriber never stalls the broker or its peers.
+        slow_consumer_policy: "disconnect" (close the session, reason slow_consumer; the client reconnects
+            and resumes from its last message) or "drop" (discard frames for it while over the limit).
+        idle_timeout: seconds a client or admin connection may go without a request while it holds no
+            subscription; 0 = never.
     """
 
     coord: Coord
@@ -122,6 +146,20 @@ class BrokerConfig:
     move_cooldown: float = 30.0
     load_report_interval: float = 1.0
     query_timeout: float = 1.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    insecure: bool = False
+    tokens_file: str | None = None
+    acl_file: str | None = None
+    max_connections: int = 1024
+    max_frame_size: int = MAX_FRAME_SIZE
+    max_payload: int = MAX_PAYLOAD_SIZE
+    publish_rate: float = 0.0
+    publish_burst: int = 1000
+    client_send_buffer: int = 16 << 20
+    slow_consumer_policy: str = "disconnect"
+    idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         try:
@@ -192,6 +230,46 @@ class BrokerConfig:
             raise ConfigError(f"log_run must be 1..{MAX_RUN_LEN} printable characters, got {self.log_run!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        given = [k for k, v in tls.items() if v is not None]
+        if given and len(given) < 3:
+            missing = ", ".join(k for k in tls if k not in given)
+            raise ConfigError(f"tls_cert, tls_key and tls_ca go together: {missing} missing")
+        if given and self.insecure:
+            raise ConfigError(
+                "insecure turns TLS off but tls_cert/tls_key/tls_ca are set: drop one or the other "
+                "(is SEDAX_INSECURE set in the environment?)"
+            )
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ConfigError(f"max_connections must be in 1..1000000, got {self.max_connections}")
+        if not MIN_FRAME_SIZE <= self.max_frame_size <= MAX_FRAME_SIZE:
+            raise ConfigError(
+                f"max_frame_size must be in {MIN_FRAME_SIZE}..{MAX_FRAME_SIZE}, got {self.max_frame_size}"
+            )
+        if not 0 <= self.max_payload <= MAX_PAYLOAD_SIZE:
+            raise ConfigError(f"max_payload must be in 0..{MAX_PAYLOAD_SIZE}, got {self.max_payload}")
+        if not (math.isfinite(self.publish_rate) and self.publish_rate >= 0):
+            raise ConfigError(f"publish_rate must be >= 0 publishes per second (0 = no limit), got {self.publish_rate}")
+        if self.publish_burst < 1:
+            raise ConfigError(f"publish_burst must be at least 1, got {self.publish_burst}")
+        if self.client_send_buffer < MIN_FRAME_SIZE:
+            raise ConfigError(
+                f"client_send_buffer must be at least {MIN_FRAME_SIZE} bytes, got {self.client_send_buffer}"
+            )
+        if self.slow_consumer_policy not in SLOW_CONSUMER_POLICIES:
+            raise ConfigError(
+                f"slow_consumer_policy must be {' or '.join(SLOW_CONSUMER_POLICIES)}, got {self.slow_consumer_policy!r}"
+            )
+        if not (math.isfinite(self.idle_timeout) and self.idle_timeout >= 0):
+            raise ConfigError(f"idle_timeout must be >= 0 seconds (0 = never), got {self.idle_timeout}")
+
+    @property
+    def tls(self) -> bool:
+        """True if the broker speaks TLS (its certificate, key and CA are configured)."""
+        return self.tls_cert is not None
 
 
 def _check_address(name: str, value: str) -> None:
@@ -290,6 +368,11 @@ _INT_FIELDS: Final = frozenset(
         "max_move_bytes",
         "log_max_bytes",
         "log_keep",
+        "max_connections",
+        "max_frame_size",
+        "max_payload",
+        "publish_burst",
+        "client_send_buffer",
     }
 )
 _FLOAT_FIELDS: Final = frozenset(
@@ -308,9 +391,26 @@ _FLOAT_FIELDS: Final = frozenset(
         "load_report_interval",
         "query_timeout",
         "log_interval",
+        "publish_rate",
+        "idle_timeout",
     }
 )
+_OPT_STR_FIELDS: Final = frozenset(
+    {"metrics", "log_dir", "node_id", "advertise", "tls_cert", "tls_key", "tls_ca", "tokens_file", "acl_file"}
+)
 FIELD_NAMES: Final = tuple(f.name for f in fields(BrokerConfig))
+
+
+def _to_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+    raise ConfigError(f"{name} must be true or false (1/0, yes/no, on/off), got {value!r}")
 
 
 def _to_str(name: str, value: object) -> str:
@@ -330,9 +430,11 @@ def _convert_one(name: str, value: object) -> object:
         return _to_int(name, value)
     if name in _FLOAT_FIELDS:
         return _to_float(name, value)
-    if name in ("metrics", "log_dir", "node_id", "advertise"):
+    if name in _OPT_STR_FIELDS:
         return _to_opt_str(name, value)
-    if name in ("listen", "log_level", "balance", "goal", "selection", "log_run"):
+    if name == "insecure":
+        return _to_bool(name, value)
+    if name in ("listen", "log_level", "balance", "goal", "selection", "log_run", "slow_consumer_policy"):
         return _to_str(name, value)
     raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
 

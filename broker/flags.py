@@ -47,3 +47,25 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     lb.add_argument("--move-cooldown", dest="move_cooldown", type=float, help="seconds between moves (30)")
     lb.add_argument("--load-report-interval", dest="load_report_interval", type=float, help="seconds (1.0)")
     lb.add_argument("--query-timeout", dest="query_timeout", type=float, help="seconds (1.0)")
+    g = parser.add_argument_group("security (TLS is required unless --insecure)")
+    g.add_argument("--tls-cert", dest="tls_cert", metavar="FILE", help="this broker's certificate (sedax certs issue)")
+    g.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="its private key")
+    g.add_argument("--tls-ca", dest="tls_ca", metavar="FILE", help="the cluster CA certificate")
+    g.add_argument("--insecure", action="store_true", default=None, help="plain TCP without TLS or client certificates")
+    g.add_argument("--tokens", dest="tokens_file", metavar="FILE", help="bearer tokens (sedax certs token)")
+    g.add_argument("--acl", dest="acl_file", metavar="FILE", help="topic ACL rules (allow|deny ACTION WHO PATTERN)")
+    g.add_argument("--max-connections", dest="max_connections", type=int, help="client connections (1024)")
+    g.add_argument("--max-frame-size", dest="max_frame_size", type=int, help="bytes per client frame (1 MiB)")
+    g.add_argument("--max-payload", dest="max_payload", type=int, help="bytes per publish payload (1 MiB - 1 KiB)")
+    g.add_argument("--publish-rate", dest="publish_rate", type=float, help="publishes/s per client, 0 = off (0)")
+    g.add_argument("--publish-burst", dest="publish_burst", type=int, help="publishes at once per client (1000)")
+    g.add_argument(
+        "--client-send-buffer", dest="client_send_buffer", type=int, help="bytes queued for one client (16 MiB)"
+    )
+    g.add_argument(
+        "--slow-consumer-policy",
+        dest="slow_consumer_policy",
+        choices=("disconnect", "drop"),
+        help="a client over its send buffer is disconnected (default) or its frames are dropped",
+    )
+    g.add_argument("--idle-timeout", dest="idle_timeout", type=float, help="seconds without requests (300, 0 = off)")

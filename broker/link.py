@@ -14,6 +14,7 @@ import logging
 from typing import Final, Protocol
 
 from broker.tasks import TaskSet
+from client.credentials import PeerCert, peer_cert
 from overlay.protocol import (
     ControlFrame,
     FrameDecoder,
@@ -85,6 +86,8 @@ class CloseReason(enum.Enum):
     PEER_LEFT = "peer_left"
     SHUTDOWN = "shutdown"
     DONE = "done"
+    SLOW_CONSUMER = "slow_consumer"
+    IDLE_TIMEOUT = "idle_timeout"
 
     @property
     def is_failure(self) -> bool:
@@ -100,6 +103,8 @@ _FAILURES: Final = frozenset(
         CloseReason.HELLO_TIMEOUT,
         CloseReason.HEARTBEAT_TIMEOUT,
         CloseReason.INTERNAL_ERROR,
+        # Not dead, but a client that does not read cannot be drained: its connection is aborted.
+        CloseReason.SLOW_CONSUMER,
     }
 )
 
@@ -155,6 +160,7 @@ _NOISY: Final = frozenset(
         CloseReason.HEARTBEAT_TIMEOUT,
         CloseReason.INTERNAL_ERROR,
         CloseReason.REFUSED,
+        CloseReason.SLOW_CONSUMER,
     }
 )
 
@@ -217,6 +223,17 @@ class PeerLink:
         self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
         transport = writer.transport
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        # Who the peer is, as far as it was proven: the verified TLS certificate (None on plain TCP), and the
+        # identity the broker admitted it as at HELLO (broker/guard.py).
+        self.cert: PeerCert | None = peer_cert(writer.get_extra_info("peercert"))
+        self.identity = ""
+        self.may_route = False  # routed frames accepted from this link (brokers, and tools with a broker cert)
+        # Bound on bytes queued for a peer that does not read (client links; 0 = none, for broker links,
+        # whose backpressure is the reader pause in Broker.flush).
+        self.send_limit = 0
+        self.drop_when_full = False  # the "drop" slow-consumer policy; otherwise the link is closed
+        self.overflow_drops = 0
+        self.last_request = self._loop.time()
 
     def __repr__(self) -> str:
         who = self.peer_id or "?"
@@ -287,6 +304,9 @@ class PeerLink:
         except LocalProtocolError as exc:
             self._log.exception("bug while handling %r", self)
             reason, detail = CloseReason.INTERNAL_ERROR, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug while handling one peer's input closes that link, visibly
+            self._log.exception("bug while handling %r", self)
+            reason, detail = CloseReason.INTERNAL_ERROR, repr(exc)
         self._read_task = None  # closing must not cancel the task doing the closing
         await self.aclose(reason, detail)
 
@@ -305,6 +325,7 @@ class PeerLink:
                 case Hello() | HelloOk():
                     raise RemoteProtocolError(f"{msg.op} after the handshake")
                 case _:
+                    self.last_request = self._loop.time()
                     corr = getattr(msg, "corr", None)
                     fut = self._pending.pop(corr, None) if type(corr) is int else None
                     if fut is not None:
@@ -397,13 +418,34 @@ class PeerLink:
     # ---------------------------------------------------------------------------------------- send side
 
     def write(self, data: bytes) -> None:
-        """Queue bytes (one or many encoded frames) for the peer; pair with `drain()` for backpressure."""
+        """Queue bytes (one or many encoded frames) for the peer; pair with `drain()` for backpressure.
+
+        On a link with a send limit, a peer that lets more than the limit pile up is a slow consumer: its
+        frames are dropped (drop policy) or the link is closed; either way the write returns at once.
+        """
         if self.state is not LinkState.ESTABLISHED:
             raise LinkClosed(self.close_reason or CloseReason.CONNECTION_LOST, f"link is {self.state.value}")
-        if self._writer.transport.is_closing():
+        transport = self._writer.transport
+        if transport.is_closing():
             # The connection broke and the read loop has not closed the link yet: same as closed.
             raise LinkClosed(CloseReason.CONNECTION_LOST, "transport is closing")
+        if self.send_limit and transport.get_write_buffer_size() > self.send_limit:
+            self._overflow()
+            return
         self._writer.write(data)
+
+    def limit_frames(self, size: int) -> None:
+        """Refuse frames larger than size from now on (a protocol error that closes the link)."""
+        self._decoder.max_frame_size = size
+
+    def _overflow(self) -> None:
+        self.overflow_drops += 1
+        if self.drop_when_full or self._intended is not None:
+            return
+        self.close_soon(
+            CloseReason.SLOW_CONSUMER,
+            f"over {self.send_limit} bytes queued for a peer that does not read (--client-send-buffer)",
+        )
 
     def send_nowait(self, msg: Message) -> None:
         """Queue one control message (small control traffic from synchronous code)."""

@@ -36,7 +36,11 @@ def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
 
 async def serve(config: BrokerConfig) -> int:
     """Start, join, announce readiness, serve until SIGTERM/SIGINT, then leave gracefully."""
-    broker = Broker(config)
+    try:
+        broker = Broker(config)
+    except ConfigError as exc:  # TLS files, tokens or ACL unusable
+        print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     log = _setup_logging(config, broker.node_id)
     broker.log = log
     loop = asyncio.get_running_loop()

@@ -30,16 +30,20 @@ from typing import Final
 from broker.balancer import Balancer
 from broker.config import BrokerConfig
 from broker.eventlog import EventLog
+from broker.guard import Guard
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.metrics import BrokerStats, MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
+from broker.tls import Listener
+from client.credentials import connect_broker, peer_cert
 from overlay.delegation import BalancePlan, BalancePlanned, CoordOffer, CoordQuery, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
     FLAG_TRACE,
+    MAX_CORR,
     PROTOCOL_VERSION,
     Coord,
     Error,
@@ -105,9 +109,11 @@ class Broker:
     """A broker process's state and behaviour; the `LinkHandler` of all its links."""
 
     def __init__(self, config: BrokerConfig, log: logging.Logger | None = None) -> None:
+        """Raises ConfigError if the security settings are missing or unusable (see broker.guard)."""
         self.config = config
-        self.node_id = config.node_id or f"b-{uuid.uuid4().hex[:12]}"
         self.log = log or logging.getLogger("sedax.broker")
+        self.guard = Guard(config, self.log)
+        self.node_id = config.node_id or self.guard.name or f"b-{uuid.uuid4().hex[:12]}"
         self.tasks = TaskSet(self.log)
         self.info = NodeInfo(self.node_id, config.coord, "0.0.0.0:0")
         self.view = NeighbourView(self.info)
@@ -128,7 +134,7 @@ class Broker:
         self._dirty: set[PeerLink] = set()
         self._congested: set[PeerLink] = set()
         self._reconcile_handle: asyncio.Handle | None = None
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._closing = False
         self._peer_up = asyncio.Event()
         # Client sessions (pub/sub) by id; ids carry a per-process prefix so a restarted broker with the same
@@ -148,6 +154,7 @@ class Broker:
                 move_cooldown=config.move_cooldown,
                 space=config.space,
                 note_ttl=3 * config.load_report_interval + 1.0,
+                acl=self.guard.acl,
             ),
         )
         # Observability (docs/metrics.md, docs/logs.md): the endpoint and the log are opened in start().
@@ -162,9 +169,17 @@ class Broker:
     async def start(self) -> None:
         """Bind the listening socket; afterwards `info.listen` holds the real port."""
         host, port = parse_address(self.config.listen)
-        self._server = await asyncio.start_server(self._on_connect, host, port)
-        bound = self._server.sockets[0].getsockname()
-        listen = self.config.advertise or format_address(host, int(bound[1]))
+        tls = self.guard.tls
+        self._listener = Listener(
+            tls.server if tls is not None else None,
+            self.config.hello_timeout,
+            self._on_stream,
+            lambda handshaking: not self._closing and self.guard.may_accept(len(self.links), handshaking),
+            self.tasks,
+            self.log,
+        )
+        bound = await self._listener.start(host, port)
+        listen = self.config.advertise or format_address(host, bound)
         self.info = NodeInfo(self.node_id, self.config.coord, listen)
         self.view = NeighbourView(self.info)
         self.port.refresh()
@@ -188,10 +203,13 @@ class Broker:
             drain_timeout=c.drain_timeout,
             client_timeout=c.client_timeout,
         )
+        if not outbound:
+            # Until it proves to be a broker, a peer gets the client frame limit (guard.admit lifts it).
+            link.limit_frames(c.max_frame_size)
         self.links.add(link)
         return link
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing:
             writer.close()
             return
@@ -205,8 +223,8 @@ class Broker:
         self.event("leave")
         if self._reconcile_handle is not None:
             self._reconcile_handle.cancel()
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         leave = Leave(tuple(self.view.infos(set(self.peers) | self._advertised)))
         closing = [
             link.aclose(
@@ -258,7 +276,7 @@ class Broker:
     async def _join_via(self, addr: str) -> JoinAccept:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.config.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
         link = self._new_link(reader, writer, outbound=True)
         hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
         try:
@@ -299,6 +317,9 @@ class Broker:
             return Refuse(
                 "version_mismatch", f"this broker speaks protocol {PROTOCOL_VERSION}, HELLO had {hello.version}"
             )
+        clients = sum(1 for x in self.links if x.role in ("client", "admin") and not x.outbound and x.established)
+        if (refusal := self.guard.admit(link, hello, clients)) is not None:
+            return refusal
         if hello.role == "broker" and hello.coord is not None:
             if not self.config.space.contains(hello.coord):
                 return Refuse("coordinate_outside_space", self._outside_text(hello.coord))
@@ -372,9 +393,12 @@ class Broker:
                 self._start_join(link, msg)
             case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() | MoveTopic() if link.role == "client":
                 sid = self._session(link)
-                if type(msg) is Publish:  # metrics: publish-to-ACK latency
-                    self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
-                self.pubsub.client_message(sid, msg)
+                if (refusal := self.guard.check_request(link, msg)) is not None:
+                    link.send_nowait(refusal)
+                else:
+                    if type(msg) is Publish:  # metrics: publish-to-ACK latency
+                        self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
+                    self.pubsub.client_message(sid, msg)
                 self._dirty.add(link)
             case LoadReport() if link.role == "broker":
                 if current:
@@ -390,6 +414,7 @@ class Broker:
             sid = f"{self._session_prefix}-{next(self._session_ids)}"
             self._session_of[link] = sid
             self.sessions[sid] = link
+            self.pubsub.identities[sid] = link.identity
         return sid
 
     async def _dry_run(self, link: PeerLink, corr: int, all_topics: bool) -> None:
@@ -402,12 +427,18 @@ class Broker:
         while not self._closing:
             await asyncio.sleep(PUBSUB_TICK)
             self.pubsub.tick()
+            self.guard.sweep_idle(self.links, self._now(), self._subscribed)
+
+    def _subscribed(self, link: PeerLink) -> bool:
+        sid = self._session_of.get(link)
+        return sid is not None and self.pubsub.subscriptions(sid) > 0
 
     def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
         """Forget a failed neighbour (the overlay heals) or just drop a link that is no longer wanted."""
         self.links.discard(link)
         self._dirty.discard(link)
         self._congested.discard(link)
+        self.guard.link_closed(link, reason)
         sid = self._session_of.pop(link, None)
         if sid is not None:
             del self.sessions[sid]
@@ -439,7 +470,9 @@ class Broker:
         dirty = self._dirty
         while dirty:
             link = dirty.pop()
-            if link.write_buffered > FLUSH_THRESHOLD:
+            # Client links are bounded by their send limit instead: waiting for a slow subscriber would
+            # stall every link this broker reads from.
+            if link.write_buffered > FLUSH_THRESHOLD and not link.send_limit:
                 self._congested.add(link)
         return bool(self._congested)
 
@@ -505,7 +538,12 @@ class Broker:
         try:
             host, port = parse_address(info.listen)
             async with asyncio.timeout(self.config.connect_timeout):
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
+            problem = self.guard.dialled_peer_problem(peer_cert(writer.get_extra_info("peercert")), info.id)
+            if problem is not None:
+                writer.transport.abort()
+                self._give_up(info.id, problem)
+                return
             link = self._new_link(reader, writer, outbound=True)
             hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
             ok = await link.open(hello)
@@ -531,6 +569,12 @@ class Broker:
 
     def on_routed(self, link: PeerLink, frame: RoutedFrame) -> None:
         """Greedy forwarding: pass the frame to the neighbour closest to its destination, or deliver it."""
+        peer = link.peer
+        if peer is None and not link.may_route:
+            self.guard.counters["routed_from_non_broker"] += 1
+            raise RemoteProtocolError(f"routed frame from {link.role} {link.identity or '?'}: only brokers route")
+        if self.guard.forged(frame, peer, self.info):
+            return
         nh = self.view.next_hop(frame.x, frame.y)
         if nh is None:
             self._deliver(frame)
@@ -626,7 +670,10 @@ class Broker:
             return
         link, client_corr = entry
         if link.established:
-            link.send_nowait(replace(msg, corr=client_corr))
+            try:
+                link.send_nowait(replace(msg, corr=client_corr))
+            except LinkClosed:
+                return  # the client's connection broke a moment ago; its close is on the way
             self._dirty.add(link)
 
     def _register(self, link: PeerLink, client_corr: int) -> int | None:
@@ -647,6 +694,9 @@ class Broker:
         self._send_routed(target, RouteProbe(mine, target, self.info, (self.info,)), FLAG_TRACE)
 
     def _start_join(self, link: PeerLink, join: Join) -> None:
+        if (refusal := self.guard.may_join(link, join)) is not None:
+            link.send_nowait(refusal)
+            return
         coord = join.node.coord
         if not self.config.space.contains(coord):
             link.send_nowait(Refuse("coordinate_outside_space", self._outside_text(coord), join.corr))
@@ -691,6 +741,7 @@ class Broker:
             "sessions": len(self.sessions),
             **self.pubsub.counters,
             **self.balancer.counters,
+            **self._security_counters(),
         }
         held = sorted(self.pubsub.topics())
         return Status(
@@ -700,7 +751,9 @@ class Broker:
             desired=tuple(sorted(self._advertised)),
             topics=tuple(name for name, _, _ in held[:1000]),
             loads=self.pubsub.loads(),
-            counters=counters,
+            # Counters fed by clients (e.g. "lost", from a publisher's claimed base) must not make STATUS
+            # unencodable: msgpack integers are 64-bit.
+            counters={k: min(v, MAX_CORR) for k, v in counters.items()},
             resilience=self.config.resilience,
             held=tuple(TopicHeld(name, role, size) for name, role, size in held[:1000]),
         )
@@ -784,6 +837,11 @@ class Broker:
             self.event("heal", seconds=seconds)
             self.log.info("overlay healed around the failure in %.3f s", seconds)
 
+    def _security_counters(self) -> dict[str, int]:
+        lst = self._listener
+        failures, refused = (lst.handshake_failures, lst.refused) if lst is not None else (0, 0)
+        return self.guard.status(self.links, failures, refused)
+
 
 class _PubSubPort:
     """The broker as the pub/sub layer sees it (broker.pubsub.Overlay)."""
@@ -813,7 +871,12 @@ class _PubSubPort:
         link = self._b.sessions.get(session)
         if link is None or not link.established:
             return False
-        link.write(frame)
+        try:
+            link.write(frame)
+        except LinkClosed:
+            # Broken a moment ago (its close is on the way): a failure here must not abort the batch of
+            # deliveries and acknowledgements for everyone else that this call is part of.
+            return False
         self._b._dirty.add(link)
         if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
             self._b.stats.acks.frame(session, frame)

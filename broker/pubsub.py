@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Final, Protocol
 
+from broker.acl import Acl, refusal
 from broker.store import Retention, TopicLog, TopicStore
 from overlay.delegation import (
     Activate,
@@ -155,6 +156,7 @@ class PubSubConfig:
     # A tertiary forgets a TERTIARY_NOTE this long after it was sent (primaries repeat theirs every load report
     # interval), so a topic that moved away stops weighing on its former tertiary's L3_N at once.
     note_ttl: float = 4.0
+    acl: Acl | None = None  # topic ACL the holder enforces (broker/acl.py); None = everything allowed
 
 
 @dataclass(slots=True)
@@ -252,6 +254,8 @@ class PubSub:
         # Set by the broker: Alg. 1 placement of a new topic (topic, done callback with the chosen coordinate or
         # None).
         self.placer: Callable[[str, Callable[[Coord | None], None]], None] | None = None
+        # Access side: who each local session authenticated as; sent along in TOPIC_REQUEST for the holder's ACL.
+        self.identities: dict[str, str] = {}
         self.counters: dict[str, int] = {
             "published": 0,
             "published_bytes": 0,
@@ -331,7 +335,7 @@ class PubSub:
         me = self.ov.me
         h = self._holders.get(topic)
         if (h.rank == 1 and h.coord == coord) if h is not None else self._closest_id(coord) == me.id:
-            self._handle_request(me, session, msg, coord)  # 0 hops: no envelope at all
+            self._handle_request(me, session, msg, coord, identity=self.identities.get(session, ""))  # 0 hops
         else:
             self._outgoing.setdefault((coord, session), []).append(encode_message(msg))
             self._schedule()
@@ -347,7 +351,10 @@ class PubSub:
         me = self.ov.me
         for (coord, session), reqs in out.items():
             for chunk in _byte_chunks(reqs):
-                self.ov.route(coord, TopicRequest(me, session, tuple(chunk), dest=coord))
+                self.ov.route(
+                    coord,
+                    TopicRequest(me, session, tuple(chunk), dest=coord, identity=self.identities.get(session, "")),
+                )
         dirty, self._dirty = self._dirty, {}
         for h in dirty.values():
             self._flush(h)
@@ -368,6 +375,11 @@ class PubSub:
         """A local client went away: end its subscriptions at the topics' primaries."""
         for topic in self._session_topics.pop(session, set()):
             self._send_request(topic, session, Unsubscribe(0, topic))
+        self.identities.pop(session, None)
+
+    def subscriptions(self, session: str) -> int:
+        """How many topics a local session is subscribed to."""
+        return len(self._session_topics.get(session, ()))
 
     def _to_local(self, session: str, msg: Message) -> None:
         self.ov.to_session(session, control_frame(encode_message(msg)))
@@ -404,7 +416,7 @@ class PubSub:
                     except RemoteProtocolError as exc:
                         log.warning("dropping a topic request with a bad inner message: %s", exc)
                         continue
-                    self._handle_request(msg.access, msg.session, inner, msg.dest, msg.via_home)
+                    self._handle_request(msg.access, msg.session, inner, msg.dest, msg.via_home, msg.identity)
             case TopicReply():
                 self._reply_arrived(msg)
             case Replicate():
@@ -478,11 +490,23 @@ class PubSub:
         return h
 
     def _handle_request(
-        self, access: NodeInfo, session: str, req: Message, dest: Coord | None = None, via_home: bool = False
+        self,
+        access: NodeInfo,
+        session: str,
+        req: Message,
+        dest: Coord | None = None,
+        via_home: bool = False,
+        identity: str = "",
     ) -> None:
         topic = getattr(req, "topic", None)
         if not isinstance(topic, str):
             log.warning("dropping a topic request without a topic: %s", req.op)
+            return
+        # The first holder enforces the ACL, whatever the access broker did; requests it forwards (home to
+        # delegate, old primary to new) travel between authenticated brokers and are not checked again.
+        acl = None if via_home else self.config.acl
+        if acl is not None and (denied := refusal(acl, identity, req, "holder")) is not None:
+            self._reply(access, [session], denied)
             return
         h = self._holders.get(topic)
         if h is not None and (h.pulling or h.moving or h.staged or h.placing):
@@ -506,7 +530,7 @@ class PubSub:
             return
         if not me_home and not via_home and dest is not None and not _same(dest, home):
             # Addressed to a delegate coordinate whose holders are gone or never were: the home knows.
-            self._forward_request(access, session, req, home, via_home=False)
+            self._forward_request(access, session, req, home, via_home=False, identity=identity)
             return
         at = dest if (via_home and dest is not None and not me_home) else home
         h = self._holder(topic, at)
@@ -518,9 +542,12 @@ class PubSub:
             return
         self._serve(h, access, session, req)
 
-    def _forward_request(self, access: NodeInfo, session: str, req: Message, coord: Coord, *, via_home: bool) -> None:
+    def _forward_request(
+        self, access: NodeInfo, session: str, req: Message, coord: Coord, *, via_home: bool, identity: str = ""
+    ) -> None:
         self.counters["forwarded_requests"] += 1
-        self.ov.route(coord, TopicRequest(access, session, (encode_message(req),), via_home=via_home, dest=coord))
+        msg = TopicRequest(access, session, (encode_message(req),), via_home=via_home, dest=coord, identity=identity)
+        self.ov.route(coord, msg)
         if via_home:
             self._redirect(access, [session], getattr(req, "topic", ""), coord)
 

@@ -13,6 +13,7 @@ import uuid
 from types import TracebackType
 from typing import Final, Self
 
+from client.credentials import Credentials, open_stream
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -28,6 +29,7 @@ from overlay.protocol import (
     ProtocolError,
     Refuse,
     RemoteProtocolError,
+    Role,
     RouteProbe,
     RouteReply,
     Status,
@@ -85,22 +87,29 @@ class AdminClient:
         *,
         timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - STYLE.md 11 asks for connect(addr, *, timeout=...)
         role: str = "admin",
+        credentials: Credentials | None = None,
     ) -> Self:
         """Connect and complete the handshake within timeout seconds; later requests get the same bound.
 
+        `credentials` default to the environment (client/credentials.py: SEDAX_CA, ... SEDAX_INSECURE).
+
         Raises:
             BrokerUnavailable: the address is unreachable, the broker refused us, or it did not answer.
+            CredentialsError: no usable credentials.
         """
         try:
             host, port = parse_address(addr)
         except ValueError as exc:
             raise BrokerUnavailable(str(exc)) from None
+        creds = credentials if credentials is not None else Credentials.from_env()
+        creds.ssl_context()  # unreadable files fail here, before any connection attempt
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await open_stream(host, port, creds, timeout)
                 node = f"{role}-{uuid.uuid4().hex[:12]}"
-                writer.write(encode_control(Hello(PROTOCOL_VERSION, node, "admin" if role == "admin" else "client")))
+                kind: Role = "admin" if role == "admin" else "client"
+                writer.write(encode_control(Hello(PROTOCOL_VERSION, node, kind, token=creds.token or "")))
                 reply = await _read_one(reader, FrameDecoder())
         except (OSError, TimeoutError, ProtocolError) as exc:
             if writer is not None:

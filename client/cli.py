@@ -1,7 +1,8 @@
 """The `sedax` command: one entry point, one subcommand per job.
 
 Subcommands live beside what they drive (`client/cli_overlay.py`, `client/cli_pubsub.py`, `overlay/sim/cli.py`,
-`client/cli_analysis.py`, `client/demo.py`); this module only assembles them, so `sedax --help` stays cheap.
+`client/cli_analysis.py`, `client/cli_certs.py`, `client/demo.py`); this module only assembles them, so
+`sedax --help` stays cheap.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from client import cli_analysis, cli_balance, cli_overlay, cli_pubsub, demo
+from client import cli_analysis, cli_balance, cli_certs, cli_overlay, cli_pubsub, demo
 from overlay.sim import cli as sim_cli
 
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_balance.register(sub)
     sim_cli.register(sub)
     cli_analysis.register(sub)
+    cli_certs.register(sub)
     return parser
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from client.admin import AdminClient, AdminError, RequestFailed, route_json, status_json
+from client.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
 
 EXIT_USAGE: Final = 2
 DEFAULT_STATE_DIR: Final = ".sedax-cluster"
@@ -58,15 +59,15 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ status
 
 
-async def _status(addr: str, limit: float) -> dict[str, Any]:
-    async with await AdminClient.connect(addr, timeout=limit) as c:
+async def _status(addr: str, limit: float, creds: Credentials) -> dict[str, Any]:
+    async with await AdminClient.connect(addr, timeout=limit, credentials=creds) as c:
         return status_json(await c.status())
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     try:
-        st = asyncio.run(_status(args.broker, args.timeout))
-    except AdminError as exc:
+        st = asyncio.run(_status(args.broker, args.timeout, credentials_from_args(args)))
+    except (AdminError, CredentialsError) as exc:
         return _fail(str(exc))
     if args.json:
         print(json.dumps(st))
@@ -82,18 +83,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------- route
 
 
-async def _route(addr: str, target: tuple[float, float], limit: float) -> dict[str, Any]:
-    async with await AdminClient.connect(addr, timeout=limit) as c:
+async def _route(addr: str, target: tuple[float, float], limit: float, creds: Credentials) -> dict[str, Any]:
+    async with await AdminClient.connect(addr, timeout=limit, credentials=creds) as c:
         return route_json(await c.route(target))
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
     try:
         target = _parse_xy(args.coord)
+        creds = credentials_from_args(args)
     except ValueError as exc:
         return _fail(str(exc))
     try:
-        r = asyncio.run(_route(args.broker, target, args.timeout))
+        r = asyncio.run(_route(args.broker, target, args.timeout, creds))
     except RequestFailed as exc:
         return _fail(f"broker refused the probe: {exc}")
     except AdminError as exc:
@@ -118,6 +120,7 @@ def _read_coords(path: str) -> list[tuple[float, float]]:
 
 
 async def _cluster_up(args: argparse.Namespace) -> int:
+    from broker.certs import CertError
     from broker.cluster import ClusterError, LocalCluster
 
     coords = _read_coords(args.coords) if args.coords else None
@@ -128,9 +131,19 @@ async def _cluster_up(args: argparse.Namespace) -> int:
     if (state_dir / "cluster.json").exists():
         return _fail(f"{state_dir}/cluster.json exists: run `sedax cluster down --state-dir {state_dir}` first")
     extra = shlex.split(args.broker_args) if args.broker_args else []
-    cluster = LocalCluster(
-        n, seed=args.seed, coords=coords, resilience=args.resilience, state_dir=state_dir, broker_args=tuple(extra)
-    )
+    try:
+        cluster = LocalCluster(
+            n,
+            seed=args.seed,
+            coords=coords,
+            resilience=args.resilience,
+            state_dir=state_dir,
+            broker_args=tuple(extra),
+            tls=False if args.insecure else None,
+        )
+        creds = cluster.credentials("client")
+    except CertError as exc:
+        return _fail(f"cannot create the cluster's certificates: {exc}")
     try:
         await cluster.start()
         took = await cluster.wait_converged(args.timeout)
@@ -142,6 +155,11 @@ async def _cluster_up(args: argparse.Namespace) -> int:
     for bp in cluster.nodes:
         print(f"  {bp.node_id:<6} pid {bp.pid:<8} {bp.listen:<22} ({bp.coord[0]:.4f}, {bp.coord[1]:.4f})")
     first = cluster.nodes[0].listen
+    if creds.insecure:
+        print("plain TCP (--insecure): clients and tools need --insecure (or SEDAX_INSECURE=1)")
+    else:
+        print(f"TLS with a development CA in {cluster.certs_dir}; credentials for clients and tools:")
+        print(f"  export SEDAX_CA={creds.ca} SEDAX_CERT={creds.cert} SEDAX_KEY={creds.key}")
     print(f"try:  sedax status --broker {first}     sedax route 0.5,0.5 --broker {first}")
     print(f"stop: sedax cluster down --state-dir {state_dir}   (state: {path})")
     cluster.detach()
@@ -181,6 +199,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--broker", required=True, metavar="HOST:PORT", help="broker to ask")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    add_credential_flags(p)
     p.set_defaults(func=_cmd_status)
 
     p = subparsers.add_parser("route", help="probe the overlay route to the broker closest to X,Y")
@@ -188,6 +207,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--broker", required=True, metavar="HOST:PORT", help="broker the probe starts from")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    add_credential_flags(p)
     p.set_defaults(func=_cmd_route)
 
     p = subparsers.add_parser("cluster", help="start or stop a local cluster of broker processes")
@@ -200,7 +220,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for convergence (up)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
     p.add_argument(
-        "--broker-args", dest="broker_args", metavar="FLAGS", help='flags for every broker, e.g. "--balance combined"'
+        "--broker-args",
+        dest="broker_args",
+        metavar="FLAGS",
+        help='flags for every broker, e.g. "--balance combined"',
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plain TCP (up; default: TLS with a development CA in STATE_DIR/certs, or as $SEDAX_INSECURE says)",
     )
     p.set_defaults(func=_cmd_cluster)
 

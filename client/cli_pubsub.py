@@ -17,6 +17,7 @@ import time
 from typing import Any, Final
 
 from client.client import Client, ClientError, ConnectError, PublishAck, ReceivedMessage, RequestFailed
+from client.credentials import add_credential_flags, credentials_from_args
 from overlay.topics import BadTopic, validate_topic
 
 EXIT_FAILED: Final = 1
@@ -38,13 +39,14 @@ def brokers_arg(values: list[str] | None) -> list[str]:
 
 
 def add_broker_flag(p: argparse.ArgumentParser) -> None:
-    """The shared --broker flag."""
+    """The shared --broker flag and the credential flags (--ca, --cert, --key, --token, --insecure)."""
     p.add_argument(
         "--broker",
         action="append",
         metavar="HOST:PORT",
         help="access broker; repeat or comma-separate for fail-over (default: $SEDAX_BROKERS)",
     )
+    add_credential_flags(p)
 
 
 # --------------------------------------------------------------------------------------------------- pub
@@ -57,7 +59,7 @@ async def _pub(args: argparse.Namespace, brokers: list[str]) -> int:
         lines = (line.rstrip("\n") for line in sys.stdin)
     interval = 1.0 / args.rate if args.rate else 0.0
     futures: list[asyncio.Future[PublishAck]] = []
-    async with Client(brokers, request_timeout=args.timeout) as c:
+    async with Client(brokers, request_timeout=args.timeout, credentials=args.credentials) as c:
         start = time.monotonic()
         for i, line in enumerate(lines):
             if args.message is None and args.count is not None and i >= args.count:
@@ -86,6 +88,7 @@ def _cmd_pub(args: argparse.Namespace) -> int:
     try:
         brokers = brokers_arg(args.broker)
         validate_topic(args.topic)
+        args.credentials = credentials_from_args(args)
         if args.rate is not None and args.rate <= 0:
             raise ValueError("--rate must be positive")
         if args.count is not None and args.count < 0:
@@ -121,7 +124,7 @@ def message_json(m: ReceivedMessage) -> dict[str, Any]:
 
 async def _sub(args: argparse.Namespace, brokers: list[str]) -> int:
     got = 0
-    async with Client(brokers) as c, c.subscribe(args.topic, since=args.since) as sub:
+    async with Client(brokers, credentials=args.credentials) as c, c.subscribe(args.topic, since=args.since) as sub:
         if args.verbose:
             print(f"subscribed to {args.topic} via {c.address}", file=sys.stderr)
         try:
@@ -146,6 +149,7 @@ def _cmd_sub(args: argparse.Namespace) -> int:
     try:
         brokers = brokers_arg(args.broker)
         validate_topic(args.topic)
+        args.credentials = credentials_from_args(args)
         if args.count is not None and args.count < 1:
             raise ValueError("--count must be at least 1")
     except (ValueError, BadTopic) as exc:
@@ -163,8 +167,9 @@ def _cmd_sub(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ locate
 
 
-async def _locate(topic: str, brokers: list[str], request_timeout: float) -> dict[str, Any]:
-    async with Client(brokers, request_timeout=request_timeout, reconnect=False) as c:
+async def _locate(args: argparse.Namespace, brokers: list[str]) -> dict[str, Any]:
+    async with Client(brokers, request_timeout=args.timeout, reconnect=False, credentials=args.credentials) as c:
+        topic = args.topic
         loc = await c.locate(topic)
     return {
         "topic": loc.topic,
@@ -188,10 +193,11 @@ def _cmd_locate(args: argparse.Namespace) -> int:
     try:
         brokers = brokers_arg(args.broker)
         validate_topic(args.topic)
+        args.credentials = credentials_from_args(args)
     except (ValueError, BadTopic) as exc:
         return _err(str(exc), EXIT_USAGE)
     try:
-        out = asyncio.run(_locate(args.topic, brokers, args.timeout))
+        out = asyncio.run(_locate(args, brokers))
     except (ClientError, TimeoutError) as exc:
         return _err(f"locate failed: {exc}", EXIT_FAILED)
     if args.json:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Self
 
+from client.credentials import Credentials, connect_broker
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
     PROTOCOL_VERSION,
@@ -255,13 +256,18 @@ class Client:
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         subscription_queue: int = DEFAULT_SUB_QUEUE,
         on_event: Callable[[str, str], None] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
+        """Raises ValueError for a bad address and CredentialsError (a ValueError) for unusable credentials;
+        credentials default to the environment (client/credentials.py: SEDAX_CA, ... SEDAX_INSECURE)."""
         addrs = [brokers] if isinstance(brokers, str) else list(brokers)
         if not addrs:
             raise ValueError("give at least one broker address HOST:PORT")
         for a in addrs:
             parse_address(a)  # ValueError with the reason
         self.brokers = addrs
+        self.credentials = credentials if credentials is not None else Credentials.from_env()
+        self._ssl = self.credentials.ssl_context()
         self.client_id = client_id or f"c-{os.getpid()}-{secrets.token_hex(4)}"
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
@@ -287,9 +293,13 @@ class Client:
         self.topic_coords: dict[str, tuple[float, float]] = {}  # C(t) learned from SUBSCRIBED / REDIRECT
         self.reconnects = 0
         self.resent = 0
+        self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
         self._resend_delay: dict[str, float] = {}
+        # Topics the access broker rate-limited, until when: nothing new is sent for them meanwhile, and the
+        # next re-send (from the first unacknowledged message, in order) happens after the back-off.
+        self._throttled: dict[str, float] = {}
         self._unyielded = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -337,10 +347,11 @@ class Client:
     async def _connect_one(self, addr: str) -> None:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await connect_broker(host, port, self._ssl, self.connect_timeout)
             conn = _Connection(reader, writer, addr)
             try:
-                conn.send(encode_control(Hello(PROTOCOL_VERSION, self.client_id, "client")))
+                token = self.credentials.token or ""
+                conn.send(encode_control(Hello(PROTOCOL_VERSION, self.client_id, "client", token=token)))
                 await conn.drain()
                 while True:
                     data = await reader.read(READ_CHUNK)
@@ -576,7 +587,16 @@ class Client:
 
     def _nacked(self, m: Nack) -> None:
         per_topic = self._pending.get(m.topic, {})
+        now = asyncio.get_running_loop().time()
+        if m.code == "rate_limited":
+            # The access broker throttles us: keep the message and hold the topic back; the resender sends
+            # everything unacknowledged again after the back-off, which doubles while refusals continue.
+            self.rate_limited += 1
+            self._throttled[m.topic] = now + self._resend_delay.get(m.topic, self.ack_timeout)
+            return
         if m.code == "out_of_order":
+            if self._throttled.get(m.topic, 0.0) > now:
+                return  # a later message got through after an earlier one was refused: the re-send fixes it
             # The primary misses earlier messages that we still hold: send them again, in order.
             self._resend_topic(m.topic, from_seq=m.expected)
             return
@@ -613,9 +633,12 @@ class Client:
         msg = Publish(topic, self.client_id, seq, data, base)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[PublishAck] = loop.create_future()
-        per_topic[seq] = _Pending(msg, fut, loop.time())
+        now = loop.time()
+        per_topic[seq] = _Pending(msg, fut, now)
         conn = self._conn
-        if conn is not None and not self._closing and self._connected.is_set():
+        if self._throttled.get(topic, 0.0) > now:
+            pass  # rate-limited by the broker: the resender sends it after the back-off
+        elif conn is not None and not self._closing and self._connected.is_set():
             conn.send(encode_control(msg))  # the common case, without a coroutine per publish
             if conn.buffered > WRITE_HIGH_WATER:
                 await conn.drain()

@@ -6,6 +6,8 @@ messages over several topics, kills the primary of one topic mid-stream (SIGKILL
 to a new coordinate mid-stream (topic delegation, Sec. III), and shows that delivery goes on without loss or
 duplicates.  The brokers run combined load balancing (Alg. 1 at topic creation, Alg. 2 every Δτ).  Exits 0
 only if every acknowledged message reached the subscriber exactly once, in order.
+Every link is TLS (brokers with mutual TLS against a development CA created for the run, clients with
+client certificates) unless --insecure is given.
 """
 
 from __future__ import annotations
@@ -23,25 +25,34 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics: int) -> int:
+async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics: int, insecure: bool = False) -> int:
     """Run the demo; returns the exit code."""
     from broker.cluster import LocalCluster
 
     names = [f"grid/feeder-{i}/voltage" for i in range(topics)]
     _say(f"starting {nodes} brokers on 127.0.0.1 (resilience level {resilience}) ...")
     balancing = ("--balance", "combined", "--goal", "L3", "--selection", "bestlocal", "--balance-interval", "2")
-    async with LocalCluster(n=nodes, seed=seed, resilience=resilience, broker_args=balancing) as cluster:
+    async with LocalCluster(
+        n=nodes, seed=seed, resilience=resilience, broker_args=balancing, tls=False if insecure else None
+    ) as cluster:
         took = await cluster.wait_converged()
         _say(f"overlay converged to the Delaunay triangulation in {took:.2f} s")
+        if cluster.tls:
+            _say(f"every link is TLS: brokers mutually authenticated by the development CA in {cluster.certs_dir}")
+        else:
+            _say("plain TCP (--insecure): no TLS, no client authentication")
         for bp in cluster.nodes:
             _say(f"  broker {bp.node_id:<14} at ({bp.coord[0]:.3f}, {bp.coord[1]:.3f})  {bp.listen}")
         addrs = [bp.listen for bp in cluster.nodes]
         # Attach the clients to brokers that do not hold the first topic, so the kill hits the topic only.
-        async with Client(addrs) as probe:
+        async with Client(addrs, credentials=cluster.credentials("demo-probe")) as probe:
             first = await probe.locate(names[0])
         holders = {n.listen for n in (first.primary, first.secondary) if n is not None}
         others = [a for a in addrs if a not in holders] or addrs
-        async with Client(others) as sub_client, Client(others[::-1]) as pub_client:
+        async with (
+            Client(others, credentials=cluster.credentials("demo-subscriber")) as sub_client,
+            Client(others[::-1], credentials=cluster.credentials("demo-publisher")) as pub_client,
+        ):
             _say(f"subscriber attached to {sub_client.address}, publisher to {pub_client.address}")
             subs = {t: await sub_client.subscribe(t) for t in names}
             loc = await pub_client.locate(names[0])
@@ -105,7 +116,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.messages < 1 or args.topics < 1:
         print("sedax: error: --nodes, --messages and --topics must be at least 1", file=sys.stderr)
         return 2
-    return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics))
+    return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics, args.insecure))
 
 
 def register(subparsers: Any) -> None:
@@ -116,4 +127,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--messages", type=int, default=200)
     p.add_argument("--topics", type=int, default=4)
+    p.add_argument("--insecure", action="store_true", help="plain TCP instead of TLS (default: $SEDAX_INSECURE)")
     p.set_defaults(func=_cmd)

@@ -50,6 +50,8 @@ MAX_HOP_LIMIT: Final = 255
 # Coordinates live in a space of order 1; anything beyond this magnitude is garbage, and bounding it keeps
 # distances finite (hypot of two 1e150s would still be finite, but no real space is that large).
 MAX_COORD_ABS: Final = 1e12
+# A bearer token in HELLO (client authentication without a certificate); 256 characters hold any sane secret.
+MAX_TOKEN_LEN: Final = 256
 # Correlation ids are unsigned 63-bit so they survive msgpack and every language's signed int64.
 MAX_CORR: Final = (1 << 63) - 1
 
@@ -76,6 +78,8 @@ RefuseCode: TypeAlias = Literal[
     "coordinate_outside_space",
     "shutting_down",
     "not_allowed",
+    "unauthenticated",
+    "too_many_connections",
 ]
 ErrorCode: TypeAlias = Literal["coordinate_outside_space", "busy", "unreachable", "not_allowed"]
 UnlinkReason: TypeAlias = Literal["not_neighbour", "duplicate_link"]
@@ -402,7 +406,8 @@ for _ann, _codec in {
 class Hello(Message):
     """First message on every connection, from the side that connected.
 
-    Brokers give their coordinate and listen address; clients and admin tools may leave them empty.
+    Brokers give their coordinate and listen address; clients and admin tools may leave them empty.  A client
+    without a certificate authenticates with `token` (checked against the broker's --tokens file).
     """
 
     op: ClassVar[Literal["hello"]] = "hello"
@@ -411,9 +416,11 @@ class Hello(Message):
     role: Role
     coord: Coord | None = None
     listen: str = ""
+    token: str = ""
 
     def __post_init__(self) -> None:
         _check_uint(self.version, "protocol version", 0xFFFF)
+        _check_text(self.token, "token", MAX_TOKEN_LEN)
         _check_id(self.node, "node id")
         if self.coord is not None:
             _check_coord(self.coord, "hello coordinate")

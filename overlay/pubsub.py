@@ -46,6 +46,7 @@ PubSubCode: TypeAlias = Literal[
     "shutting_down",  # the broker is leaving
     "out_of_order",  # a publisher's sequence has a gap the client can fill: re-send from `expected`
     "bad_request",  # anything else the client got wrong
+    "rate_limited",  # over the broker's per-client publish rate (--publish-rate): re-send later
 ]
 
 
@@ -435,7 +436,8 @@ class TopicRequest(Message):
     `requests` are the session's own messages (SUBSCRIBE, UNSUBSCRIBE, PUBLISH, FETCH, LOCATE) as encoded,
     in order, batched per destination; the primary answers with TOPIC_REPLY routed to `access.coord`.
     `via_home` is set once the home node has looked the topic up in its delegate list, so a delegate does
-    not send it back (Sec. III-B).
+    not send it back (Sec. III-B).  `identity` is who the access broker authenticated the session as (TLS
+    certificate name or token name); the topic's holder checks its ACL against it.
     """
 
     op: ClassVar[Literal["topic_request"]] = "topic_request"
@@ -444,6 +446,7 @@ class TopicRequest(Message):
     requests: tuple[bytes, ...]
     via_home: bool = False
     dest: Coord | None = None  # the coordinate the sender addressed (h(t) or a delegate coordinate C(t))
+    identity: str = ""
 
 
 @register_message

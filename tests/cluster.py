@@ -12,6 +12,7 @@ import numpy as np
 
 from broker.cluster import BrokerProcess, LocalCluster
 from client.admin import AdminClient
+from client.credentials import Credentials
 from overlay.geometry import closest, geohash
 from overlay.protocol import parse_address
 
@@ -65,7 +66,7 @@ async def read_until_eof(reader: asyncio.StreamReader, within: float) -> bytes:
     return b"".join(chunks)
 
 
-async def check_routes(cluster: LocalCluster, n: int, seed: int) -> list[int]:
+async def check_routes(cluster: LocalCluster, n: int, seed: int, credentials: Credentials | None = None) -> list[int]:
     """Probe n random targets from random live brokers; assert each ends at the closest broker.
 
     Returns the hop counts.
@@ -73,7 +74,7 @@ async def check_routes(cluster: LocalCluster, n: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     live = cluster.live()
     coords = {bp.node_id: bp.coord for bp in live}
-    clients = await asyncio.gather(*(AdminClient.connect(bp.listen) for bp in live))
+    clients = await asyncio.gather(*(AdminClient.connect(bp.listen, credentials=credentials) for bp in live))
     try:
         targets = [(float(x), float(y)) for x, y in rng.random((n, 2))]
         sources = [int(i) for i in rng.integers(len(live), size=n)]

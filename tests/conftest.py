@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from broker.cluster import LocalCluster
+
+# Brokers and clients require TLS unless told otherwise.  The suite predates TLS: its brokers, clients and
+# CLI processes run on plain TCP through SEDAX_INSECURE, which every process a test starts inherits.  The
+# security tests (test_security_*.py) start TLS clusters explicitly (LocalCluster(tls=True)).
+os.environ["SEDAX_INSECURE"] = "1"
 
 # The suite shares 2 cores with broker processes and Spark: hypothesis's speed health checks would fail
 # tests for the machine's load, not for a property; every test still has its pytest-timeout bound.

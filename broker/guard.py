@@ -1,0 +1,377 @@
+"""Who may do what on a broker, and how much: authentication at HELLO, limits, forged-frame checks.
+
+* Authentication (at HELLO).  A broker link needs a broker certificate of the cluster CA whose CN is the
+  peer's node id (TLS).  A client or admin presents a certificate of the CA (identity = CN) or a token from
+  the tokens file (identity = the token's name).  On an --insecure broker without tokens every client is
+  "anonymous".  Refusals say what was missing: REFUSE unauthenticated / not_allowed / too_many_connections.
+* Routed frames are accepted only from broker links (and, with TLS, from tools holding a broker
+  certificate; on an --insecure broker from anyone, as before TLS existed).  A routed frame that no honest
+  broker would send is dropped and counted: a destination outside the space, a hop limit above this
+  broker's max_hops, or a sender that is not farther from the destination than this broker (greedy
+  forwarding only ever moves closer, so that is a loop or a forgery).  Framing-level lies (NaN
+  coordinates, hops >= hop limit) already close the link in the codec, counted as protocol_errors.
+* Limits per client: a token bucket on publishes (NACK rate_limited), a payload bound (NACK too_large),
+  a bounded send queue (broker/link.py: slow consumers are dropped or throttled, never waited for), an
+  idle timeout, and at most max_connections client connections.
+* ACLs (broker/acl.py) at the access broker; the topic's holder checks again (broker/pubsub.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import ssl
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Final
+
+from broker.acl import Acl, load_acl, refusal
+from broker.config import BrokerConfig, ConfigError
+from broker.link import CloseReason, PeerLink
+from broker.tls import BrokerTls, load_broker_tls
+from client.credentials import ROLE_BROKER, PeerCert
+from overlay.protocol import (
+    MAX_FRAME_SIZE,
+    MAX_TOKEN_LEN,
+    Hello,
+    Join,
+    Message,
+    NodeInfo,
+    Refuse,
+    RefuseCode,
+    RoutedFrame,
+)
+from overlay.pubsub import Nack, Publish
+
+ANONYMOUS: Final = "anonymous"
+# Connections beyond max_connections that may still be accepted so that broker links (which do not
+# count against the limit) and the clients to be refused with a reason get through; past this the
+# socket is closed at once.
+ACCEPT_HEADROOM: Final = 64
+# Forged-frame drops are logged once per this many (a flood must not flood the log).
+DROP_LOG_EVERY: Final = 1000
+# The idle sweep runs at most this often (and at least four times per idle timeout).
+SWEEP_INTERVAL: Final = 1.0
+
+COUNTERS: Final = (
+    "tls_handshake_failures",
+    "refused_at_accept",
+    "refused_unauthenticated",
+    "refused_not_allowed",
+    "refused_too_many_connections",
+    "protocol_errors",
+    "routed_from_non_broker",
+    "forged_outside_space",
+    "forged_hop_limit",
+    "forged_loop",
+    "rate_limited",
+    "too_large",
+    "acl_denied_access",
+    "acl_denied_holder",
+    "slow_consumers",
+    "slow_consumer_drops",
+    "idle_closed",
+)
+
+
+class TokenBucket:
+    """`rate` tokens per second up to `burst`; `take()` spends one if there is one."""
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def take(self, now: float) -> bool:
+        """Spend one token; False if the bucket is empty."""
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+def load_tokens(path: str | Path) -> dict[str, str]:
+    """{sha256 hex digest: name} from a tokens file ({"NAME": "sha256:HEX"} or {"NAME": "plain token"})."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"cannot read the tokens file {p} (--tokens): {exc}") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f'tokens file {p} must be a non-empty JSON object {{"NAME": "sha256:HEX"}}')
+    out: dict[str, str] = {}
+    for name, value in data.items():
+        if not isinstance(value, str) or not value or len(value) > MAX_TOKEN_LEN + 7:
+            raise ConfigError(f"tokens file {p}: the entry for {name!r} must be a token or 'sha256:HEX'")
+        if value.startswith("sha256:"):
+            digest = value[7:].lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ConfigError(f"tokens file {p}: the entry for {name!r} is not sha256: and 64 hex digits")
+        else:
+            digest = hashlib.sha256(value.encode()).hexdigest()
+        out[digest] = str(name)
+    return out
+
+
+class Guard:
+    """The security and limit decisions of one broker (see the module docstring)."""
+
+    def __init__(self, config: BrokerConfig, log: logging.Logger) -> None:
+        self.config = config
+        self.log = log
+        if not config.tls and not config.insecure:
+            raise ConfigError(
+                "TLS is required: pass --tls-cert, --tls-key and --tls-ca (create them with `sedax certs init "
+                "--dir DIR` and `sedax certs issue --dir DIR --name NODE_ID --role broker`), or --insecure for "
+                "plain TCP on a trusted network"
+            )
+        self.tokens = load_tokens(config.tokens_file) if config.tokens_file else None
+        self.tls: BrokerTls | None = (
+            load_broker_tls(config, require_client_cert=self.tokens is None) if config.tls else None
+        )
+        if self.tls is not None and config.node_id is not None and config.node_id != self.tls.name:
+            raise ConfigError(
+                f"node_id {config.node_id!r} differs from the name in tls_cert ({self.tls.name!r}): brokers accept "
+                "a peer only under the name its certificate gives; drop --node-id or issue a certificate for it"
+            )
+        self.acl: Acl | None = load_acl(config.acl_file) if config.acl_file else None
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._buckets: dict[str, TokenBucket] = {}
+        s = config.space
+        self._bounds = (s.xmin, s.xmax, s.ymin, s.ymax)
+        self._next_sweep = 0.0
+
+    @property
+    def name(self) -> str | None:
+        """The node id this broker's certificate gives it (None without TLS)."""
+        return self.tls.name if self.tls is not None else None
+
+    # ------------------------------------------------------------------------------------- admission
+
+    def may_accept(self, links: int, handshaking: int) -> bool:
+        """A new TCP connection may start its handshake (else it is closed at once and counted)."""
+        return links + handshaking < self.config.max_connections + ACCEPT_HEADROOM
+
+    def admit(self, link: PeerLink, hello: Hello, clients: int) -> Refuse | None:
+        """Authenticate an inbound HELLO and set the link's identity and limits; a Refuse says why not.
+
+        `clients` is the number of client and admin connections already established.
+        """
+        cert = link.cert
+        if hello.role == "broker":
+            if self.tls is not None:
+                if cert is None or cert.role != ROLE_BROKER:
+                    return self._refuse(
+                        "not_allowed",
+                        f"a broker link needs a broker certificate (OU=broker) of the cluster CA; "
+                        f"{hello.node} presented {_describe(cert)}",
+                    )
+                if cert.name != hello.node:
+                    return self._refuse(
+                        "not_allowed", f"node id {hello.node} is not the name in its certificate ({cert.name})"
+                    )
+            link.identity = hello.node
+            link.may_route = True
+            link.limit_frames(MAX_FRAME_SIZE)  # routed frames carry publishes of up to MAX_PAYLOAD_SIZE
+            return None
+        if clients >= self.config.max_connections:
+            self.counters["refused_too_many_connections"] += 1
+            return Refuse(
+                "too_many_connections",
+                f"this broker serves at most {self.config.max_connections} client connections (--max-connections); "
+                "try another broker of the overlay",
+            )
+        if cert is not None:
+            link.identity = cert.name
+            link.may_route = cert.role == ROLE_BROKER
+        elif hello.token:
+            if self.tokens is None:
+                return self._refuse(
+                    "unauthenticated", "this broker has no tokens file (--tokens): present a client certificate"
+                )
+            name = self._token_name(hello.token)
+            if name is None:
+                return self._refuse("unauthenticated", "the token is not valid on this broker")
+            link.identity = name
+        elif self.tls is not None or self.tokens is not None:
+            return self._refuse(
+                "unauthenticated",
+                "present a client certificate of the cluster CA (sedax certs issue --role client) or a token (--token)",
+            )
+        else:
+            # --insecure without tokens: a trusted network, as before TLS existed (tools may inject routed
+            # frames, e.g. the overlay benchmark).
+            link.identity = ANONYMOUS
+            link.may_route = True
+        c = self.config
+        link.send_limit = c.client_send_buffer
+        link.drop_when_full = c.slow_consumer_policy == "drop"
+        link.limit_frames(c.max_frame_size)
+        return None
+
+    def _refuse(self, code: RefuseCode, text: str) -> Refuse:
+        key = "refused_unauthenticated" if code == "unauthenticated" else "refused_not_allowed"
+        self.counters[key] += 1
+        return Refuse(code, text)
+
+    def _token_name(self, token: str) -> str | None:
+        assert self.tokens is not None
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        # Constant-time over the entries, so response timing says nothing about how close a guess was.
+        found = None
+        for known, name in self.tokens.items():
+            if hmac.compare_digest(known, digest):
+                found = name
+        return found
+
+    def may_join(self, link: PeerLink, join: Join) -> Refuse | None:
+        """A JOIN from a client link: with TLS only the holder of the joining node's broker certificate."""
+        if self.tls is None:
+            return None
+        cert = link.cert
+        if cert is None or cert.role != ROLE_BROKER or cert.name != join.node.id:
+            self.counters["refused_not_allowed"] += 1
+            return Refuse(
+                "not_allowed",
+                f"joining as {join.node.id} needs that node's broker certificate (OU=broker, CN={join.node.id}); "
+                f"this connection presented {_describe(cert)}",
+                join.corr,
+            )
+        return None
+
+    @property
+    def dial_context(self) -> ssl.SSLContext | None:
+        """The TLS context for dialling brokers (None on an --insecure broker)."""
+        return self.tls.dial if self.tls is not None else None
+
+    def dialled_peer_problem(self, cert: PeerCert | None, node_id: str) -> str | None:
+        """Why a broker we dialled as node_id is not that node (its certificate names another one)."""
+        if self.tls is None:
+            return None
+        if cert is None or cert.role != ROLE_BROKER or cert.name != node_id:
+            return f"{node_id} answered with {_describe(cert)}"
+        return None
+
+    # ------------------------------------------------------------------------------------- requests
+
+    def check_request(self, link: PeerLink, msg: Message) -> Message | None:
+        """Limits and ACL for a client's pub/sub request at its access broker: the refusal, or None."""
+        c = self.config
+        if isinstance(msg, Publish):
+            if len(msg.payload) > c.max_payload:
+                self.counters["too_large"] += 1
+                return Nack(
+                    msg.topic,
+                    msg.publisher,
+                    msg.seq,
+                    "too_large",
+                    f"payload of {len(msg.payload)} bytes is over this broker's limit of {c.max_payload} "
+                    "(--max-payload)",
+                )
+            if c.publish_rate > 0 and not self._bucket(link).take(time.monotonic()):
+                self.counters["rate_limited"] += 1
+                return Nack(
+                    msg.topic,
+                    msg.publisher,
+                    msg.seq,
+                    "rate_limited",
+                    f"over {c.publish_rate:g} publishes/s for {link.identity or ANONYMOUS} (--publish-rate); "
+                    "send it again later",
+                )
+        if self.acl is not None:
+            denied = refusal(self.acl, link.identity, msg, "access")
+            if denied is not None:
+                return denied
+        return None
+
+    def _bucket(self, link: PeerLink) -> TokenBucket:
+        # Per identity, so a client cannot multiply its rate with more connections; anonymous clients of an
+        # --insecure broker are told apart by connection.
+        key = link.identity if link.identity and link.identity != ANONYMOUS else f"#{link.number}"
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(
+                self.config.publish_rate, self.config.publish_burst, time.monotonic()
+            )
+        return bucket
+
+    # --------------------------------------------------------------------------------------- routing
+
+    def forged(self, frame: RoutedFrame, peer: NodeInfo | None, me: NodeInfo) -> bool:
+        """True (counted, logged now and then) if no honest broker would have sent this routed frame."""
+        x, y = frame.x, frame.y
+        xmin, xmax, ymin, ymax = self._bounds
+        if not (xmin <= x <= xmax and ymin <= y <= ymax):  # also false for NaN
+            return self._drop("forged_outside_space", frame, peer, "destination outside the space")
+        if frame.hop_limit > self.config.max_hops:
+            return self._drop("forged_hop_limit", frame, peer, f"hop limit above max_hops {self.config.max_hops}")
+        if peer is not None:
+            # Greedy forwarding hands a frame only to a neighbour strictly closer to the destination (ties:
+            # the smaller id), so a frame from a peer no farther than us went backwards.
+            d_peer = math.hypot(peer.coord[0] - x, peer.coord[1] - y)
+            d_me = math.hypot(me.coord[0] - x, me.coord[1] - y)
+            if d_me > d_peer or (d_me == d_peer and me.id > peer.id):
+                return self._drop("forged_loop", frame, peer, "the sender is closer to the destination than we are")
+        return False
+
+    def _drop(self, counter: str, frame: RoutedFrame, peer: NodeInfo | None, why: str) -> bool:
+        self.counters[counter] += 1
+        n = self.counters[counter]
+        if n % DROP_LOG_EVERY == 1:
+            self.log.warning(
+                "dropped a routed frame for (%s, %s) hop limit %d from %s: %s (%d %s so far)",
+                frame.x, frame.y, frame.hop_limit, peer.id if peer else "a non-broker link", why, n, counter,
+            )  # fmt: skip
+        return True
+
+    # ---------------------------------------------------------------------------------- housekeeping
+
+    def sweep_idle(self, links: Iterable[PeerLink], now: float, busy: Callable[[PeerLink], bool]) -> None:
+        """Close client and admin links without a request for idle_timeout s, unless `busy` (subscribed)."""
+        idle = self.config.idle_timeout
+        if idle <= 0 or now < self._next_sweep:
+            return
+        self._next_sweep = now + min(SWEEP_INTERVAL, idle / 4)
+        for link in list(links):
+            if link.role in ("client", "admin") and not link.outbound and link.established:
+                silent = now - link.last_request
+                if silent > idle and not busy(link):
+                    self.counters["idle_closed"] += 1
+                    why = f"no request for {silent:.1f} s (--idle-timeout {idle:g})"
+                    link.close_soon(CloseReason.IDLE_TIMEOUT, why)
+
+    def link_closed(self, link: PeerLink, reason: CloseReason) -> None:
+        """Count why links close and forget per-connection state."""
+        if reason is CloseReason.PROTOCOL_ERROR:
+            self.counters["protocol_errors"] += 1
+        elif reason is CloseReason.SLOW_CONSUMER:
+            self.counters["slow_consumers"] += 1
+        self.counters["slow_consumer_drops"] += link.overflow_drops
+        link.overflow_drops = 0
+        self._buckets.pop(f"#{link.number}", None)
+
+    def status(self, links: Iterable[PeerLink], handshake_failures: int, refused: int) -> dict[str, int]:
+        """The counters for STATUS (drops of open links included)."""
+        out = dict(self.counters)
+        out["slow_consumer_drops"] += sum(link.overflow_drops for link in links)
+        out["tls_handshake_failures"] = handshake_failures
+        out["refused_at_accept"] += refused
+        if self.acl is not None:
+            out["acl_denied_access"] = self.acl.denied["access"]
+            out["acl_denied_holder"] = self.acl.denied["holder"]
+        return out
+
+
+def _describe(cert: PeerCert | None) -> str:
+    if cert is None:
+        return "no certificate"
+    return f"a {cert.role or 'role-less'} certificate for {cert.name}"

@@ -1,0 +1,61 @@
+"""`sedax certs`: a development CA and certificates for brokers and clients, bearer tokens (broker/certs.py).
+
+    sedax certs init  --dir DIR                                   # DIR/ca.pem, DIR/ca.key
+    sedax certs issue --dir DIR --name n0 --role broker [--host H]  # DIR/n0.pem, DIR/n0.key
+    sedax certs issue --dir DIR --name meter-7 --role client
+    sedax certs token --dir DIR --name dashboard                  # prints a token, stores its digest
+
+Exit codes: 0 done, 2 a usage problem or a failed openssl call (the message says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Final
+
+EXIT_USAGE: Final = 2
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from broker import certs
+
+    try:
+        if args.action == "init":
+            path = certs.init_ca(args.dir, force=args.force)
+            print(f"CA certificate {path}; its key {certs.ca_paths(args.dir)[1]} signs every certificate: keep it safe")
+        elif args.action == "issue":
+            if not args.name or not args.role:
+                raise certs.CertError("issue needs --name NAME and --role broker|client")
+            cert, key = certs.issue(args.dir, args.name, args.role, args.host or (), force=args.force)
+            print(f"{args.role} certificate {cert} (key {key}) for {args.name!r}")
+            if args.role == "broker":
+                ca = certs.ca_paths(args.dir)[0]
+                print(f"run: sedax broker --node-id {args.name} --tls-cert {cert} --tls-key {key} --tls-ca {ca} ...")
+        else:
+            if not args.name:
+                raise certs.CertError("token needs --name NAME (the identity the token authenticates as)")
+            token, path = certs.add_token(args.dir, args.name)
+            print(token)
+            note = f"token for {args.name!r}; its digest is in {path} (pass --tokens {path} to brokers)"
+            print(note, file=sys.stderr)
+    except certs.CertError as exc:
+        print(f"sedax: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the certs subcommand."""
+    p = subparsers.add_parser(
+        "certs", help="create a development CA, broker and client certificates, or tokens (needs openssl)"
+    )
+    p.add_argument("action", choices=("init", "issue", "token"))
+    p.add_argument("--dir", required=True, help="certificate directory (created 0700)")
+    p.add_argument("--name", help="issue/token: the identity (a broker's node id, a client's ACL name)")
+    p.add_argument("--role", choices=("broker", "client"), help="issue: what the certificate may do")
+    p.add_argument(
+        "--host", action="append", help="issue, broker: an extra IP or DNS name the broker is reached at (repeatable)"
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing CA or certificate")
+    p.set_defaults(func=_cmd)

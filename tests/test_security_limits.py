@@ -1,0 +1,210 @@
+"""Backpressure and per-client limits on real broker processes: a bad client must not hurt anyone else.
+
+These limits do not depend on TLS, so the brokers here run on plain TCP (faster to set up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import log_has, log_size, raw_connect, read_until_eof, wait_for
+from conftest import FAST_ARGS
+
+from broker.cluster import BrokerProcess, LocalCluster
+from client.client import Client, ConnectError, RequestFailed
+from overlay.protocol import (
+    PROTOCOL_VERSION,
+    ControlFrame,
+    FrameDecoder,
+    Hello,
+    HelloOk,
+    Pong,
+    encode_control,
+    parse_address,
+)
+from overlay.pubsub import Publish, Subscribe, Subscribed
+
+pytestmark = pytest.mark.slow
+
+CENTRE = [(0.5, 0.5)]
+
+
+async def counters(cluster: LocalCluster) -> dict[str, int]:
+    return dict((await cluster.statuses())[cluster.nodes[0].node_id].counters)
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One broker with small limits on payloads, frames, publish rate and idleness."""
+    args = (
+        *FAST_ARGS,
+        "--max-payload", "1000", "--max-frame-size", "8192", "--publish-rate", "200", "--publish-burst", "20",
+        "--idle-timeout", "1.0",
+    )  # fmt: skip
+    cluster = LocalCluster(
+        1, coords=CENTRE, resilience=1, tls=False, state_dir=tmp_path_factory.mktemp("limited"), broker_args=args
+    )
+    try:
+        asyncio.run(cluster.start())
+        yield cluster
+    finally:
+        asyncio.run(cluster.close())
+
+
+async def test_payload_over_the_limit_is_refused(limited: LocalCluster) -> None:
+    async with Client(limited.nodes[0].listen) as c:
+        with pytest.raises(RequestFailed, match="too_large: payload of 1001 bytes is over this broker's limit of 1000"):
+            await c.publish("grid/big/voltage", b"x" * 1001)
+        assert (await c.publish("grid/big/voltage", b"x" * 1000)).seq == 1
+
+
+async def test_frame_over_the_limit_closes_the_connection(limited: LocalCluster) -> None:
+    bp = limited.nodes[0]
+    since = log_size(bp)
+    reader, writer = await raw_connect(bp)
+    writer.write(encode_control(Hello(PROTOCOL_VERSION, "big", "client")))
+    writer.write(encode_control(Publish("grid/big/voltage", "big", 0, b"x" * 20_000)))
+    await read_until_eof(reader, 5.0)
+    writer.close()
+    await wait_for(lambda: log_has(bp, "exceeds the limit of 8192 bytes", since), 5.0, "frame limit logged")
+
+
+async def test_publish_rate_limit_throttles_without_losing_anything(limited: LocalCluster) -> None:
+    addr = limited.nodes[0].listen
+    before = await counters(limited)
+    async with Client(addr) as sub_c, Client(addr, ack_timeout=0.2) as pub:
+        sub = await sub_c.subscribe("grid/rate/voltage")
+        acks = [await pub.publish_nowait("grid/rate/voltage", f"{i}") for i in range(300)]
+        async with asyncio.timeout(60):
+            await asyncio.gather(*acks)
+            got = [(await anext(sub)).seq for _ in range(300)]
+        assert got == list(range(300))  # NACK rate_limited made the client wait and re-send, in order
+        assert pub.rate_limited > 0
+    after = await counters(limited)
+    assert after["rate_limited"] - before["rate_limited"] == pub.rate_limited
+
+
+async def test_idle_clients_are_closed_unless_subscribed(limited: LocalCluster) -> None:
+    bp = limited.nodes[0]
+    since = log_size(bp)
+    before = await counters(limited)
+    events: list[str] = []
+    async with (
+        Client(bp.listen, reconnect=False, on_event=lambda kind, _: events.append(kind)) as idle,
+        Client(bp.listen) as subscriber,
+        Client(bp.listen) as pub,
+    ):
+        sub = await subscriber.subscribe("grid/idle/voltage")
+        await wait_for(lambda: log_has(bp, "reason=idle_timeout", since), 10.0, "idle client closed")
+        await wait_for(lambda: idle.address is None, 5.0, "idle client saw the close")
+        # The subscriber sent nothing since its SUBSCRIBE either, but it holds a subscription.
+        assert subscriber.address == bp.listen
+        await pub.publish("grid/idle/voltage", b"still here")
+        async with asyncio.timeout(10):
+            assert (await anext(sub)).payload == b"still here"
+    after = await counters(limited)
+    assert after["idle_closed"] - before["idle_closed"] >= 1
+
+
+async def test_max_connections_refused_with_a_reason(tmp_path: Path) -> None:
+    args = (*FAST_ARGS, "--max-connections", "2")
+    async with LocalCluster(1, coords=CENTRE, tls=False, state_dir=tmp_path, broker_args=args) as cluster:
+        addr = cluster.nodes[0].listen
+        async with Client(addr) as c1:
+            async with Client(addr):
+                third = Client(addr, reconnect=False)
+                with pytest.raises(ConnectError, match="too_many_connections: this broker serves at most 2"):
+                    await third.connect()
+                await third.aclose()
+            assert c1.address == addr
+
+            async def connects() -> bool:
+                c = Client(addr, reconnect=False)
+                try:
+                    await c.connect()
+                except ConnectError:
+                    return False
+                finally:
+                    await c.aclose()
+                return True
+
+            await wait_for(connects, 10.0, "a slot freed by the closed client")
+
+
+# ------------------------------------------------------------------------------------ slow subscribers
+
+MESSAGES = 2000
+PAYLOAD = b"v" * 4096  # 8 MB in all: more than the kernel buffers between a broker and a client hold
+
+
+async def _slow_subscriber(bp: BrokerProcess, topic: str) -> tuple[asyncio.StreamWriter, asyncio.Task[None]]:
+    """A client that subscribes and then never reads again (but stays alive: it keeps sending PONGs)."""
+    host, port = parse_address(bp.listen)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small, so its backlog lands on the broker
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(encode_control(Hello(PROTOCOL_VERSION, "slow", "client")))
+    writer.write(encode_control(Subscribe(1, topic)))
+    decoder = FrameDecoder()
+    seen: list[object] = []
+    async with asyncio.timeout(10):
+        while not any(isinstance(m, Subscribed) for m in seen):
+            data = await reader.read(65536)
+            assert data, "broker closed the connection"
+            seen += [f.message for f in decoder.feed(data) if isinstance(f, ControlFrame)]
+    assert isinstance(seen[0], HelloOk)
+
+    async def alive() -> None:
+        while True:
+            writer.write(encode_control(Pong(0)))
+            await asyncio.sleep(0.1)
+
+    return writer, asyncio.create_task(alive())
+
+
+async def _stream(addr: str, topic: str) -> float:
+    """Publish MESSAGES to topic and wait until a well-behaved subscriber has them all; returns msg/s."""
+    async with Client(addr) as sub_c, Client(addr) as pub:
+        sub = await sub_c.subscribe(topic)
+        start = time.monotonic()
+        acks = [await pub.publish_nowait(topic, PAYLOAD) for _ in range(MESSAGES)]
+        async with asyncio.timeout(120):
+            got = [(await anext(sub)).seq for _ in range(MESSAGES)]
+            await asyncio.gather(*acks)
+        rate = MESSAGES / (time.monotonic() - start)
+        assert got == list(range(MESSAGES)) and sub.dropped == 0
+    return rate
+
+
+@pytest.mark.parametrize("policy", ["disconnect", "drop"])
+async def test_slow_subscriber_does_not_slow_delivery_to_others(tmp_path: Path, policy: str) -> None:
+    args = (*FAST_ARGS, "--client-send-buffer", str(256 * 1024), "--slow-consumer-policy", policy)
+    async with LocalCluster(1, coords=CENTRE, resilience=1, tls=False, state_dir=tmp_path, broker_args=args) as c:
+        bp = c.nodes[0]
+        since = log_size(bp)
+        alone = await _stream(bp.listen, "grid/alone/voltage")
+        writer, alive = await _slow_subscriber(bp, "grid/slow/voltage")
+        try:
+            beside = await _stream(bp.listen, "grid/slow/voltage")
+            st = await counters(c)
+            if policy == "disconnect":
+                await wait_for(lambda: log_has(bp, "reason=slow_consumer", since), 10.0, "slow consumer dropped")
+                assert st["slow_consumers"] == 1
+                assert log_has(bp, "queued for a peer that does not read (--client-send-buffer)", since)
+            else:
+                assert st["slow_consumers"] == 0 and st["slow_consumer_drops"] > 0
+                assert st["sessions"] == 1  # the slow one, still connected; its frames were dropped
+        finally:
+            alive.cancel()
+            writer.transport.abort()
+        print(
+            f"\nslow consumer ({policy}): good subscriber {alone:,.0f} msg/s alone, {beside:,.0f} msg/s beside a "
+            f"subscriber that stopped reading ({beside / alone:.2f}x); {MESSAGES} x {len(PAYLOAD)} B, all delivered"
+        )
