@@ -21,10 +21,15 @@ pytestmark = pytest.mark.slow
 
 async def drain(sub: Subscription, want: int, within: float) -> list[tuple[str, int]]:
     got: list[tuple[str, int]] = []
-    async with asyncio.timeout(within):
-        while len(got) < want:
-            m = await anext(sub)
-            got.append((m.publisher, m.seq))
+    try:
+        async with asyncio.timeout(within):
+            while len(got) < want:
+                m = await anext(sub)
+                got.append((m.publisher, m.seq))
+    except TimeoutError:
+        seqs = {s for _, s in got}
+        missing = [i for i in range(want) if i not in seqs]
+        raise AssertionError(f"{len(got)} of {want} delivered; missing {missing[:20]}...") from None
     return got
 
 
