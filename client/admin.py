@@ -7,7 +7,6 @@ Many requests may be in flight at once on one connection; replies are matched by
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import uuid
 from types import TracebackType
@@ -113,13 +112,13 @@ class AdminClient:
                 reply = await _read_one(reader, FrameDecoder())
         except (OSError, TimeoutError, ProtocolError) as exc:
             if writer is not None:
-                writer.close()
+                writer.transport.abort()
             raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
         if isinstance(reply, Refuse):
-            writer.close()
+            writer.transport.abort()
             raise BrokerUnavailable(f"broker at {addr} refused the connection: {reply.code}: {reply.text}")
         if not isinstance(reply, HelloOk):
-            writer.close()
+            writer.transport.abort()
             raise BrokerUnavailable(f"broker at {addr} answered HELLO with {reply.op}")
         return cls(reader, writer, reply.node, request_timeout=timeout)
 
@@ -217,8 +216,12 @@ class AdminClient:
         await asyncio.gather(self._read_task, return_exceptions=True)
         self._fail_all(BrokerUnavailable("client closed"))
         self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        try:
+            # Bounded: a TLS close waits for the broker's close_notify.
+            async with asyncio.timeout(self.request_timeout):
+                await self._writer.wait_closed()
+        except (OSError, TimeoutError):
+            self._writer.transport.abort()
 
 
 async def _read_one(reader: asyncio.StreamReader, decoder: FrameDecoder) -> Message:

@@ -79,6 +79,8 @@ MAX_RESEND_DELAY: Final = 8.0
 YIELD_EVERY: Final = 256
 # Unsent bytes above which a sender waits for the socket (backpressure without a drain per message).
 WRITE_HIGH_WATER: Final = 256 * 1024
+# How long aclose() waits for the connection to close cleanly (TLS close_notify) before cutting it off.
+CLOSE_TIMEOUT: Final = 2.0
 
 
 class ClientError(Exception):
@@ -238,6 +240,11 @@ class _Connection:
         self.writer.close()
         self.closed.set()
 
+    def abort(self) -> None:
+        # No TLS close_notify exchange: for a refused handshake or a dead broker there is nothing to flush.
+        self.writer.transport.abort()
+        self.closed.set()
+
 
 class Client:
     """A connection to the SeDAX overlay through one access broker at a time (see module docstring)."""
@@ -361,14 +368,14 @@ class Client:
                     if frames:
                         break
             except BaseException:
-                conn.close()
+                conn.abort()
                 raise
         first = frames[0]
         if isinstance(first, ControlFrame) and isinstance(first.message, Refuse):
-            conn.close()
+            conn.abort()
             raise ConnectError(f"{addr} refused: {first.message.code}: {first.message.text}")
         if not (isinstance(first, ControlFrame) and isinstance(first.message, HelloOk)):
-            conn.close()
+            conn.abort()
             raise ConnectError(f"{addr} did not answer HELLO with HELLO_OK")
         self._conn = conn
         self._last_rx = asyncio.get_running_loop().time()
@@ -390,14 +397,23 @@ class Client:
         for sub in list(self._subs.values()):
             sub.closed = True
             sub._wakeup.set()
-        if self._conn is not None:
-            await self._conn.drain()
-            self._conn.close()
+        conn = self._conn
+        if conn is not None:
+            await conn.drain()
+            conn.close()
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if conn is not None:
+            # A TLS close exchanges close_notify with the broker; wait for it (bounded) so the socket is
+            # really closed when aclose returns, and cut it off if the broker does not answer.
+            try:
+                async with asyncio.timeout(CLOSE_TIMEOUT):
+                    await conn.writer.wait_closed()
+            except (OSError, TimeoutError):
+                conn.abort()
         exc = ClientClosed("the client was closed")
         for fut in self._requests.values():
             if not fut.done():
@@ -476,7 +492,7 @@ class Client:
                 continue
             if loop.time() - self._last_rx > self.heartbeat_interval * self.heartbeat_misses:
                 log.warning("access broker %s silent for %d heartbeats", conn.address, self.heartbeat_misses)
-                conn.close()
+                conn.abort()
                 continue
             conn.send(encode_control(Ping(next(seq))))
 

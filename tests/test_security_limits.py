@@ -139,7 +139,11 @@ async def test_max_connections_refused_with_a_reason(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ slow subscribers
 
 MESSAGES = 2000
-PAYLOAD = b"v" * 4096  # 8 MB in all: more than the kernel buffers between a broker and a client hold
+# 16 MB in all.  The slow subscriber's backlog overflows the broker's 2 MiB bound after at most ~6 MB (the
+# bound, plus a socket send buffer of at most 4 MiB, plus its 8 KiB receive window); a subscriber that reads
+# has a receive window of megabytes on top, so only a stall of many MB would drop it.
+PAYLOAD = b"v" * 8192
+SEND_BUFFER = 2 << 20
 
 
 async def _slow_subscriber(bp: BrokerProcess, topic: str) -> tuple[asyncio.StreamWriter, asyncio.Task[None]]:
@@ -171,7 +175,7 @@ async def _slow_subscriber(bp: BrokerProcess, topic: str) -> tuple[asyncio.Strea
 
 async def _stream(addr: str, topic: str) -> float:
     """Publish MESSAGES to topic and wait until a well-behaved subscriber has them all; returns msg/s."""
-    async with Client(addr) as sub_c, Client(addr) as pub:
+    async with Client(addr) as sub_c, Client(addr, max_inflight=256) as pub:
         sub = await sub_c.subscribe(topic)
         start = time.monotonic()
         acks = [await pub.publish_nowait(topic, PAYLOAD) for _ in range(MESSAGES)]
@@ -180,12 +184,13 @@ async def _stream(addr: str, topic: str) -> float:
             await asyncio.gather(*acks)
         rate = MESSAGES / (time.monotonic() - start)
         assert got == list(range(MESSAGES)) and sub.dropped == 0
+        assert sub_c.reconnects == 0  # it was never dropped itself
     return rate
 
 
 @pytest.mark.parametrize("policy", ["disconnect", "drop"])
 async def test_slow_subscriber_does_not_slow_delivery_to_others(tmp_path: Path, policy: str) -> None:
-    args = (*FAST_ARGS, "--client-send-buffer", str(256 * 1024), "--slow-consumer-policy", policy)
+    args = (*FAST_ARGS, "--client-send-buffer", str(SEND_BUFFER), "--slow-consumer-policy", policy)
     async with LocalCluster(1, coords=CENTRE, resilience=1, tls=False, state_dir=tmp_path, broker_args=args) as c:
         bp = c.nodes[0]
         since = log_size(bp)

@@ -152,7 +152,7 @@ class Raw:
                 pass
 
     def close(self) -> None:
-        self.writer.close()
+        self.writer.transport.abort()  # at once: a TLS close_notify exchange could outlive the test's loop
 
 
 # ------------------------------------------------------------------------------------- authentication
