@@ -60,6 +60,18 @@ class BrokerConfig:
         max_hops: hop limit stamped on routed frames this broker originates (<= 255).
         space: the coordinate space.
         log_level: Python logging level name.
+        balance: when to balance load (Sec. VI): none, addition (Alg. 1), continuous (Alg. 2) or combined.
+        goal: the node load to equalise, L1, L2 or L3 (Sec. IV).
+        selection: coordinate selection (Sec. V): indcoord, bestlocal, bestregional or bestglobal.
+        queries: n_queries, coordinates queried per decision.
+        hops: n_hops of BestRegionalCoord.
+        balance_interval: Δτ, seconds between two continuous balancing rounds of this broker.
+        min_gain: a topic moves only if the best coordinate lowers L_max by at least this fraction of the
+            current coordinate's L_max (hysteresis; 0 is the paper's rule).
+        max_move_bytes: a balancing round moves no topic larger than this (bytes per round).
+        move_cooldown: seconds before the balancer may move a topic again (the home enforces it).
+        load_report_interval: seconds between the load reports sent to neighbours.
+        query_timeout: seconds a coordinate selection waits for its answers.
     """
 
     coord: Coord
@@ -83,6 +95,17 @@ class BrokerConfig:
     max_hops: int = 64
     space: Space = field(default=UNIT_SQUARE)
     log_level: str = "INFO"
+    balance: str = "none"
+    goal: str = "L3"
+    selection: str = "bestlocal"
+    queries: int = 10
+    hops: int = 1
+    balance_interval: float = 5.0
+    min_gain: float = 0.05
+    max_move_bytes: int = 64 << 20
+    move_cooldown: float = 30.0
+    load_report_interval: float = 1.0
+    query_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -119,6 +142,28 @@ class BrokerConfig:
             raise ConfigError(f"tombstone_ttl must be >= 0 seconds, got {self.tombstone_ttl}")
         if not 1 <= self.max_hops <= MAX_HOP_LIMIT:
             raise ConfigError(f"max_hops must be in 1..{MAX_HOP_LIMIT}, got {self.max_hops}")
+        if self.balance not in ("none", "addition", "continuous", "combined"):
+            raise ConfigError(f"balance must be none, addition, continuous or combined, got {self.balance!r}")
+        if self.goal not in ("L1", "L2", "L3"):
+            raise ConfigError(f"goal must be L1, L2 or L3, got {self.goal!r}")
+        if self.selection not in ("indcoord", "bestlocal", "bestregional", "bestglobal"):
+            raise ConfigError(
+                f"selection must be indcoord, bestlocal, bestregional or bestglobal, got {self.selection!r}"
+            )
+        if not 1 <= self.queries <= 1000:
+            raise ConfigError(f"queries must be in 1..1000, got {self.queries}")
+        if not 0 <= self.hops <= 64:
+            raise ConfigError(f"hops must be in 0..64, got {self.hops}")
+        for name in ("balance_interval", "load_report_interval", "query_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.move_cooldown) and self.move_cooldown >= 0):
+            raise ConfigError(f"move_cooldown must be >= 0 seconds, got {self.move_cooldown}")
+        if not (math.isfinite(self.min_gain) and 0 <= self.min_gain < 1):
+            raise ConfigError(f"min_gain must be a fraction in [0, 1), got {self.min_gain}")
+        if self.max_move_bytes < 0:
+            raise ConfigError(f"max_move_bytes must be >= 0, got {self.max_move_bytes}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
@@ -208,7 +253,9 @@ def _to_opt_str(name: str, value: object) -> str | None:
     return value
 
 
-_INT_FIELDS: Final = frozenset({"resilience", "heartbeat_misses", "max_hops", "retention_bytes"})
+_INT_FIELDS: Final = frozenset(
+    {"resilience", "heartbeat_misses", "max_hops", "retention_bytes", "queries", "hops", "max_move_bytes"}
+)
 _FLOAT_FIELDS: Final = frozenset(
     {
         "heartbeat_interval",
@@ -219,6 +266,11 @@ _FLOAT_FIELDS: Final = frozenset(
         "drain_timeout",
         "tombstone_ttl",
         "retention_seconds",
+        "balance_interval",
+        "min_gain",
+        "move_cooldown",
+        "load_report_interval",
+        "query_timeout",
     }
 )
 FIELD_NAMES: Final = tuple(f.name for f in fields(BrokerConfig))
@@ -243,7 +295,7 @@ def _convert_one(name: str, value: object) -> object:
         return _to_float(name, value)
     if name in ("metrics", "log_dir", "node_id", "advertise"):
         return _to_opt_str(name, value)
-    if name in ("listen", "log_level"):
+    if name in ("listen", "log_level", "balance", "goal", "selection"):
         return _to_str(name, value)
     raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
 

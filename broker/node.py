@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -26,11 +27,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Final
 
+from broker.balancer import Balancer
 from broker.config import BrokerConfig
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
+from overlay.delegation import BalancePlan, BalancePlanned, CoordOffer, CoordQuery, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
@@ -54,6 +57,7 @@ from overlay.protocol import (
     RouteReply,
     Status,
     StatusReq,
+    TopicHeld,
     Unlink,
     decode_message,
     encode_control,
@@ -133,8 +137,13 @@ class Broker:
             PubSubConfig(
                 resilience=config.resilience,
                 retention=Retention(config.retention_seconds, config.retention_bytes),
+                move_cooldown=config.move_cooldown,
+                space=config.space,
+                note_ttl=3 * config.load_report_interval + 1.0,
             ),
         )
+        self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)
+        self.pubsub.on_event = self._pubsub_event
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -148,6 +157,7 @@ class Broker:
         self.view = NeighbourView(self.info)
         self.port.refresh()
         self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
+        self.balancer.start(self._now)
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
     def _new_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, outbound: bool) -> PeerLink:
@@ -211,6 +221,11 @@ class Broker:
             try:
                 accept = await self._join_via(addr)
             except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+                if self._peer_up.is_set():
+                    # The answer was late (a loaded machine), but the overlay accepted us meanwhile: neighbours
+                    # have linked to this broker.  Asking again elsewhere would only be refused as a duplicate.
+                    self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                    return
                 errors.append(f"{addr}: {exc!r}")
                 continue
             self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
@@ -339,9 +354,14 @@ class Broker:
                 self._start_probe(link, corr, target)
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
-            case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() if link.role == "client":
+            case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() | MoveTopic() if link.role == "client":
                 self.pubsub.client_message(self._session(link), msg)
                 self._dirty.add(link)
+            case LoadReport() if link.role == "broker":
+                if current:
+                    self.balancer.on_report(msg)
+            case BalancePlan(corr=corr, all_topics=all_topics):
+                self.tasks.spawn(self._dry_run(link, corr, all_topics), "dry-run")
             case _:
                 raise RemoteProtocolError(f"{msg.op} is not expected from a {link.role} link")
 
@@ -352,6 +372,15 @@ class Broker:
             self._session_of[link] = sid
             self.sessions[sid] = link
         return sid
+
+    async def _dry_run(self, link: PeerLink, corr: int, all_topics: bool) -> None:
+        plans = await self.balancer.round(dry_run=True, all_topics=all_topics)
+        if link.established:
+            texts = tuple(json.dumps(p) for p in plans[:1000])
+            link.send_nowait(BalancePlanned(corr, texts))
+
+    def _pubsub_event(self, kind: str, fields: dict[str, object]) -> None:
+        self.log.info("event %s %s", kind, json.dumps(fields))
 
     async def _pubsub_ticker(self) -> None:
         while not self._closing:
@@ -558,6 +587,10 @@ class Broker:
                 self._complete(msg)
             case Ping():
                 pass  # a routed PING only tests delivery (benchmarks); it is counted and has nothing to answer
+            case CoordQuery():
+                self.balancer.on_query(msg)
+            case CoordOffer():
+                self.balancer.on_offer(msg)
             case _ if self.pubsub.routed(msg):
                 pass
             case _:
@@ -607,7 +640,7 @@ class Broker:
         known = self.view.nodes.get(node.id)
         # The same broker asking again (its first JOIN's answer was late) is accepted again; another broker
         # with a live broker's id is not.
-        if node.id == self.node_id or (known is not None and known != node):
+        if node.id == self.node_id or (known is not None and tuple(known.coord) != tuple(node.coord)):
             return Refuse("duplicate_node_id", f"node id {node.id} is already in the overlay", join.corr)
         dup = self._duplicate_of(node.id, node.coord)
         if dup is not None:
@@ -634,16 +667,19 @@ class Broker:
             "links": len(self.links),
             "sessions": len(self.sessions),
             **self.pubsub.counters,
+            **self.balancer.counters,
         }
+        held = sorted(self.pubsub.topics())
         return Status(
             corr=corr,
             node=self.info,
             neighbours=tuple(self.view.infos(k for k, link in self.peers.items() if link.established)),
             desired=tuple(sorted(self._advertised)),
-            topics=tuple(sorted(name for name, _, _ in self.pubsub.topics())),
+            topics=tuple(name for name, _, _ in held[:1000]),
             loads=self.pubsub.loads(),
             counters=counters,
             resilience=self.config.resilience,
+            held=tuple(TopicHeld(name, role, size) for name, role, size in held[:1000]),
         )
 
 
@@ -681,6 +717,20 @@ class _PubSubPort:
 
     def now(self) -> float:
         return time.time()
+
+    def neighbour_infos(self) -> list[NodeInfo]:
+        return [link.peer for link in self._b.peers.values() if link.established and link.peer is not None]
+
+    def send_to_neighbour(self, node_id: str, msg: Message) -> int:
+        link = self._b.peers.get(node_id)
+        if link is None or not link.established:
+            return 0
+        data = encode_control(msg)
+        try:
+            link.write(data)
+        except LinkClosed:
+            return 0
+        return len(data)
 
     def defer(self, fn: Callable[[], None]) -> None:
         asyncio.get_running_loop().call_soon(fn)

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 from client import cli_analysis, cli_overlay, cli_pubsub, demo
 
-# Subcommands that need neither numpy nor scipy to parse their arguments.  For them the simulator's parser
-# (whose module imports both, ~1 s of CPU) is left out, so `sedax status` as a container health check and
-# `sedax pub`/`sub` start in a fraction of the time.
+# Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
+# `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
+# container health check and `sedax pub`/`sub` start in a fraction of the time.
 LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster"})
 
 
-def build_parser(*, with_sim: bool = True) -> argparse.ArgumentParser:
-    """The argument parser of `sedax`; without `sim` when with_sim is false."""
+def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
+    """The argument parser of `sedax`; light leaves out sim, load, move and balance (numpy and scipy)."""
     parser = argparse.ArgumentParser(
         prog="sedax",
         description="SeDAX: a geo-addressed publish/subscribe broker overlay with topic delegation and "
@@ -36,9 +36,11 @@ def build_parser(*, with_sim: bool = True) -> argparse.ArgumentParser:
     demo.register(sub)
     cli_overlay.register(sub)
     cli_pubsub.register(sub)
-    if with_sim:
+    if not light:
+        from client import cli_balance
         from overlay.sim import cli as sim_cli
 
+        cli_balance.register(sub)
         sim_cli.register(sub)
     cli_analysis.register(sub)
     return parser
@@ -57,7 +59,7 @@ def _command(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `sedax` with argv (default: the process arguments); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(with_sim=_command(argv) not in LIGHT_COMMANDS)
+    parser = build_parser(light=_command(argv) in LIGHT_COMMANDS)
     args = parser.parse_args(argv)
     if args.command != "broker":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
