@@ -52,7 +52,9 @@ command -v debootstrap >/dev/null || fail "debootstrap is missing: apt-get insta
     || fail "$python is not Python 3.11; the wheels must match Debian 12's python3 (set SEDAX_PYTHON)"
 
 work=$(mktemp -d /tmp/sedax-offline-base.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+wheels_pid=""
+# --one-file-system: a failed second stage may leave /proc or /sys mounted inside the root.
+trap '[[ -n $wheels_pid ]] && kill "$wheels_pid" 2>/dev/null; rm -rf --one-file-system "$work"' EXIT
 root="$work/root"
 started=$SECONDS
 
@@ -63,8 +65,8 @@ wheels_pid=$!
 
 phase() { echo "offline-base.sh: [$((SECONDS - started)) s] $*" >&2; }
 phase "debootstrap bookworm from $mirror ..."
-# Two stages so dpkg can be told not to fsync every file before it unpacks anything: the root is thrown
-# away if anything fails, and fsync makes the install several times slower on slow disks.
+# Two stages so dpkg can be told, before it unpacks anything, not to fsync every file: the root is thrown
+# away if anything fails, and per-file fsync is slow on slow disks.
 if ! debootstrap --foreign --variant=minbase --include="$packages" bookworm "$root" "$mirror" \
         >"$work/debootstrap.log" 2>&1 \
     || ! echo force-unsafe-io >"$root/etc/dpkg/dpkg.cfg.d/unsafe-io" \
@@ -77,6 +79,7 @@ if ! wait "$wheels_pid"; then
     cat "$work/wheels.log" >&2
     fail "building the wheels failed (log above)"
 fi
+wheels_pid=""
 
 phase "installing $(ls "$work/wheels" | wc -l) wheels into /opt/sedax ..."
 mv "$work/wheels" "$root/tmp/wheels"
