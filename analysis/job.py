@@ -436,9 +436,11 @@ def _snapshots(records: DataFrame, summary: Summary) -> DataFrame:
             (F.col("step") == F.col("final_step")).alias("final"),
             F.col("unit"),
             F.col("_dup"),
-            *[(F.lit(100.0) * F.col(f"s.{lv}") / F.col("unit")).alias(lv) for lv in LEVELS],
+            # Guarded divisions: Spark's ANSI mode fails the whole job on x / 0, and a (run, step) without
+            # topic load (a live cluster before its first publish) has unit 0; such rows are dropped below.
+            *[_ratio(F.lit(100.0) * F.col(f"s.{lv}"), F.col("unit")).alias(lv) for lv in LEVELS],
             F.col("s.cell_area").alias("cell_area"),
-            (F.lit(100.0) * F.col("s.cell_area") / F.col("mean_area")).alias("area_pct"),
+            _ratio(F.lit(100.0) * F.col("s.cell_area"), F.col("mean_area")).alias("area_pct"),
         )
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
@@ -450,6 +452,11 @@ def _snapshots(records: DataFrame, summary: Summary) -> DataFrame:
     summary.zero_load_steps = int(stats["zero"] or 0) if stats else 0
     # A (run, step) without topic load has no 100% unit; its rows are left out of the load tables.
     return norm.where(F.col("unit") > 0)
+
+
+def _ratio(num: Column, den: Column) -> Column:
+    """num / den, or null where den is not positive."""
+    return F.when(den > 0, num / den)
 
 
 def _long(snaps: DataFrame) -> DataFrame:

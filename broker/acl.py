@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Final, Literal, TypeAlias
 
 from broker.config import ConfigError
+from overlay.delegation import MoveTopic
 from overlay.protocol import Message
 from overlay.pubsub import Failed, Fetch, Nack, Publish, Subscribe
 from overlay.topics import BadTopic, matches, validate_pattern
@@ -128,7 +129,7 @@ def load_acl(path: str | Path) -> Acl:
 
 def action_of(msg: Message) -> Action | None:
     """The ACL action a client request needs, or None if it is always allowed."""
-    if isinstance(msg, Publish):
+    if isinstance(msg, Publish | MoveTopic):  # moving a topic needs the right to publish to it
         return "publish"
     if isinstance(msg, Subscribe | Fetch):
         return "subscribe"

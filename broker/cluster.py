@@ -61,6 +61,7 @@ class BrokerProcess:
     out_path: Path
     err_path: Path
     listen: str = ""
+    metrics: str = ""  # the Prometheus endpoint's "host:port" when the broker runs with --metrics
 
     @property
     def pid(self) -> int:
@@ -221,6 +222,7 @@ class LocalCluster:
             if line:
                 ready: dict[str, Any] = json.loads(line)
                 bp.listen = str(ready["listen"])
+                bp.metrics = str(ready.get("metrics", ""))
                 return
             if not bp.alive:
                 raise ClusterError(f"broker {bp.index} exited with {bp.proc.returncode}:\n{bp.stderr_tail()}")

@@ -20,10 +20,17 @@ from broker.flags import add_broker_arguments
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
 from overlay.protocol import MAX_FRAME_SIZE, MAX_HOP_LIMIT, parse_address
 from overlay.pubsub import MAX_PAYLOAD_SIZE
+from overlay.sim.simlog import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 
 __all__ = ["BrokerConfig", "ConfigError", "add_broker_arguments", "build_config", "config_from_args"]
 
 ENV_PREFIX: Final = "SEDAX_"
+# Snapshots more often than this would make the log the broker's main work; rarer than an hour, useless.
+MIN_LOG_INTERVAL: Final = 0.05
+MAX_LOG_INTERVAL: Final = 3600.0
+# One snapshot line must fit a file, or every write would rotate.
+MIN_LOG_BYTES: Final = 64 * 1024
+MAX_RUN_LEN: Final = 128
 SLOW_CONSUMER_POLICIES: Final = ("disconnect", "drop")
 # A client link must at least carry a HELLO, a small publish and a status answer.
 MIN_FRAME_SIZE: Final = 4096
@@ -49,7 +56,12 @@ class BrokerConfig:
         retention_seconds: how long a broker keeps published messages of a topic.
         retention_bytes: how many bytes per topic it keeps at most (oldest dropped first).
         metrics: "host:port" for the Prometheus endpoint, or None.
-        log_dir: directory for persistent logs, or None.
+        log_dir: directory for the exported metrics log (docs/logs.md), or None for no log.
+        log_interval: seconds between the broker's snapshots in that log; snapshot `step` is the number of
+            whole intervals since the Unix epoch, so brokers with the same interval share step numbers.
+        log_max_bytes: size at which the log file is rotated.
+        log_keep: log files kept, the current one included.
+        log_run: the `run` field of the records: one name for all brokers of one cluster lifetime.
         heartbeat_interval: seconds between PINGs on an idle link.
         heartbeat_misses: a link silent for this many intervals is declared dead (3 x 0.2 s = 0.6 s, well
             under the one-second failover goal).
@@ -64,6 +76,18 @@ class BrokerConfig:
         max_hops: hop limit stamped on routed frames this broker originates (<= 255).
         space: the coordinate space.
         log_level: Python logging level name.
+        balance: when to balance load (Sec. VI): none, addition (Alg. 1), continuous (Alg. 2) or combined.
+        goal: the node load to equalise, L1, L2 or L3 (Sec. IV).
+        selection: coordinate selection (Sec. V): indcoord, bestlocal, bestregional or bestglobal.
+        queries: n_queries, coordinates queried per decision.
+        hops: n_hops of BestRegionalCoord.
+        balance_interval: Δτ, seconds between two continuous balancing rounds of this broker.
+        min_gain: a topic moves only if the best coordinate lowers L_max by at least this fraction of the
+            current coordinate's L_max (hysteresis; 0 is the paper's rule).
+        max_move_bytes: a balancing round moves no topic larger than this (bytes per round).
+        move_cooldown: seconds before the balancer may move a topic again (the home enforces it).
+        load_report_interval: seconds between the load reports sent to neighbours.
+        query_timeout: seconds a coordinate selection waits for its answers.
         tls_cert, tls_key, tls_ca: this broker's certificate and key and the cluster CA (PEM files), all
             three or none.  Brokers link only with mutual TLS against the CA (a broker certificate, OU=broker,
             whose CN is the peer's node id); clients present a certificate of the CA or a token.
@@ -96,6 +120,10 @@ class BrokerConfig:
     retention_bytes: int = 64 << 20
     metrics: str | None = None
     log_dir: str | None = None
+    log_interval: float = 5.0
+    log_max_bytes: int = DEFAULT_MAX_BYTES
+    log_keep: int = DEFAULT_KEEP
+    log_run: str = "cluster"
     heartbeat_interval: float = 0.2
     heartbeat_misses: int = 3
     hello_timeout: float = 2.0
@@ -107,6 +135,17 @@ class BrokerConfig:
     max_hops: int = 64
     space: Space = field(default=UNIT_SQUARE)
     log_level: str = "INFO"
+    balance: str = "none"
+    goal: str = "L3"
+    selection: str = "bestlocal"
+    queries: int = 10
+    hops: int = 1
+    balance_interval: float = 5.0
+    min_gain: float = 0.05
+    max_move_bytes: int = 64 << 20
+    move_cooldown: float = 30.0
+    load_report_interval: float = 1.0
+    query_timeout: float = 1.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -157,6 +196,38 @@ class BrokerConfig:
             raise ConfigError(f"tombstone_ttl must be >= 0 seconds, got {self.tombstone_ttl}")
         if not 1 <= self.max_hops <= MAX_HOP_LIMIT:
             raise ConfigError(f"max_hops must be in 1..{MAX_HOP_LIMIT}, got {self.max_hops}")
+        if self.balance not in ("none", "addition", "continuous", "combined"):
+            raise ConfigError(f"balance must be none, addition, continuous or combined, got {self.balance!r}")
+        if self.goal not in ("L1", "L2", "L3"):
+            raise ConfigError(f"goal must be L1, L2 or L3, got {self.goal!r}")
+        if self.selection not in ("indcoord", "bestlocal", "bestregional", "bestglobal"):
+            raise ConfigError(
+                f"selection must be indcoord, bestlocal, bestregional or bestglobal, got {self.selection!r}"
+            )
+        if not 1 <= self.queries <= 1000:
+            raise ConfigError(f"queries must be in 1..1000, got {self.queries}")
+        if not 0 <= self.hops <= 64:
+            raise ConfigError(f"hops must be in 0..64, got {self.hops}")
+        for name in ("balance_interval", "load_report_interval", "query_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.move_cooldown) and self.move_cooldown >= 0):
+            raise ConfigError(f"move_cooldown must be >= 0 seconds, got {self.move_cooldown}")
+        if not (math.isfinite(self.min_gain) and 0 <= self.min_gain < 1):
+            raise ConfigError(f"min_gain must be a fraction in [0, 1), got {self.min_gain}")
+        if self.max_move_bytes < 0:
+            raise ConfigError(f"max_move_bytes must be >= 0, got {self.max_move_bytes}")
+        if not (math.isfinite(self.log_interval) and MIN_LOG_INTERVAL <= self.log_interval <= MAX_LOG_INTERVAL):
+            raise ConfigError(
+                f"log_interval must be {MIN_LOG_INTERVAL}..{MAX_LOG_INTERVAL} seconds, got {self.log_interval}"
+            )
+        if self.log_max_bytes < MIN_LOG_BYTES:
+            raise ConfigError(f"log_max_bytes must be at least {MIN_LOG_BYTES}, got {self.log_max_bytes}")
+        if self.log_keep < 1:
+            raise ConfigError(f"log_keep must be at least 1 (the current file), got {self.log_keep}")
+        if not (0 < len(self.log_run) <= MAX_RUN_LEN and self.log_run.isprintable()):
+            raise ConfigError(f"log_run must be 1..{MAX_RUN_LEN} printable characters, got {self.log_run!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         self._check_security()
@@ -292,6 +363,11 @@ _INT_FIELDS: Final = frozenset(
         "heartbeat_misses",
         "max_hops",
         "retention_bytes",
+        "queries",
+        "hops",
+        "max_move_bytes",
+        "log_max_bytes",
+        "log_keep",
         "max_connections",
         "max_frame_size",
         "max_payload",
@@ -309,6 +385,12 @@ _FLOAT_FIELDS: Final = frozenset(
         "drain_timeout",
         "tombstone_ttl",
         "retention_seconds",
+        "balance_interval",
+        "min_gain",
+        "move_cooldown",
+        "load_report_interval",
+        "query_timeout",
+        "log_interval",
         "publish_rate",
         "idle_timeout",
     }
@@ -352,7 +434,7 @@ def _convert_one(name: str, value: object) -> object:
         return _to_opt_str(name, value)
     if name == "insecure":
         return _to_bool(name, value)
-    if name in ("listen", "log_level", "slow_consumer_policy"):
+    if name in ("listen", "log_level", "balance", "goal", "selection", "log_run", "slow_consumer_policy"):
         return _to_str(name, value)
     raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
 

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import uvloop
 
 from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
-from broker.node import Broker, JoinFailed, JoinRefused
+from broker.node import Broker, JoinFailed, JoinRefused, StartFailed
 
-# Exit codes: 2 = bad configuration, 3 = the overlay refused us, 4 = no join address answered.
+# Exit codes: 2 = bad configuration (also: metrics endpoint or log cannot be opened), 3 = the overlay refused
+# us, 4 = no join address answered.
 EXIT_CONFIG: int = 2
 EXIT_REFUSED: int = 3
 EXIT_JOIN_FAILED: int = 4
@@ -54,7 +55,12 @@ async def serve(config: BrokerConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    await broker.start()
+    try:
+        await broker.start()
+    except StartFailed as exc:
+        print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+        await broker.shutdown()
+        return EXIT_CONFIG
     join = asyncio.ensure_future(broker.join()) if config.join else None
     if join is not None:
         stopper = asyncio.ensure_future(stop.wait())
@@ -81,6 +87,8 @@ async def serve(config: BrokerConfig) -> int:
         "node": broker.node_id,
         "coord": [broker.info.coord[0], broker.info.coord[1]],
     }
+    if broker.metrics is not None:
+        ready["metrics"] = broker.metrics.address
     print(json.dumps(ready), flush=True)
     await stop.wait()
     await broker.shutdown()

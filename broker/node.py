@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -26,14 +27,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Final
 
+from broker.balancer import Balancer
 from broker.config import BrokerConfig
+from broker.eventlog import EventLog
 from broker.guard import Guard
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
+from broker.metrics import BrokerStats, MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
 from broker.tls import Listener
 from client.credentials import connect_broker, peer_cert
+from overlay.delegation import BalancePlan, BalancePlanned, CoordOffer, CoordQuery, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
@@ -58,6 +63,7 @@ from overlay.protocol import (
     RouteReply,
     Status,
     StatusReq,
+    TopicHeld,
     Unlink,
     decode_message,
     encode_control,
@@ -95,6 +101,10 @@ class JoinFailed(ConnectionError):
     """No join address answered; start the first broker without --join or check the addresses."""
 
 
+class StartFailed(RuntimeError):
+    """The broker could not open its metrics endpoint or its log; the message says which and why."""
+
+
 class Broker:
     """A broker process's state and behaviour; the `LinkHandler` of all its links."""
 
@@ -115,6 +125,8 @@ class Broker:
         self.dropped_bad_body = 0
         self.dropped_no_route = 0
         self.failures_detected = 0
+        self.forwarded_bytes = 0
+        self.joins_accepted = 0
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._advertised: frozenset[str] = frozenset()
         self._pending: dict[int, tuple[PeerLink, int]] = {}
@@ -139,9 +151,18 @@ class Broker:
             PubSubConfig(
                 resilience=config.resilience,
                 retention=Retention(config.retention_seconds, config.retention_bytes),
+                move_cooldown=config.move_cooldown,
+                space=config.space,
+                note_ttl=3 * config.load_report_interval + 1.0,
                 acl=self.guard.acl,
             ),
         )
+        # Observability (docs/metrics.md, docs/logs.md): the endpoint and the log are opened in start().
+        self.stats = BrokerStats()
+        self.metrics: MetricsServer | None = None
+        self.eventlog: EventLog | None = None
+        self.pubsub.event = self.event
+        self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -163,6 +184,8 @@ class Broker:
         self.view = NeighbourView(self.info)
         self.port.refresh()
         self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
+        self.balancer.start(self._now)
+        await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
     def _new_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, outbound: bool) -> PeerLink:
@@ -197,6 +220,7 @@ class Broker:
         if self._closing:
             return
         self._closing = True
+        self.event("leave")
         if self._reconcile_handle is not None:
             self._reconcile_handle.cancel()
         if self._listener is not None:
@@ -214,6 +238,7 @@ class Broker:
         except TimeoutError:
             self.log.warning("links did not drain within %.1f s; closing anyway", self.config.drain_timeout)
         await self.tasks.cancel_all("broker shut down")
+        await self._stop_observability()
         self.log.info("left the overlay")
 
     # ------------------------------------------------------------------------------------------------ join
@@ -229,9 +254,15 @@ class Broker:
             try:
                 accept = await self._join_via(addr)
             except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+                if self._peer_up.is_set():
+                    # The answer was late (a loaded machine), but the overlay accepted us meanwhile: neighbours
+                    # have linked to this broker.  Asking again elsewhere would only be refused as a duplicate.
+                    self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                    return
                 errors.append(f"{addr}: {exc!r}")
                 continue
             self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
+            self.event("join", peer=accept.node.id)
             self.view.add_candidates([accept.node, *accept.neighbours])
             self._reconcile()
             try:
@@ -360,13 +391,20 @@ class Broker:
                 self._start_probe(link, corr, target)
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
-            case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() if link.role == "client":
-                session = self._session(link)
+            case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() | MoveTopic() if link.role == "client":
+                sid = self._session(link)
                 if (refusal := self.guard.check_request(link, msg)) is not None:
                     link.send_nowait(refusal)
                 else:
-                    self.pubsub.client_message(session, msg)
+                    if type(msg) is Publish:  # metrics: publish-to-ACK latency
+                        self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
+                    self.pubsub.client_message(sid, msg)
                 self._dirty.add(link)
+            case LoadReport() if link.role == "broker":
+                if current:
+                    self.balancer.on_report(msg)
+            case BalancePlan(corr=corr, all_topics=all_topics):
+                self.tasks.spawn(self._dry_run(link, corr, all_topics), "dry-run")
             case _:
                 raise RemoteProtocolError(f"{msg.op} is not expected from a {link.role} link")
 
@@ -378,6 +416,12 @@ class Broker:
             self.sessions[sid] = link
             self.pubsub.identities[sid] = link.identity
         return sid
+
+    async def _dry_run(self, link: PeerLink, corr: int, all_topics: bool) -> None:
+        plans = await self.balancer.round(dry_run=True, all_topics=all_topics)
+        if link.established:
+            texts = tuple(json.dumps(p) for p in plans[:1000])
+            link.send_nowait(BalancePlanned(corr, texts))
 
     async def _pubsub_ticker(self) -> None:
         while not self._closing:
@@ -398,6 +442,7 @@ class Broker:
         sid = self._session_of.pop(link, None)
         if sid is not None:
             del self.sessions[sid]
+            self.stats.acks.session_closed(sid)
             if not self._closing:
                 self.pubsub.session_closed(sid)
         if self._pending:
@@ -411,6 +456,7 @@ class Broker:
             return
         if reason.is_failure:
             self.failures_detected += 1
+            self._note_failure(pid)
             self._failed_since_view.add(pid)
             self.log.warning("neighbour %s lost (%s: %s); healing", pid, reason.value, detail)
             self.view.forget(pid, self._now(), self.config.tombstone_ttl)
@@ -485,6 +531,8 @@ class Broker:
             for link in self.peers.values():
                 if link.established:
                     link.write(data)
+        if self.stats.healing_since is not None:
+            self._check_healed(frozen)
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
@@ -554,6 +602,7 @@ class Broker:
             self.dropped_no_route += 1
             return
         self.forwarded += 1
+        self.forwarded_bytes += len(frame.body)
         self._dirty.add(out)
 
     def _trace(self, body: bytes) -> bytes | None:
@@ -593,6 +642,7 @@ class Broker:
 
     def _handle_delivered(self, msg: Message, hops: int) -> None:
         self.delivered += 1
+        self.stats.hops.observe(hops)
         match msg:
             case Join(origin=NodeInfo() as origin):
                 self._send_routed(origin.coord, self._answer_join(msg))
@@ -603,6 +653,10 @@ class Broker:
                 self._complete(msg)
             case Ping():
                 pass  # a routed PING only tests delivery (benchmarks); it is counted and has nothing to answer
+            case CoordQuery():
+                self.balancer.on_query(msg)
+            case CoordOffer():
+                self.balancer.on_offer(msg)
             case _ if self.pubsub.routed(msg):
                 pass
             case _:
@@ -658,7 +712,7 @@ class Broker:
         known = self.view.nodes.get(node.id)
         # The same broker asking again (its first JOIN's answer was late) is accepted again; another broker
         # with a live broker's id is not.
-        if node.id == self.node_id or (known is not None and known != node):
+        if node.id == self.node_id or (known is not None and tuple(known.coord) != tuple(node.coord)):
             return Refuse("duplicate_node_id", f"node id {node.id} is already in the overlay", join.corr)
         dup = self._duplicate_of(node.id, node.coord)
         if dup is not None:
@@ -666,6 +720,7 @@ class Broker:
         if not self.config.space.contains(node.coord):
             return Refuse("coordinate_outside_space", self._outside_text(node.coord), join.corr)
         self.log.info("accepting %s at (%s, %s)", node.id, *node.coord)
+        self.joins_accepted += 1
         neighbours = tuple(self.view.infos(self.peers))
         self.view.add_candidates([node])
         self._schedule_reconcile()
@@ -685,20 +740,102 @@ class Broker:
             "links": len(self.links),
             "sessions": len(self.sessions),
             **self.pubsub.counters,
+            **self.balancer.counters,
             **self._security_counters(),
         }
+        held = sorted(self.pubsub.topics())
         return Status(
             corr=corr,
             node=self.info,
             neighbours=tuple(self.view.infos(k for k, link in self.peers.items() if link.established)),
             desired=tuple(sorted(self._advertised)),
-            topics=tuple(sorted(name for name, _, _ in self.pubsub.topics())),
+            topics=tuple(name for name, _, _ in held[:1000]),
             loads=self.pubsub.loads(),
             # Counters fed by clients (e.g. "lost", from a publisher's claimed base) must not make STATUS
             # unencodable: msgpack integers are 64-bit.
             counters={k: min(v, MAX_CORR) for k, v in counters.items()},
             resilience=self.config.resilience,
+            held=tuple(TopicHeld(name, role, size) for name, role, size in held[:1000]),
         )
+
+    # ------------------------------------------------------------------------------------ observability
+
+    async def _start_observability(self) -> None:
+        c = self.config
+        if c.metrics is not None:
+            self.metrics = MetricsServer(self)
+            try:
+                address = await self.metrics.start(c.metrics)
+            except OSError as exc:
+                raise StartFailed(f"cannot serve metrics on {c.metrics}: {exc.strerror or exc}") from None
+            self.log.info("metrics at http://%s/metrics", address)
+        if c.log_dir is not None:
+            try:
+                self.eventlog = EventLog(c, self.node_id)
+            except OSError as exc:
+                raise StartFailed(f"cannot write the metrics log in {c.log_dir}: {exc.strerror or exc}") from None
+            self.tasks.spawn(self.eventlog.snapshots(self), "log-snapshots")
+            self.log.info("metrics log %s, a snapshot every %s s", self.eventlog.path, c.log_interval)
+
+    async def _stop_observability(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.close()
+        if self.eventlog is not None:
+            self.eventlog.close()
+            self.eventlog = None
+
+    def event(
+        self,
+        kind: str,
+        *,
+        topic: str | None = None,
+        load: float | None = None,
+        frm: Coord | None = None,
+        to: Coord | None = None,
+        peer: str | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        """Record an event in the metrics log (docs/logs.md), if there is one.
+
+        kind: join, leave, failure, heal, takeover, delegation, move, retire; load in bytes for delegation
+        and move (it feeds V_ML, eq. 13); frm/to the old and new topic coordinate.
+        """
+        if self.eventlog is not None:
+            self.eventlog.event(kind, topic=topic, load=load, frm=frm, to=to, peer=peer, seconds=seconds)
+
+    def counter_values(self) -> dict[str, int]:
+        """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
+        return {
+            "forwarded": self.forwarded,
+            "forwarded_bytes": self.forwarded_bytes,
+            "routed_delivered": self.delivered,
+            "dropped_hop_limit": self.dropped_hop_limit,
+            "dropped_bad_body": self.dropped_bad_body,
+            "dropped_no_route": self.dropped_no_route,
+            "failures_detected": self.failures_detected,
+            "joins_accepted": self.joins_accepted,
+            **self.pubsub.counters,
+            **self.balancer.counters,
+        }
+
+    def _note_failure(self, peer: str) -> None:
+        self.event("failure", peer=peer)
+        if self.stats.healing_since is None:
+            # time.monotonic, not the loop's clock: uvloop's has millisecond steps and a heal can take less.
+            self.stats.healing_since = time.monotonic()
+
+    def _check_healed(self, desired: frozenset[str]) -> None:
+        # Healed: every desired (Delaunay) neighbour, as this broker now sees them, is linked again.
+        for nid in desired:
+            link = self.peers.get(nid)
+            if link is None or not link.established:
+                return
+        since, self.stats.healing_since = self.stats.healing_since, None
+        if since is not None:
+            seconds = time.monotonic() - since
+            self.stats.heal.observe(seconds)
+            self.event("heal", seconds=seconds)
+            self.log.info("overlay healed around the failure in %.3f s", seconds)
 
     def _security_counters(self) -> dict[str, int]:
         lst = self._listener
@@ -741,10 +878,26 @@ class _PubSubPort:
             # deliveries and acknowledgements for everyone else that this call is part of.
             return False
         self._b._dirty.add(link)
+        if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
+            self._b.stats.acks.frame(session, frame)
         return True
 
     def now(self) -> float:
         return time.time()
+
+    def neighbour_infos(self) -> list[NodeInfo]:
+        return [link.peer for link in self._b.peers.values() if link.established and link.peer is not None]
+
+    def send_to_neighbour(self, node_id: str, msg: Message) -> int:
+        link = self._b.peers.get(node_id)
+        if link is None or not link.established:
+            return 0
+        data = encode_control(msg)
+        try:
+            link.write(data)
+        except LinkClosed:
+            return 0
+        return len(data)
 
     def defer(self, fn: Callable[[], None]) -> None:
         asyncio.get_running_loop().call_soon(fn)

@@ -7,14 +7,14 @@ The stored bytes of a topic are its load L_T(t) (Sec. IV-C1), measured in bytes,
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias
 
-# Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
-# plus the id's length is what those cost in the msgpack form used for replication, so L_T(t) counts them.
-MESSAGE_OVERHEAD: Final = 24
+from overlay.pubsub import Record
+
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
 # are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
 PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
@@ -42,19 +42,8 @@ class Retention:
             raise ValueError(f"retention max_bytes must be at least 1, got {self.max_bytes}")
 
 
-@dataclass(frozen=True, slots=True)
-class StoredMessage:
-    """One published message as the primary stored it."""
-
-    ts: float  # the primary's clock when it stored the message; FETCH since T compares against it
-    publisher: str
-    seq: int
-    payload: bytes
-
-    @property
-    def size(self) -> int:
-        """Bytes this message adds to L_T(t)."""
-        return len(self.payload) + len(self.publisher) + MESSAGE_OVERHEAD
+# A stored message is the wire's Record: one object from PUBLISH to store, replication and delivery.
+StoredMessage: TypeAlias = Record
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +113,25 @@ class TopicLog:
         new = [m for m in msgs if not self.is_duplicate(m.publisher, m.seq)]
         if not new:
             return 0
-        combined = sorted([*self.messages, *new], key=lambda m: m.ts)
-        self.messages = deque(combined)
-        self.size = sum(m.size for m in combined)
+        if any(new[i].ts > new[i + 1].ts for i in range(len(new) - 1)):
+            new.sort(key=_ts)
+        if not self.messages or new[0].ts > self.messages[-1].ts:
+            # The common case (a replica receiving the primary's next batch): append, no re-sort of history.
+            self.messages.extend(new)
+            self.size += sum(m.size for m in new)
+        else:
+            self.messages = deque(heapq.merge(self.messages, new, key=_ts))
+            self.size = sum(m.size for m in self.messages)
         for m in new:
             if m.seq > self.last_seq.get(m.publisher, -1):
                 self.last_seq[m.publisher] = m.seq
                 self.last_seen[m.publisher] = now
         self.expire(now)
         return len(new)
+
+
+def _ts(m: StoredMessage) -> float:
+    return m.ts
 
 
 class _TsView:

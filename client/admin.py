@@ -250,7 +250,7 @@ def status_json(st: Status) -> dict[str, object]:
         "coord": [st.node.coord[0], st.node.coord[1]],
         "listen": st.node.listen,
         "neighbours": [n.to_json() for n in st.neighbours],
-        "topics": list(st.topics),
+        "topics": [{"topic": h.topic, "role": h.role, "size": h.size} for h in st.held],
         "loads": dict(st.loads),
         "resilience": st.resilience,
         "counters": dict(st.counters),

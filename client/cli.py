@@ -14,11 +14,15 @@ import sys
 from collections.abc import Sequence
 
 from client import cli_analysis, cli_certs, cli_overlay, cli_pubsub, demo
-from overlay.sim import cli as sim_cli
+
+# Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
+# `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
+# container health check and `sedax pub`/`sub` start in a fraction of the time.
+LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster"})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser of `sedax`."""
+def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
+    """The argument parser of `sedax`; light leaves out sim, load, move and balance (numpy and scipy)."""
     parser = argparse.ArgumentParser(
         prog="sedax",
         description="SeDAX: a geo-addressed publish/subscribe broker overlay with topic delegation and "
@@ -33,15 +37,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     cli_overlay.register(sub)
     cli_pubsub.register(sub)
-    sim_cli.register(sub)
+    if not light:
+        from client import cli_balance
+        from overlay.sim import cli as sim_cli
+
+        cli_balance.register(sub)
+        sim_cli.register(sub)
     cli_analysis.register(sub)
     cli_certs.register(sub)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in argv, or None (no command, or only help asked for)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    pre.add_argument("command", nargs="?")
+    known, _ = pre.parse_known_args(argv)
+    command: str | None = known.command
+    return command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `sedax` with argv (default: the process arguments); returns the exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(light=_command(argv) in LIGHT_COMMANDS)
     args = parser.parse_args(argv)
     if args.command != "broker":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

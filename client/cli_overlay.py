@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,6 +130,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     if (state_dir / "cluster.json").exists():
         return _fail(f"{state_dir}/cluster.json exists: run `sedax cluster down --state-dir {state_dir}` first")
+    extra = shlex.split(args.broker_args) if args.broker_args else []
     try:
         cluster = LocalCluster(
             n,
@@ -136,6 +138,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
             coords=coords,
             resilience=args.resilience,
             state_dir=state_dir,
+            broker_args=tuple(extra),
             tls=False if args.insecure else None,
         )
         creds = cluster.credentials("client")
@@ -216,6 +219,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--state-dir", dest="state_dir", default=DEFAULT_STATE_DIR, help="logs and state file")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for convergence (up)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
+    p.add_argument(
+        "--broker-args",
+        dest="broker_args",
+        metavar="FLAGS",
+        help='flags for every broker, e.g. "--balance combined"',
+    )
     p.add_argument(
         "--insecure",
         action="store_true",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import random
@@ -25,10 +26,11 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, Self
 
 from client.admin import HANDSHAKE_HINT
 from client.credentials import Credentials, connect_broker
+from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -289,9 +291,11 @@ class Client:
         self._tasks: set[asyncio.Task[None]] = set()
         self._corr = itertools.count(1)
         self._requests: dict[int, asyncio.Future[Message]] = {}
+        self._request_msgs: dict[int, Message] = {}  # the requests of _requests, to re-send after a reconnect
         self._seq: dict[str, int] = {}  # next sequence number per topic
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
-        self._inflight = asyncio.Semaphore(max_inflight)
+        self._low: dict[str, int] = {}  # topic -> lowest unacknowledged seq (or the next seq if none is)
+        self._inflight = _Window(max_inflight)
         self._subs: dict[str, Subscription] = {}
         self._last_rx = 0.0
         self.topic_coords: dict[str, tuple[float, float]] = {}  # C(t) learned from SUBSCRIBED / REDIRECT
@@ -461,7 +465,7 @@ class Client:
             case Subscribed():
                 self.topic_coords[m.topic] = m.coord
                 self._resolve(m.corr, m)
-            case Done() | Fetched() | Located() | Failed():
+            case Done() | Fetched() | Located() | Failed() | BalancePlanned():
                 self._resolve(m.corr, m)
             case Ping():
                 if self._conn is not None:
@@ -516,10 +520,18 @@ class Client:
 
     async def _restore(self) -> None:
         """After a reconnect: re-subscribe from the last delivered timestamp, re-send unacknowledged publishes."""
+        # Requests whose answer died with the old connection go out again (all are safe to repeat); their
+        # callers are still waiting, within their own time-out.  A pending SUBSCRIBE re-subscribes its topic.
+        pending = [m for corr, m in self._request_msgs.items() if corr in self._requests]
+        subscribing = {m.topic for m in pending if isinstance(m, Subscribe)}
         for sub in list(self._subs.values()):
-            if not sub.closed:
+            if not sub.closed and sub.topic not in subscribing:
                 self._spawn(self._resubscribe(sub))
         self._resend_all()
+        conn = self._conn
+        if conn is not None:
+            for msg in pending:
+                conn.send(encode_control(msg))
 
     async def _resubscribe(self, sub: Subscription) -> None:
         try:
@@ -548,15 +560,17 @@ class Client:
         if conn.buffered > WRITE_HIGH_WATER:
             await conn.drain()
 
-    async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate) -> Message:
+    async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate | MoveTopic | BalancePlan) -> Message:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._requests[msg.corr] = fut
+        self._request_msgs[msg.corr] = msg
         try:
             await self._send(msg)
             async with asyncio.timeout(self.request_timeout):
                 reply = await fut
         finally:
             self._requests.pop(msg.corr, None)
+            self._request_msgs.pop(msg.corr, None)
         if isinstance(reply, Failed):
             raise RequestFailed(reply.code, reply.text)
         return reply
@@ -567,16 +581,26 @@ class Client:
         per_topic = self._pending.get(m.topic)
         if not per_topic or m.publisher != self.client_id:
             return
-        # The dict is in sequence order (insertion order, re-sends keep their place): pop from the front.
-        while per_topic:
-            seq = next(iter(per_topic))
-            if seq > m.seq:
-                break
-            p = per_topic.pop(seq)
-            if not p.future.done():
-                p.future.set_result(PublishAck(m.topic, seq, m.ts))
-            self._inflight.release()
+        # Walk up from the lowest unacknowledged number: `next(iter(dict))` after many pops from a dict's front
+        # scans the deleted slots each time, which made long streams quadratic.
+        low = self._low.get(m.topic, 0)
+        while low <= m.seq:
+            p = per_topic.pop(low, None)
+            if p is not None:
+                if not p.future.done():
+                    p.future.set_result(PublishAck(m.topic, low, m.ts))
+                self._inflight.release()
+            low += 1
+        self._low[m.topic] = self._first_pending(m.topic, low)
         self._resend_delay.pop(m.topic, None)  # progress: back to the normal delay
+
+    def _first_pending(self, topic: str, low: int) -> int:
+        """The lowest unacknowledged sequence number of topic at or above low (the next one if none is)."""
+        per_topic = self._pending.get(topic, {})
+        end = self._seq.get(topic, 0)
+        while low < end and low not in per_topic:
+            low += 1
+        return low
 
     def _nacked(self, m: Nack) -> None:
         per_topic = self._pending.get(m.topic, {})
@@ -594,9 +618,12 @@ class Client:
             self._resend_topic(m.topic, from_seq=m.expected)
             return
         p = per_topic.pop(m.seq, None)
-        if p is not None and not p.future.done():
-            p.future.set_exception(RequestFailed(m.code, m.text))
+        if p is not None:
+            if not p.future.done():
+                p.future.set_exception(RequestFailed(m.code, m.text))
             self._inflight.release()
+            if m.seq == self._low.get(m.topic, 0):
+                self._low[m.topic] = self._first_pending(m.topic, m.seq)
 
     async def publish(self, topic: str, payload: bytes | str) -> PublishAck:
         """Publish and wait for the acknowledgement (RequestFailed if refused, TimeoutError if none comes)."""
@@ -614,16 +641,25 @@ class Client:
         data = payload.encode() if isinstance(payload, str) else bytes(payload)
         if len(data) > MAX_PAYLOAD_SIZE:
             raise ValueError(f"payload of {len(data)} bytes is over the limit of {MAX_PAYLOAD_SIZE}")
-        await self._inflight.acquire()
+        if not self._inflight.take():
+            await self._inflight.wait()
         seq = self._seq.get(topic, 0)
         self._seq[topic] = seq + 1
         per_topic = self._pending.setdefault(topic, {})
-        base = next(iter(per_topic), seq)  # the lowest unacknowledged sequence number
+        base = self._low.get(topic, 0) if per_topic else seq  # the lowest unacknowledged sequence number
         msg = Publish(topic, self.client_id, seq, data, base)
-        fut: asyncio.Future[PublishAck] = asyncio.get_running_loop().create_future()
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[PublishAck] = loop.create_future()
+        now = loop.time()
         per_topic[seq] = _Pending(msg, fut, now)
-        if self._throttled.get(topic, 0.0) <= now:  # else the resender sends it after the back-off
+        conn = self._conn
+        if self._throttled.get(topic, 0.0) > now:
+            pass  # rate-limited by the broker: the resender sends it after the back-off
+        elif conn is not None and not self._closing and self._connected.is_set():
+            conn.send(encode_control(msg))  # the common case, without a coroutine per publish
+            if conn.buffered > WRITE_HIGH_WATER:
+                await conn.drain()
+        else:
             with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
                 await self._send(msg)
         self._unyielded += 1
@@ -650,7 +686,7 @@ class Client:
             return
         per_topic = self._pending.get(topic, {})
         now = asyncio.get_running_loop().time()
-        base = next(iter(per_topic), 0)
+        base = self._low.get(topic, 0)
         for seq in sorted(per_topic):
             if seq < from_seq:
                 continue
@@ -675,7 +711,8 @@ class Client:
             now = loop.time()
             for topic, per_topic in list(self._pending.items()):
                 delay = self._resend_delay.get(topic, self.ack_timeout)
-                if per_topic and per_topic[next(iter(per_topic))].sent_at < now - delay:
+                first = per_topic.get(self._low.get(topic, 0)) if per_topic else None
+                if first is not None and first.sent_at < now - delay:
                     self._resend_delay[topic] = min(delay * 2, MAX_RESEND_DELAY)
                     self._resend_topic(topic)
             if self._conn is not None:
@@ -730,6 +767,54 @@ class Client:
         reply = await self._request(Locate(next(self._corr), topic))
         assert isinstance(reply, Located)
         return reply
+
+    async def move(self, topic: str, to: tuple[float, float]) -> None:
+        """Move a topic to coordinate `to` now (an operator's delegation); RequestFailed says why not."""
+        validate_topic(topic)
+        reply = await self._request(MoveTopic(next(self._corr), topic, (float(to[0]), float(to[1]))))
+        assert isinstance(reply, Done)
+
+    async def balance_plan(self, all_topics: bool = False) -> list[dict[str, Any]]:
+        """A dry run of the access broker's balancing round: what it would move, and why (nothing moves)."""
+        reply = await self._request(BalancePlan(next(self._corr), all_topics))
+        assert isinstance(reply, BalancePlanned)
+        return [json.loads(p) for p in reply.plans]
+
+
+class _Window:
+    """At most `size` publishes unacknowledged.  Unlike asyncio.Semaphore, taking a free slot is a plain call,
+    not a coroutine: on the publish path that difference is measurable."""
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def take(self) -> bool:
+        """Take a slot if one is free."""
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Wait until a slot is handed over by release()."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot we no longer want: pass it on
+            raise
+
+    def release(self) -> None:
+        """Free a slot, handing it to the first waiter if any."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
 
 
 class _SubscribeCall:

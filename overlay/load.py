@@ -229,6 +229,23 @@ class LoadLedger:
         return CoordMetric(float(lmax[0]), float(lmin[0]), float(spare[0]))
 
     @classmethod
+    def from_parts(cls, t1: FloatArray, t2: FloatArray, fail: FloatArray) -> LoadLedger:
+        """A ledger from the per-node sums the nodes report themselves (how a broker learns its region).
+
+        t1, t2: sums of L_T over T1(v) and T2(v); fail[v, w]: the inner sums of eq. (3).  Row and column order
+        are the caller's node indices; the pad index is len(t1).
+        """
+        n = len(t1)
+        led = cls(n)
+        led.t1[:n] = t1
+        led.t2[:n] = t2
+        led.fail[:n, :n] = fail
+        led.l3a[:n] = np.maximum(fail.max(axis=1, initial=0.0), 0.0)  # L3_aN(v), eq. (3)
+        led._l2[:n] = led.t1[:n] + led.t2[:n]  # L2_N(v), eq. (2)
+        led._l3[:n] = led._l2[:n] + led.l3a[:n]  # L3_N(v), eq. (4)
+        return led
+
+    @classmethod
     def recompute(cls, n_nodes: int, placements: Iterable[tuple[tuple[int, int, int], float]]) -> LoadLedger:
         """Build a ledger from scratch with the formula functions (eqs. 1-4), for checking the incremental one."""
         items = list(placements)

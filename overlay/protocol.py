@@ -23,7 +23,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from enum import IntEnum
 from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, TypeAlias, TypeVar, get_args
 
@@ -62,6 +62,8 @@ KNOWN_FLAGS: Final = FLAG_TRACE
 
 _LEN: Final = struct.Struct(">I")
 _PREFIX: Final = struct.Struct(">IB")
+# One packer for all messages: msgpack.packb builds a new Packer on every call.
+_packb: Final = msgpack.Packer(use_bin_type=True).pack
 ROUTED_HEADER: Final = struct.Struct(">ddBBB")
 _ROUTED_PREFIX_LEN: Final = _PREFIX.size + ROUTED_HEADER.size
 
@@ -203,6 +205,42 @@ class _FieldCodec:
 
 _FIELD_CODECS: Final[dict[str, _FieldCodec]] = {}
 _MESSAGE_CODECS: Final[dict[type[Message], tuple[tuple[str, _FieldCodec], ...]]] = {}
+# Per message type, an encoder and a decoder compiled from its fields (as `dataclasses` compiles __init__):
+# one call and no intermediate dicts or sets per message, which is most of a broker's per-message cost.
+_ENCODERS: Final[dict[type[Message], Callable[[Any], dict[str, Any]]]] = {}
+_DECODERS: Final[dict[str, Callable[[dict[str, Any]], Message]]] = {}
+
+
+def _compile(cls: type[Message], codecs: tuple[tuple[str, _FieldCodec], ...]) -> None:
+    env: dict[str, Any] = {"cls": cls, "names": frozenset(name for name, _ in codecs), "bad": _unknown_fields}
+    enc_items = [f"'op': {cls.op!r}"]
+    dec_args = []
+    defaults = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    for i, (name, codec) in enumerate(codecs):
+        env[f"e{i}"] = codec.encode
+        env[f"d{i}"] = codec.decode
+        enc_items.append(f"{name!r}: m.{name}" if codec.encode is _ident else f"{name!r}: e{i}(m.{name})")
+        f = defaults[name]
+        if f.default is not MISSING:
+            env[f"v{i}"] = f.default
+            dec_args.append(f"d{i}(w[{name!r}]) if {name!r} in w else v{i}")
+        elif f.default_factory is not MISSING:
+            env[f"v{i}"] = f.default_factory
+            dec_args.append(f"d{i}(w[{name!r}]) if {name!r} in w else v{i}()")
+        else:
+            dec_args.append(f"d{i}(w[{name!r}])")
+    src = (
+        f"def enc(m):\n    return {{{', '.join(enc_items)}}}\n"
+        f"def dec(w):\n    if not w.keys() <= names:\n        bad(cls, w, names)\n"
+        f"    return cls({', '.join(dec_args)})\n"
+    )
+    exec(src, env)  # the source is built from the dataclass's own field names, as `dataclasses` does
+    _ENCODERS[cls] = env["enc"]
+    _DECODERS[cls.op] = env["dec"]
+
+
+def _unknown_fields(cls: type[Message], wire: dict[str, Any], names: frozenset[str]) -> NoReturn:
+    raise ValueError(f"{cls.op}: unknown fields {sorted(set(wire) - names)}")
 
 
 def register_field_type(annotation: str, encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> None:
@@ -232,6 +270,7 @@ def register_message(cls: type[M]) -> type[M]:
         codecs.append((f.name, codec))
     MESSAGE_TYPES[op] = cls
     _MESSAGE_CODECS[cls] = tuple(codecs)
+    _compile(cls, tuple(codecs))
     return cls
 
 
@@ -558,6 +597,29 @@ class StatusReq(Message):
         _check_uint(self.corr, "correlation id", MAX_CORR)
 
 
+@dataclass(frozen=True, slots=True)
+class TopicHeld:
+    """A topic a broker holds, its role there (primary, delegate, secondary, tertiary, home) and its bytes."""
+
+    topic: str
+    role: str
+    size: int
+
+
+def _dec_held(v: Any) -> TopicHeld:
+    items = _dec_list(v)
+    if len(items) != 3:
+        raise ValueError("a held topic is [topic, role, size]")
+    return TopicHeld(_dec_str(items[0]), _dec_str(items[1]), _dec_int(items[2]))
+
+
+register_field_type(
+    "tuple[TopicHeld, ...]",
+    lambda hs: [[h.topic, h.role, h.size] for h in hs],
+    lambda v: tuple(_dec_held(x) for x in _dec_list(v)),
+)
+
+
 @register_message
 @dataclass(frozen=True, slots=True)
 class Status(Message):
@@ -572,9 +634,11 @@ class Status(Message):
     loads: dict[str, int]
     counters: dict[str, int]
     resilience: int
+    held: tuple[TopicHeld, ...] = ()
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_list(self.held, "status held topics")
         _check_list(self.neighbours, "status neighbours")
         _check_list(self.desired, "status desired")
         _check_list(self.topics, "status topics")
@@ -624,13 +688,10 @@ Frame: TypeAlias = ControlFrame | RoutedFrame
 
 def encode_message(msg: Message) -> bytes:
     """The msgpack body of a message (used inside CONTROL frames and as the body of ROUTED frames)."""
-    codecs = _MESSAGE_CODECS.get(type(msg))
-    if codecs is None:
+    enc = _ENCODERS.get(type(msg))
+    if enc is None:
         raise LocalProtocolError(f"{type(msg).__name__} is not a registered message type")
-    wire: dict[str, Any] = {"op": msg.op}
-    for name, codec in codecs:
-        wire[name] = codec.encode(getattr(msg, name))
-    data: bytes = msgpack.packb(wire, use_bin_type=True)
+    data: bytes = _packb(enc(msg))
     if len(data) + _ROUTED_PREFIX_LEN > MAX_FRAME_SIZE:
         raise LocalProtocolError(f"{msg.op} encodes to {len(data)} bytes, over MAX_FRAME_SIZE")
     return data
@@ -640,14 +701,13 @@ def _message_from_wire(wire: Any) -> Message:
     if type(wire) is not dict:
         raise TypeError(f"a message is a map, got {type(wire).__name__}")
     op = wire.pop("op", None)
-    cls = MESSAGE_TYPES.get(op) if type(op) is str else None
-    if cls is None:
+    dec = _DECODERS.get(op) if type(op) is str else None
+    if dec is None:
         raise ValueError(f"unknown op {op!r}")
-    codecs = _MESSAGE_CODECS[cls]
-    extra = set(wire) - {name for name, _ in codecs}
-    if extra:
-        raise ValueError(f"{op}: unknown fields {sorted(extra)}")
-    return cls(**{name: codec.decode(wire[name]) for name, codec in codecs if name in wire})
+    try:
+        return dec(wire)
+    except KeyError as exc:
+        raise ValueError(f"{op}: missing field {exc.args[0]!r}") from None
 
 
 def decode_message(data: bytes) -> Message:

@@ -67,9 +67,14 @@ def _check_ts(ts: float, what: str) -> None:
         raise LocalProtocolError(f"{what} must be a finite number of seconds, got {ts}")
 
 
+# Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
+# plus the id's length is what those cost in the msgpack form used for replication, so L_T(t) counts them.
+MESSAGE_OVERHEAD: Final = 24
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One stored message as it travels in FETCH answers, replication and hand-over."""
+    """One stored message: as a broker keeps it, and as it travels in FETCH answers, replication, hand-over."""
 
     ts: float
     publisher: str
@@ -79,6 +84,11 @@ class Record:
     def __post_init__(self) -> None:
         _check_ts(self.ts, "record timestamp")
         _check_publisher(self.publisher, self.seq)
+
+    @property
+    def size(self) -> int:
+        """Bytes this message adds to its topic's load L_T(t)."""
+        return len(self.payload) + len(self.publisher) + MESSAGE_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,17 @@ class Delegation:
 
     coord: Coord
     start: float
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A publish stored but not yet acknowledged, handed over with its topic: the new primary acknowledges."""
+
+    access: NodeInfo
+    session: str
+    publisher: str
+    seq: int
+    ts: float
 
 
 def _dec_list(v: Any) -> list[Any]:
@@ -147,6 +168,13 @@ def _dec_subref(v: Any) -> SubRef:
     return SubRef(_dec_node(node), session)
 
 
+def _dec_waiter(v: Any) -> Waiter:
+    node, session, pub, seq, ts = _dec_list(v)
+    if type(session) is not str or type(pub) is not str or type(seq) is not int:
+        raise TypeError("a waiter is [node, session, publisher, seq, ts]")
+    return Waiter(_dec_node(node), session, pub, seq, _dec_float(ts))
+
+
 def _dec_delegation(v: Any) -> Delegation:
     coord, start = _dec_list(v)
     x, y = _dec_list(coord)
@@ -167,6 +195,11 @@ register_field_type(
     "tuple[Delegation, ...]",
     lambda ds: [[[d.coord[0], d.coord[1]], d.start] for d in ds],
     lambda v: tuple(_dec_delegation(x) for x in _dec_list(v)),
+)
+register_field_type(
+    "tuple[Waiter, ...]",
+    lambda ws: [[_enc_node(w.access), w.session, w.publisher, w.seq, w.ts] for w in ws],
+    lambda v: tuple(_dec_waiter(x) for x in _dec_list(v)),
 )
 register_field_type(
     "tuple[bytes, ...]",
@@ -412,6 +445,7 @@ class TopicRequest(Message):
     session: str
     requests: tuple[bytes, ...]
     via_home: bool = False
+    dest: Coord | None = None  # the coordinate the sender addressed (h(t) or a delegate coordinate C(t))
     identity: str = ""
 
 
@@ -456,6 +490,11 @@ class Replicate(Message):
     delegates: tuple[Delegation, ...]
     full: bool
     last_seq: dict[str, int]
+    # A hand-over to a new coordinate (overlay.delegation): the receiver holds it staged until ACTIVATE, then
+    # acknowledges `waiters` and delivers the records newer than `delivered_upto`.
+    handover: bool = False
+    delivered_upto: float = 0.0
+    waiters: tuple[Waiter, ...] = ()
 
 
 @register_message

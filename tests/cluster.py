@@ -13,7 +13,7 @@ import numpy as np
 from broker.cluster import BrokerProcess, LocalCluster
 from client.admin import AdminClient
 from client.credentials import Credentials
-from overlay.geometry import closest
+from overlay.geometry import closest, geohash
 from overlay.protocol import parse_address
 
 POLL = 0.02
@@ -91,3 +91,18 @@ async def check_routes(cluster: LocalCluster, n: int, seed: int, credentials: Cr
         assert r.hops == len(r.path) - 1
     assert not wrong, f"{len(wrong)} of {n} probes ended at the wrong broker:\n" + "\n".join(wrong[:10])
     return [r.hops for r in replies]
+
+
+def topics_per_broker(coords: dict[str, tuple[float, float]], per: int, prefix: str = "t") -> list[str]:
+    """Topic names such that every broker is the closest to the home coordinate of exactly `per` of them."""
+    want = dict.fromkeys(coords, per)
+    out: list[str] = []
+    i = 0
+    while any(want.values()):
+        topic = f"{prefix}/{i}"
+        i += 1
+        owner = closest(coords, geohash(topic))[0]
+        if want[owner] > 0:
+            want[owner] -= 1
+            out.append(topic)
+    return out

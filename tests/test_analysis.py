@@ -6,9 +6,11 @@ dominate the cost of small inputs, so every check reads the outputs of that one 
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import math
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -403,3 +405,112 @@ def test_exact_quantiles_equal_numpy_bitwise(spark: SparkSession) -> None:
     for r in result:
         for p in probs:
             assert r[quantile_column(p)] == float(np.quantile(data[r["g"]], p)), (r["g"], p)
+
+
+# ---- logs of a live cluster ------------------------------------------------------------------------------
+
+LIVE_INTERVAL = 0.25
+
+
+def _records(root: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(root.rglob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if classify(line) == "ok":
+                out.append(json.loads(line))
+    return out
+
+
+def _snapshotted_since(root: Path, node: str, since: float) -> bool:
+    return any(
+        r["node"] == node and r["type"] == "snapshot" and r["ts"] > since and r["loads"]["L1"] > 0
+        for r in _records(root)
+    )
+
+
+def _events(root: Path, kind: str) -> list[dict[str, Any]]:
+    return [r for r in _records(root) if r["type"] == "event" and r["event"] == kind]
+
+
+async def _live_run(log_dir: Path, state_dir: Path) -> tuple[str, set[str]]:
+    """5 brokers publish, one is SIGKILLed, the rest heal and leave; returns the victim and its neighbours."""
+    from cluster import topics_per_broker, wait_for
+    from conftest import FAST_ARGS
+
+    from broker.cluster import LocalCluster
+    from client.client import Client
+
+    args = (*FAST_ARGS, "--log-dir", str(log_dir), "--log-interval", str(LIVE_INTERVAL), "--log-run", "live")
+    async with LocalCluster(5, seed=6, state_dir=state_dir, broker_args=args) as cluster:
+        await cluster.wait_converged(60.0)
+        topics = topics_per_broker({bp.node_id: bp.coord for bp in cluster.nodes}, 3, "live")
+        async with Client([bp.listen for bp in cluster.nodes]) as c:
+            futs = [await c.publish_nowait(t, b"x" * (100 * (1 + k % 7))) for k, t in enumerate(topics * 4)]
+            async with asyncio.timeout(60):
+                await asyncio.gather(*futs)
+        done = time.time()
+        for bp in cluster.nodes:
+            await wait_for(lambda n=bp.node_id: _snapshotted_since(log_dir, n, done), 60, f"{bp.node_id} snapshot")
+        victim = cluster.nodes[4].node_id
+        neighbours = cluster.expected_neighbours()[victim]
+        await cluster.kill(4)
+        await wait_for(lambda: {e["node"] for e in _events(log_dir, "heal")} >= neighbours, 60, "heal events")
+        healed = time.time()
+        for bp in cluster.nodes[:4]:
+            await wait_for(lambda n=bp.node_id: _snapshotted_since(log_dir, n, healed), 60, f"{bp.node_id} snapshot")
+    return victim, neighbours
+
+
+# Five broker processes and a Spark job of its own: on two loaded cores this needs more than the default bound.
+@pytest.mark.timeout(600)
+def test_live_cluster_logs_match_numpy(spark: SparkSession, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    victim, neighbours = asyncio.run(_live_run(logs, tmp_path / "cluster"))
+    out = tmp_path / "out"
+    assert (
+        cli_analysis.main(
+            ["analyze", str(logs), "--out", str(out), "--master", "local[2]", "--no-plots", "--no-ccdf-per-step"]
+        )
+        == 0
+    )
+
+    recs = _records(logs)
+    events = [r for r in recs if r["type"] == "event"]
+    kinds = defaultdict(list)
+    for e in events:
+        kinds[e["event"]].append(e)
+    assert sorted(e["node"] for e in kinds["join"]) == ["n1", "n2", "n3", "n4"]
+    assert sorted(e["node"] for e in kinds["leave"]) == ["n0", "n1", "n2", "n3"]  # the victim could not
+    assert {e["node"] for e in kinds["failure"] if e["peer"] == victim} == neighbours
+    assert kinds["heal"] and all(e["seconds"] > 0 for e in kinds["heal"]), kinds["heal"]
+    counts = summary_counts(out)
+    assert counts["events"] == len(events) and counts["valid records"] == len(recs)
+
+    snaps: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for r in recs:
+        key = (r["run"], r["step"], r["node"])
+        if r["type"] == "snapshot" and (key not in snaps or r["ts"] >= snaps[key]["ts"]):
+            snaps[key] = r
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for (_, step, _), r in sorted(snaps.items()):
+        assert r["loads"]["L1"] == sum(t["size"] for t in r["topics"] if t["role"] == "primary")
+        by_step[step].append(r)
+    norm = {}
+    for step, rs in by_step.items():
+        l1 = np.array([r["loads"]["L1"] for r in rs])
+        if l1.sum() > 0:
+            norm[step] = {lv: 100.0 * np.array([r["loads"][lv] for r in rs]) / (l1.sum() / len(rs)) for lv in LEVELS}
+    final = max(by_step)
+    assert final in norm  # every broker is the primary of some topics from the first publish on
+    rows = {r["level"]: r for r in read_csv(out / "csv" / "quantiles_final.csv")}
+    for lv in LEVELS:
+        vals = norm[final][lv]
+        assert int(rows[lv]["n"]) == len(vals)
+        for col, p in PROBS.items():
+            assert _close(float(rows[lv][col]), float(np.quantile(vals, p))), (lv, col)
+    per_rs = spark.read.parquet(str(out / "parquet" / "quantiles_run_step")).collect()
+    assert len(per_rs) == 3 * len(norm) and len(norm) >= 2  # before the failure and after healing
+    for r in per_rs:
+        vals = norm[r["step"]][r["level"]]
+        for col, p in PROBS.items():
+            assert _close(r[col], float(np.quantile(vals, p))), (r["step"], r["level"], col)

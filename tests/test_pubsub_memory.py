@@ -37,6 +37,7 @@ class Net:
         self.queue: deque[tuple[Coord, bytes]] = deque()
         self.deferred: deque[Callable[[], None]] = deque()
         self.nodes: dict[str, Node] = {}
+        self.blackhole: set[Coord] = set()  # destinations whose messages are lost
         for i, c in enumerate(coords):
             nid = f"n{i}"
             self.nodes[nid] = Node(self, NodeInfo(nid, c, f"127.0.0.1:{7000 + i}"), resilience)
@@ -50,6 +51,8 @@ class Net:
                 self.deferred.popleft()()
                 continue
             dest, body = self.queue.popleft()
+            if dest in self.blackhole:
+                continue
             target = closest({k: v.coord for k, v in self.live().items()}, dest)[0]
             handled = self.nodes[target].ps.routed(decode_message(body))
             assert handled
@@ -254,3 +257,99 @@ def test_level_two_does_not_copy_history_after_a_failure_but_level_three_does() 
         fetched[level] = [r.seq for m in pub.inbox["f"] if isinstance(m, Fetched) for r in m.records]
     assert fetched[3] == list(range(30))
     assert fetched[2] == list(range(20, 30))
+
+
+# ---- topic delegation (Sec. III) on the in-memory overlay ---------------------------------------------------
+
+
+def far_from(net: Net, topic: str) -> Coord:
+    """A coordinate whose three closest brokers hold nothing of the topic yet."""
+    sites = {k: v.coord for k, v in net.live().items()}
+    holders = set(closest(sites, geohash(topic), 3))
+    nid = max(
+        (k for k in sites if k not in holders),
+        key=lambda k: sum((a - b) ** 2 for a, b in zip(sites[k], geohash(topic), strict=True)),
+    )
+    x, y = sites[nid]
+    return (x + (1e-3 if x < 0.5 else -1e-3), y + (1e-3 if y < 0.5 else -1e-3))
+
+
+@pytest.mark.parametrize("resilience", [1, 2, 3])
+def test_move_with_requests_in_flight_delivers_and_acks_each_message_once(resilience: int) -> None:
+    from overlay.delegation import MoveTopic
+    from overlay.pubsub import Done, Redirect
+
+    net = Net(grid(10, seed=7), resilience=resilience)
+    topic = "grid/moving/power"
+    to = far_from(net, topic)
+    sub, pub, admin = net.nodes["n0"], net.nodes["n3"], net.nodes["n6"]
+    sub.request("s", Subscribe(1, topic))
+    pub.inbox["p"] = []
+    for i in range(40):
+        pub.ps.client_message("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+        if i == 15:
+            admin.inbox["a"] = []
+            admin.ps.client_message("a", MoveTopic(5, topic, to))  # the move starts with publishes in flight
+        if i % 7 == 0:
+            net.run()  # let some traffic through, not all: the hand-over meets publishes at every stage
+    net.run()
+    assert any(isinstance(m, Done) and m.corr == 5 for m in admin.inbox["a"])
+    acked = max(m.seq for m in pub.inbox["p"] if isinstance(m, Ack))
+    assert acked == 39
+    assert [r.seq for r in delivered(sub, "s")] == list(range(40)), "each message once, in order"
+    assert any(isinstance(m, Redirect) and m.coord == to for m in sub.inbox["s"])
+    loc = locate(net, topic)
+    assert loc.coord == to and [d.coord for d in loc.delegates] == [geohash(topic), to]
+    new_primary = closest({k: v.coord for k, v in net.live().items()}, to)[0]
+    assert loc.primary.id == new_primary
+    # the old holders let go: only the new coordinate's holders keep the data
+    holders = sorted(nid for nid, n in net.nodes.items() if topic in n.ps.store)
+    want = closest({k: v.coord for k, v in net.live().items()}, to, min(resilience, 2))
+    assert holders == sorted(want)
+    for nid in holders:
+        assert len(net.nodes[nid].ps.store.get(topic).messages) == 40
+    # later requests through any broker reach the new primary (via the home or the redirect)
+    pub.request("p", Publish(topic, "P", 40, b"after", 0))
+    assert [r.seq for r in delivered(sub, "s")][-1] == 40
+
+
+def test_move_to_a_dead_coordinate_is_abandoned_and_the_topic_stays() -> None:
+    from overlay.delegation import MoveTopic
+
+    net = Net(grid(10, seed=8), resilience=2)
+    topic = "grid/stuck/power"
+    to = far_from(net, topic)
+    target = closest({k: v.coord for k, v in net.live().items()}, to)[0]
+    sub, pub = [net.nodes[nid] for nid in sorted(net.nodes) if nid != target][:2]  # clients away from it
+    sub.request("s", Subscribe(1, topic))
+    pub.request("p", Publish(topic, "P", 0, b"a", 0))
+    old = locate(net, topic)
+    net.blackhole.add(to)  # the target died and nobody noticed yet: whatever is sent there vanishes
+    pub.ps.client_message("adm", MoveTopic(7, topic, to))
+    pub.inbox["adm"] = []
+    net.run()
+    pub.request("p", Publish(topic, "P", 1, b"b", 0))  # waits at the frozen primary
+    assert not any(isinstance(m, Ack) and m.seq == 1 for m in pub.inbox["p"])
+    net.tick(6.0)  # past MOVE_TIMEOUT: the old primary abandons the move and serves again
+    assert any(isinstance(m, Failed) and m.corr == 7 for m in pub.inbox["adm"])
+    assert any(isinstance(m, Ack) and m.seq == 1 for m in pub.inbox["p"])
+    assert [r.seq for r in delivered(sub, "s")] == [0, 1]
+    net.blackhole.clear()
+    assert locate(net, topic).coord == old.coord
+
+
+def test_alg1_places_a_new_topic_where_the_placer_says() -> None:
+    net = Net(grid(8, seed=9), resilience=2)
+    topic = "grid/new/topic"
+    to = far_from(net, topic)
+    home = closest({k: v.coord for k, v in net.live().items()}, geohash(topic))[0]
+    asked: list[str] = []
+    net.nodes[home].ps.placer = lambda t, done: (asked.append(t), done(to))[1]
+    sub, pub = net.nodes["n0"], net.nodes["n4"]
+    sub.request("s", Subscribe(1, topic))
+    pub.request("p", Publish(topic, "P", 0, b"x", 0))
+    assert asked == [topic]
+    assert [r.seq for r in delivered(sub, "s")] == [0]
+    loc = locate(net, topic)
+    assert loc.coord == to
+    assert closest({k: v.coord for k, v in net.live().items()}, to)[0] == loc.primary.id

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.store import MESSAGE_OVERHEAD, Retention, StoredMessage, TopicNotFound, TopicStore
+from broker.store import Retention, StoredMessage, TopicNotFound, TopicStore
+from overlay.pubsub import MESSAGE_OVERHEAD
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
 
 

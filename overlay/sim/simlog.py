@@ -1,8 +1,9 @@
-"""Simulator records in the exported-metrics log schema 1 (docs/logs.md) and a rotating JSON-lines writer.
+"""Records of the exported-metrics log schema 1 (docs/logs.md) and the rotating JSON-lines writer.
 
 The simulator writes what a broker cluster writes, in topic units, so `sedax analyze` reads both: one
-`snapshot` per node per step and one `event` per delegation.  Record builders are pure; `JsonlWriter` is the
-only code here that touches files.
+`snapshot` per node per step and one `event` per delegation.  The brokers (broker/eventlog.py) build their
+records with `base_record`/`event_record` and write them with `JsonlWriter`, so the layout and the rotation
+have one home.  Record builders are pure; `JsonlWriter` is the only code here that touches files.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from overlay.geometry import FloatArray
-from overlay.sim.experiments import MoveRecord, Overlay
+if TYPE_CHECKING:  # annotations only: the brokers import this module without the simulator
+    from overlay.geometry import FloatArray
+    from overlay.sim.experiments import MoveRecord, Overlay
 
 SCHEMA: Final = 1
 # docs/logs.md: rotate at 64 MiB and keep 5 files by default, the same limits the brokers use.
@@ -25,25 +27,57 @@ DEFAULT_KEEP: Final = 5
 Record = dict[str, object]
 
 
+def base_record(kind: str, run: str, source: str, ts: float, step: int, node: str) -> Record:
+    """The fields every record has; kind is "snapshot" or "event", source "broker" or "sim"."""
+    return {"schema": SCHEMA, "type": kind, "run": run, "source": source, "ts": ts, "step": step, "node": node}
+
+
+def event_record(
+    run: str,
+    source: str,
+    ts: float,
+    step: int,
+    node: str,
+    event: str,
+    *,
+    topic: str | None = None,
+    load: float | None = None,
+    frm: tuple[float, float] | None = None,
+    to: tuple[float, float] | None = None,
+    peer: str | None = None,
+    seconds: float | None = None,
+) -> Record:
+    """One `event` record; fields that do not apply to the event are null."""
+    rec = base_record("event", run, source, ts, step, node)
+    rec.update(
+        {
+            "event": event,
+            "topic": topic,
+            "load": load,
+            "from": None if frm is None else [float(frm[0]), float(frm[1])],
+            "to": None if to is None else [float(to[0]), float(to[1])],
+            "peer": peer,
+            "seconds": seconds,
+        }
+    )
+    return rec
+
+
 def snapshot_records(
     run: str, step: int, ts: float, overlay: Overlay, loads: FloatArray, counters: FloatArray | None = None
 ) -> Iterator[Record]:
     """One `snapshot` record per node: loads is (3, nodes) in topic units; counters the moved load so far."""
     for v in range(len(overlay.points)):
-        rec: Record = {
-            "schema": SCHEMA,
-            "type": "snapshot",
-            "run": run,
-            "source": "sim",
-            "ts": ts,
-            "step": step,
-            "node": str(v),
-            "coord": [float(overlay.points[v, 0]), float(overlay.points[v, 1])],
-            "loads": {"L1": float(loads[0, v]), "L2": float(loads[1, v]), "L3": float(loads[2, v])},
-            "unit": "topic",
-            "cell_area": float(overlay.cell_area[v]),
-            "neighbours": [str(w) for w in overlay.neighbours[v]],
-        }
+        rec = base_record("snapshot", run, "sim", ts, step, str(v))
+        rec.update(
+            {
+                "coord": [float(overlay.points[v, 0]), float(overlay.points[v, 1])],
+                "loads": {"L1": float(loads[0, v]), "L2": float(loads[1, v]), "L3": float(loads[2, v])},
+                "unit": "topic",
+                "cell_area": float(overlay.cell_area[v]),
+                "neighbours": [str(w) for w in overlay.neighbours[v]],
+            }
+        )
         if counters is not None:
             rec["counters"] = {"moved_load": float(counters[v])}
         yield rec
@@ -51,22 +85,18 @@ def snapshot_records(
 
 def move_record(run: str, ts: float, mv: MoveRecord) -> Record:
     """The `event` record of one delegation (Alg. 1) or move (Alg. 2); its load feeds V_ML, eq. (13)."""
-    return {
-        "schema": SCHEMA,
-        "type": "event",
-        "run": run,
-        "source": "sim",
-        "ts": ts,
-        "step": max(mv.step, 0),
-        "node": str(mv.node),
-        "event": mv.kind,
-        "topic": f"t{mv.topic}",
-        "load": mv.load,
-        "from": list(mv.source),
-        "to": list(mv.target),
-        "peer": None,
-        "seconds": None,
-    }
+    return event_record(
+        run,
+        "sim",
+        ts,
+        max(mv.step, 0),
+        str(mv.node),
+        mv.kind,
+        topic=f"t{mv.topic}",
+        load=mv.load,
+        frm=mv.source,
+        to=mv.target,
+    )
 
 
 class JsonlWriter:
@@ -111,6 +141,10 @@ class JsonlWriter:
             self.path.unlink()
         self._fh = self.path.open("a", encoding="utf-8")
         self._size = 0
+
+    def flush(self) -> None:
+        """Hand what was written to the OS, so readers (and a crash) see whole records."""
+        self._fh.flush()
 
     def close(self) -> None:
         """Flush and close the current file."""

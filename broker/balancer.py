@@ -1,0 +1,371 @@
+"""Distributed load balancing on a live broker (Sec. V, VI): load reports, coordinate queries, Alg. 1 and 2.
+
+Every broker sends its load record to its neighbours every `load_report_interval`, together with the records
+its neighbours sent it, so it knows its 2-hop region (`overlay.region`).  It answers coordinate queries from
+that knowledge: IndCoord (the metrics of the coordinate asked about), BestLocalCoord (the best of 200
+candidates in its own Voronoi cell, Sec. V-E) and flooded queries (BestRegionalCoord within n_hops of the
+node reached, BestGlobalCoord everywhere), each node answering the query's origin directly.
+
+The decisions are the simulator's: `overlay.balance.decide` picks Tiebreaker(C*) and moves only when it is
+better than the topic's current coordinate, by at least `min_gain` of its L_max (hysteresis).  Alg. 2 runs
+every Δτ and considers the broker's smallest topic; Alg. 1 places a new topic when its home creates it.
+Moves themselves are the pub/sub layer's (`PubSub.request_move`), serialised at the topic's home.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Final, Protocol
+
+import numpy as np
+
+from broker.tasks import TaskSet
+from overlay.balance import BalanceMode, BalanceParams, Goal, Selection, decide, smallest_topic
+from overlay.balance import Offer as Choice
+from overlay.delegation import (
+    MAX_FLOOD_TTL,
+    CoordOffer,
+    CoordQuery,
+    LoadReport,
+    NodeLoad,
+    Offer,
+    QueryKind,
+    TertiaryNote,
+)
+from overlay.geometry import FloatArray
+from overlay.load import CoordMetric, Level
+from overlay.protocol import Coord, Message, NodeInfo, encode_message
+from overlay.region import RegionLoads, cell_candidates
+
+if TYPE_CHECKING:
+    from broker.config import BrokerConfig
+    from broker.pubsub import PubSub
+
+CANDIDATES: Final = 200  # per node, Sec. V-E
+# Flood ids remembered to answer each flooded query once; far more than a round can produce.
+SEEN_FLOODS: Final = 4096
+
+
+class BrokerPort(Protocol):
+    """What the balancer needs from the broker around it (implemented in broker.node)."""
+
+    @property
+    def me(self) -> NodeInfo:
+        """This broker."""
+        ...
+
+    def neighbour_infos(self) -> list[NodeInfo]:
+        """The established neighbour links' brokers."""
+        ...
+
+    def send_to_neighbour(self, node_id: str, msg: Message) -> int:
+        """Send a CONTROL message on a neighbour link; the bytes written (0 if there is no such link)."""
+        ...
+
+    def route(self, dest: Coord, msg: Message) -> None:
+        """Send a routed message toward dest."""
+        ...
+
+    def view(self) -> Mapping[str, NodeInfo]:
+        """Every broker this one knows to be alive, by id."""
+        ...
+
+
+@dataclass(slots=True)
+class _Collect:
+    offers: list[Offer] = field(default_factory=list)
+    expected: int | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
+class _Record:
+    load: NodeLoad
+    heard: float
+
+
+class Balancer:
+    """Load knowledge, coordinate queries and the balancing loops of one broker."""
+
+    def __init__(
+        self,
+        port: BrokerPort,
+        pubsub: PubSub,
+        config: BrokerConfig,
+        tasks: TaskSet,
+        log: logging.Logger,
+    ) -> None:
+        self.port = port
+        self.pubsub = pubsub
+        self.config = config
+        self.tasks = tasks
+        self.log = log
+        self.mode = BalanceMode(config.balance)
+        self.params = BalanceParams(
+            goal=Goal(config.goal), selection=Selection(config.selection), n_queries=config.queries, n_hops=config.hops
+        )
+        self.records: dict[str, _Record] = {}
+        self._pending: dict[int, _Collect] = {}
+        self._corr = itertools.count(1)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._cand_key: tuple[tuple[float, float], ...] | None = None
+        self._cand: FloatArray | None = None
+        seed = int.from_bytes(hashlib.sha256(port.me.id.encode()).digest()[:8], "big")
+        self.rng = np.random.default_rng(seed)
+        self.counters: dict[str, int] = {
+            "load_reports_sent": 0,
+            "load_report_bytes": 0,
+            "balance_queries": 0,
+            "balance_query_bytes": 0,
+            "balance_offers": 0,
+            "balance_offer_bytes": 0,
+            "balance_rounds": 0,
+            "balance_decisions_move": 0,
+            "placements": 0,
+        }
+
+    @property
+    def level(self) -> Level:
+        """The resilience level whose loads the goal balances."""
+        return self.params.goal.level
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+
+    def start(self, loop_time: Callable[[], float]) -> None:
+        """Start the report loop, and the Alg. 2 loop when balancing is continuous."""
+        self._now = loop_time
+        self.tasks.spawn(self._report_loop(), "load-reports")
+        if self.mode.continuous:
+            self.tasks.spawn(self._balance_loop(), "balancer")
+        if self.mode.at_addition:
+            self.pubsub.placer = self.place
+
+    async def _report_loop(self) -> None:
+        while True:
+            self.send_reports()
+            await asyncio.sleep(self.config.load_report_interval)
+
+    async def _balance_loop(self) -> None:
+        # Brokers start at different moments; a random phase spreads their rounds over Δτ.
+        await asyncio.sleep(float(self.rng.uniform(0, self.config.balance_interval)))
+        while True:
+            try:
+                await self.round()
+            except Exception:  # a failed round must not end balancing for good
+                self.log.exception("balancing round failed")
+            await asyncio.sleep(self.config.balance_interval)
+
+    # ------------------------------------------------------------------------------------ load knowledge
+
+    def send_reports(self) -> None:
+        """LOAD_REPORT to every neighbour: this broker's record, then its neighbours' own records."""
+        own = self.pubsub.load_record()
+        nbrs = self.port.neighbour_infos()
+        known = [self.records[n.id].load for n in nbrs if n.id in self.records]
+        msg = LoadReport((own, *known))
+        for n in nbrs:
+            sent = self.port.send_to_neighbour(n.id, msg)
+            if sent:
+                self.counters["load_reports_sent"] += 1
+                self.counters["load_report_bytes"] += sent
+        for node, pairs, sizes in self.pubsub.tertiary_notes().values():
+            self.port.route(node.coord, TertiaryNote(self.port.me, tuple(pairs), tuple(sizes)))
+
+    def on_report(self, msg: LoadReport) -> None:
+        """A neighbour's LOAD_REPORT: keep the freshest record of every node it names."""
+        now = self._now()
+        me = self.port.me.id
+        for rec in msg.loads:
+            if rec.node.id == me:
+                continue
+            cur = self.records.get(rec.node.id)
+            if cur is None or rec.ts >= cur.load.ts:
+                self.records[rec.node.id] = _Record(rec, now)
+
+    def region(self) -> RegionLoads:
+        """Loads of this broker and every live broker it has a recent record of."""
+        now = self._now()
+        live = self.port.view()
+        stale = 3 * self.config.load_report_interval + 2.0
+        for nid in [k for k, r in self.records.items() if k not in live or now - r.heard > stale]:
+            del self.records[nid]
+        return RegionLoads.build([self.pubsub.load_record(), *(r.load for r in self.records.values())])
+
+    def candidates(self) -> FloatArray:
+        """Sec. V-E: CANDIDATES uniform coordinates in this broker's Voronoi cell, redrawn when it changes."""
+        nbrs = tuple(sorted(n.coord for n in self.port.neighbour_infos()))
+        if self._cand is None or nbrs != self._cand_key:
+            self._cand_key = nbrs
+            self._cand = cell_candidates(self.port.me.coord, nbrs, self.config.space, self.rng, CANDIDATES)
+        return self._cand
+
+    # ----------------------------------------------------------------------------------- coordinate queries
+
+    def on_query(self, q: CoordQuery) -> None:
+        """Answer a COORD_QUERY that reached this broker (and pass a flood on)."""
+        if q.kind == "flood":
+            if q.qid in self._seen:
+                return
+            self._seen[q.qid] = None
+            while len(self._seen) > SEEN_FLOODS:
+                self._seen.popitem(last=False)
+            if q.ttl > 0:
+                nxt = replace(q, ttl=q.ttl - 1)
+                for n in self.port.neighbour_infos():
+                    if n.id != q.origin.id:
+                        self.port.route(n.coord, nxt)
+        region = self.region().without(q.triple, q.load)
+        level: Level = q.level  # type: ignore[assignment]
+        me = self.port.me
+        if q.kind == "indcoord":
+            offer = region.offer(level, q.target, me.id)
+        else:
+            cands = self.candidates()
+            i, m = region.best(level, cands)
+            offer = Offer((float(cands[i, 0]), float(cands[i, 1])), m.lmax, m.lmin, m.spare, me.id)
+        answer = CoordOffer(q.corr, (offer,))
+        self.counters["balance_offers"] += 1
+        self.counters["balance_offer_bytes"] += len(encode_message(answer))
+        if q.origin.id == me.id:
+            self.on_offer(answer)
+        else:
+            self.port.route(q.origin.coord, answer)
+
+    def on_offer(self, msg: CoordOffer) -> None:
+        """A COORD_OFFER for one of this broker's selections."""
+        c = self._pending.get(msg.corr)
+        if c is None:
+            return
+        c.offers.extend(msg.offers)
+        if c.expected is not None and len(c.offers) >= c.expected:
+            c.done.set()
+
+    def _query(self, q: CoordQuery) -> None:
+        self.counters["balance_queries"] += 1
+        self.counters["balance_query_bytes"] += len(encode_message(q))
+        self.port.route(q.target, q)
+
+    def _random_coord(self) -> Coord:
+        s = self.config.space
+        x, y = self.rng.uniform((s.xmin, s.ymin), (s.xmax, s.ymax))
+        return (float(x), float(y))
+
+    async def select(self, load: float, triple: tuple[str, str, str]) -> list[Offer]:
+        """The offers of the configured coordinate selection (Sec. V), for a topic of this load and triple."""
+        corr = next(self._corr)
+        me = self.port.me
+        level = self.level
+        n = self.params.n_queries
+        sel = self.params.selection
+        c = _Collect()
+        self._pending[corr] = c
+        try:
+            if sel is Selection.INDCOORD or sel is Selection.BESTLOCAL:
+                kind: QueryKind = "indcoord" if sel is Selection.INDCOORD else "bestlocal"
+                c.expected = n
+                for _ in range(n):
+                    self._query(CoordQuery(corr, kind, level, self._random_coord(), me, triple, load))
+            elif sel is Selection.BESTREGIONAL:
+                for i in range(n):
+                    qid = f"{me.id}/{corr}/{i}"
+                    ttl = min(self.params.n_hops, MAX_FLOOD_TTL)
+                    self._query(CoordQuery(corr, "flood", level, self._random_coord(), me, triple, load, ttl, qid))
+            else:  # BESTGLOBAL: flood the whole overlay from here
+                qid = f"{me.id}/{corr}"
+                q = CoordQuery(corr, "flood", level, me.coord, me, triple, load, MAX_FLOOD_TTL, qid)
+                self.counters["balance_queries"] += 1
+                self.on_query(q)
+            try:
+                async with asyncio.timeout(self.config.query_timeout):
+                    await c.done.wait()
+            except TimeoutError:
+                pass  # decide with the answers that came (floods always end here)
+            return list(c.offers)
+        finally:
+            del self._pending[corr]
+
+    # -------------------------------------------------------------------------------------- Alg. 1 and 2
+
+    def place(self, topic: str, done: Callable[[Coord | None], None]) -> None:
+        """Alg. 1 for a topic its home is creating: done(coordinate) when a better one than h(t) is found."""
+
+        async def run() -> None:
+            coord: Coord | None = None
+            try:
+                plan = await self.plan_topic(topic, 0.0)
+                if plan["verdict"] == "move":
+                    to = plan["to"]
+                    assert isinstance(to, list)
+                    coord = (float(to[0]), float(to[1]))
+                    self.counters["placements"] += 1
+            finally:
+                done(coord)
+
+        self.tasks.spawn(run(), f"place-{topic}")
+
+    async def plan_topic(self, topic: str, load: float) -> dict[str, object]:
+        """One decision for one topic: the current coordinate's metric, the offers, and the verdict."""
+        coord = self.pubsub.topic_coord(topic)
+        assert coord is not None
+        triple = self.pubsub.topic_triple(topic)
+        current = self.region().without(triple, load).metric(self.level, coord)
+        offers = await self.select(load, triple)
+        choices = [Choice(o.coord, CoordMetric(o.lmax, o.lmin, o.spare)) for o in offers]
+        best = decide(current, choices, self.config.min_gain * current.lmax)
+        plan: dict[str, object] = {
+            "topic": topic,
+            "size": int(load),
+            "from": [coord[0], coord[1]],
+            "current": _metric_json(current),
+            "offers": len(offers),
+            "verdict": "stay",
+        }
+        if best is not None:
+            plan.update(to=[best.coord[0], best.coord[1]], best=_metric_json(best.metric), verdict="move")
+        return plan
+
+    async def round(self, dry_run: bool = False, all_topics: bool = False) -> list[dict[str, object]]:
+        """Alg. 2 once: the smallest topic this broker is responsible for, moved if a better coordinate exists.
+
+        dry_run: decide and report, move nothing; all_topics: consider every topic (a dry run's overview).
+        """
+        self.counters["balance_rounds"] += 1
+        sizes = {t: s for t, s in self.pubsub.primary_topics().items() if s > 0}
+        plans: list[dict[str, object]] = []
+        movable = {t: s for t, s in sizes.items() if s <= self.config.max_move_bytes}
+        for t, s in sizes.items():
+            if s > self.config.max_move_bytes and all_topics:
+                plans.append({"topic": t, "size": s, "verdict": "too large to move this round"})
+        if all_topics:
+            chosen = sorted(movable, key=lambda t: (movable[t], t))
+        else:
+            t_min = smallest_topic(movable)
+            chosen = [] if t_min is None else [t_min]
+        if dry_run and all_topics:  # an overview: every topic's decision at once, nothing moves
+            live = [t for t in chosen if self.pubsub.topic_coord(t) is not None]
+            plans.extend(await asyncio.gather(*(self.plan_topic(t, float(movable[t])) for t in live)))
+            return plans
+        for topic in chosen:
+            if self.pubsub.topic_coord(topic) is None:
+                continue
+            plan = await self.plan_topic(topic, float(movable[topic]))
+            if plan["verdict"] == "move" and not dry_run:
+                self.counters["balance_decisions_move"] += 1
+                to = plan["to"]
+                assert isinstance(to, list)
+                why = self.pubsub.request_move(topic, (float(to[0]), float(to[1])))
+                plan["verdict"] = "moving" if why is None else f"not moved: {why}"
+                self.log.info("balancing: %s", json.dumps(plan))
+            plans.append(plan)
+        return plans
+
+
+def _metric_json(m: CoordMetric) -> dict[str, float]:
+    return {"lmax": m.lmax, "lmin": m.lmin, "spare": m.spare}

@@ -1,0 +1,373 @@
+"""Prometheus exposition of one broker (`--metrics HOST:PORT`, GET /metrics; names in docs/metrics.md).
+
+Almost everything is read at scrape time from what the broker keeps anyway (its counters, the pub/sub
+counters, loads, topics and links), so serving metrics costs the forwarding and pub/sub paths nothing.  The
+three distributions (hops of routed messages, publish-to-ACK latency, heal time) need a measurement where
+they happen: `Buckets` is a plain count array (one bisect per observation) that the collector turns into a
+Prometheus histogram when scraped.
+
+The endpoint is served on the broker's own event loop, so a scrape reads a consistent state without locks;
+each broker has its own `CollectorRegistry` (several brokers may share a process in tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Final
+
+import msgpack
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from overlay.protocol import encode_message, format_address, parse_address
+from overlay.pubsub import Ack, Nack
+
+if TYPE_CHECKING:
+    from broker.node import Broker
+
+# Hops of routed messages: greedy routing over the Delaunay graph takes O(sqrt(n)) hops; 64 is the default limit.
+HOP_BOUNDS: Final = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+# Publish-to-ACK: one replication round trip on a quiet overlay (~ms) up to a failover (~1 s) and beyond.
+LATENCY_BOUNDS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Heal time: the failure-detection window is ~0.6 s by default; re-linking adds a few round trips.
+HEAL_BOUNDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Publishes timed at once by one broker; beyond this new ones go untimed (counted), so clients that never
+# see their acknowledgement cannot grow the table without bound.
+MAX_TIMED: Final = 65536
+# Topic roles always exported (0 when none is held), so dashboards see every series from the start; other
+# roles the pub/sub layer reports appear as they occur.
+ROLES: Final = ("primary", "secondary", "tertiary", "home", "delegate")
+# A scrape request's head must arrive within this time and fit this size; anything else is answered 4xx.
+REQUEST_TIMEOUT: Final = 5.0
+MAX_REQUEST_HEAD: Final = 8192
+
+log = logging.getLogger("sedax.metrics")
+
+
+class Buckets:
+    """Counts of observations per bucket (upper bounds inclusive, as Prometheus's `le`) and their sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        """Observations so far."""
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, observations <= le) pairs ending with +Inf, as HistogramMetricFamily takes them."""
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for bound, c in zip(self.bounds, self.counts, strict=False):
+            acc += c
+            out.append((repr(bound), acc))  # le values: Python and Prometheus parse the same text
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
+
+
+# ACK and NACK frames to a session are recognised by their first bytes (a 5-byte frame header, a one-byte
+# map header, then "op" and its value: encode_message writes "op" first), so only they are decoded.
+_FRAME_HEAD: Final = 5
+_ACK_TAG: Final = msgpack.packb("op") + msgpack.packb("ack")
+_NACK_TAG: Final = msgpack.packb("op") + msgpack.packb("nack")
+if not (
+    encode_message(Ack("t", "p", 0, 0.0)).startswith(_ACK_TAG, 1)
+    and encode_message(Nack("t", "p", 0, "bad_topic", "x")).startswith(_NACK_TAG, 1)
+):
+    raise ImportError("the ACK/NACK encoding changed: update the tags in broker/metrics.py")
+
+
+class AckTimer:
+    """Publish-to-ACK latency at the access broker: a client's PUBLISH starts a clock that the (cumulative)
+    ACK covering it, on its way back to the same session, stops.  Re-sends keep the first clock."""
+
+    def __init__(self, into: Buckets, limit: int = MAX_TIMED) -> None:
+        self.into = into
+        self.limit = limit
+        # session -> (topic, publisher) -> (seq, start) in seq order; sequence numbers are per topic and publisher
+        self.waiting: dict[str, dict[tuple[str, str], deque[tuple[int, float]]]] = {}
+        self.size = 0
+        self.untimed = 0
+
+    def started(self, session: str, topic: str, publisher: str, seq: int) -> None:
+        """A PUBLISH arrived from a local client."""
+        per = self.waiting.get(session)
+        q = per.get((topic, publisher)) if per is not None else None
+        if q and q[-1][0] >= seq:
+            return  # a re-send: its clock already runs
+        if self.size >= self.limit:
+            self.untimed += 1
+            return
+        if per is None:
+            per = self.waiting[session] = {}
+        if q is None:
+            q = per[(topic, publisher)] = deque()
+        q.append((seq, time.monotonic()))
+        self.size += 1
+
+    def frame(self, session: str, frame: bytes) -> None:
+        """A frame to a local session that has publishes waiting: stop the clocks an ACK answers."""
+        if frame.startswith(_ACK_TAG, _FRAME_HEAD + 1):
+            is_ack = True
+        elif frame.startswith(_NACK_TAG, _FRAME_HEAD + 1):
+            is_ack = False
+        else:
+            return
+        # The broker encoded this frame itself; only three fields are needed, so skip the typed decode.
+        per = self.waiting.get(session)
+        try:
+            wire = msgpack.unpackb(frame[_FRAME_HEAD:], raw=False)
+            key, seq = (wire["topic"], wire["publisher"]), wire["seq"]
+            q = per.get(key) if per is not None else None
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            return
+        if per is None or q is None or type(seq) is not int:
+            return
+        if is_ack:
+            now = time.monotonic()
+            while q and q[0][0] <= seq:
+                self.into.observe(now - q.popleft()[1])
+                self.size -= 1
+        else:
+            kept = deque(e for e in q if e[0] != seq)  # refused: no ACK will come for it
+            self.size -= len(q) - len(kept)
+            q = per[key] = kept
+        if not q:
+            del per[key]
+            if not per:
+                del self.waiting[session]
+
+    def session_closed(self, session: str) -> None:
+        """Forget the clocks of a session that went away."""
+        per = self.waiting.pop(session, None)
+        if per is not None:
+            self.size -= sum(len(q) for q in per.values())
+
+
+class BrokerStats:
+    """The measurements that need hooks in the broker (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.hops = Buckets(HOP_BOUNDS)
+        self.ack_latency = Buckets(LATENCY_BOUNDS)
+        self.heal = Buckets(HEAL_BOUNDS)
+        self.acks = AckTimer(self.ack_latency)
+        # time.monotonic() of the first failure not yet healed (see Broker._check_healed), or None.
+        self.healing_since: float | None = None
+
+
+# ------------------------------------------------------------------------------------------- collector
+
+# Counter keys (Broker.counter_values) with their exported names (without `_total`) and help texts.
+COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
+    "forwarded": ("sedax_forwarded_messages", "Routed messages this broker passed on toward their destination."),
+    "forwarded_bytes": ("sedax_forwarded_bytes", "Bytes of the routed messages this broker passed on."),
+    "routed_delivered": (
+        "sedax_routed_delivered_messages",
+        "Routed messages that ended at this broker (the closest to their destination), pub/sub and control.",
+    ),
+    "failures_detected": ("sedax_failures_detected", "Neighbour brokers this broker found dead (reset, silence)."),
+    "joins_accepted": ("sedax_joins_accepted", "Brokers this broker admitted to the overlay (it was their closest)."),
+    "published": ("sedax_published_messages", "Messages stored here as the topics' primary."),
+    "published_bytes": ("sedax_published_bytes", "Payload bytes stored here as the topics' primary."),
+    "delivered": ("sedax_delivered_messages", "Messages sent to subscribers by this broker as primary."),
+    "delivered_bytes": ("sedax_delivered_bytes", "Payload bytes sent to subscribers by this broker as primary."),
+    "acked": ("sedax_acked_messages", "Messages this broker acknowledged to their publishers as primary."),
+    "duplicates": ("sedax_duplicate_publishes", "Re-sent publishes this broker had stored already."),
+    "takeovers": ("sedax_takeovers", "Topics this broker took over as the new primary after a failure or leave."),
+    "handovers": ("sedax_handovers", "Topics this broker handed to a new closest broker (answered a PULL)."),
+    "replicated_batches": ("sedax_replicated_batches", "Replication batches sent to secondaries."),
+    "lost": ("sedax_lost_messages", "Acknowledged messages found lost (more failures than the level survives)."),
+    "delegations": ("sedax_delegations", "Topic hand-overs this broker activated as the new primary (Sec. III)."),
+    "moves": ("sedax_moves", "Topics this broker moved away to a new coordinate (Alg. 2 or an operator)."),
+    "moves_aborted": ("sedax_moves_aborted", "Moves this broker abandoned (lease refused or no confirmation)."),
+    "moved_bytes": ("sedax_moved_load_bytes", "Topic load moved away from this broker by delegation or balancing."),
+    "balance_queries": ("sedax_balance_queries", "Coordinate queries this broker sent (Sec. V)."),
+    "balance_query_bytes": ("sedax_balance_query_bytes", "Bytes of the coordinate queries sent."),
+    "balance_offers": ("sedax_balance_offers", "Coordinate offers this broker answered queries with."),
+    "balance_offer_bytes": ("sedax_balance_offer_bytes", "Bytes of the coordinate offers sent."),
+    "load_reports_sent": ("sedax_load_reports", "Load reports sent to neighbours."),
+    "load_report_bytes": ("sedax_load_report_bytes", "Bytes of the load reports sent to neighbours."),
+    "balance_rounds": ("sedax_balance_rounds", "Balancing rounds (Alg. 2) this broker ran."),
+}
+# Exported from the start (0 until something happens), so dashboards see every series at once.
+ALWAYS: Final = ("delegations", "moved_bytes", "balance_queries", "balance_query_bytes")
+DROPS: Final = {"dropped_hop_limit": "hop_limit", "dropped_bad_body": "bad_body", "dropped_no_route": "no_route"}
+_NAME_SAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class BrokerCollector:
+    """A prometheus_client collector that reads a broker's state at scrape time."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.b = broker
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric of docs/metrics.md, from the broker's current state."""
+        b = self.b
+        info = GaugeMetricFamily(
+            "sedax_node_info", "This broker: node id and address (value 1).", labels=["node", "listen"]
+        )
+        info.add_metric([b.node_id, b.info.listen], 1.0)
+        yield info
+        coord = GaugeMetricFamily("sedax_node_coordinate", "The broker's coordinate C(v).", labels=["axis"])
+        coord.add_metric(["x"], b.info.coord[0])
+        coord.add_metric(["y"], b.info.coord[1])
+        yield coord
+        yield GaugeMetricFamily("sedax_resilience_level", "Configured resilience level.", value=b.config.resilience)
+
+        loads = GaugeMetricFamily(
+            "sedax_node_load_bytes", "Node load L1_N, L2_N, L3_N (eqs. 1, 2, 4) in stored bytes.", labels=["level"]
+        )
+        for level, value in sorted(b.pubsub.loads().items()):
+            loads.add_metric([level], float(value))
+        yield loads
+
+        counts: dict[str, int] = dict.fromkeys(ROLES, 0)
+        sizes: dict[str, int] = dict.fromkeys(ROLES, 0)
+        for _, role, size in b.pubsub.topics():
+            counts[role] = counts.get(role, 0) + 1
+            sizes[role] = sizes.get(role, 0) + size
+        topics = GaugeMetricFamily("sedax_topics", "Topics held, by this broker's role for them.", labels=["role"])
+        stored = GaugeMetricFamily(
+            "sedax_topic_stored_bytes", "Bytes stored of the topics held, by role.", labels=["role"]
+        )
+        for role in counts:
+            topics.add_metric([role], float(counts[role]))
+            stored.add_metric([role], float(sizes[role]))
+        yield topics
+        yield stored
+
+        yield GaugeMetricFamily(
+            "sedax_neighbours",
+            "Established links to Delaunay neighbours.",
+            value=sum(1 for x in b.peers.values() if x.established),
+        )
+        yield GaugeMetricFamily("sedax_links", "Open connections (brokers, clients, admin tools).", value=len(b.links))
+        yield GaugeMetricFamily("sedax_sessions", "Attached client sessions.", value=len(b.sessions))
+
+        values = b.counter_values()
+        drops = CounterMetricFamily("sedax_dropped_messages", "Routed messages dropped, by reason.", labels=["reason"])
+        for key, reason in DROPS.items():
+            drops.add_metric([reason], float(values.pop(key, 0)))
+        yield drops
+        for key in ALWAYS:
+            values.setdefault(key, 0)
+        for key, value in values.items():
+            name, doc = COUNTERS.get(key) or (f"sedax_{_NAME_SAFE.sub('_', key)}", f"Pub/sub counter {key!r}.")
+            yield CounterMetricFamily(name, doc, value=float(value))
+        yield CounterMetricFamily(
+            "sedax_untimed_publishes", "Publishes not timed because too many were waiting.", value=b.stats.acks.untimed
+        )
+
+        s = b.stats
+        yield _histogram("sedax_routed_hops", "Hops of the routed messages that ended at this broker.", s.hops)
+        yield _histogram(
+            "sedax_publish_ack_latency_seconds",
+            "From a client's PUBLISH arriving at this (access) broker to its ACK going back.",
+            s.ack_latency,
+        )
+        yield _histogram(
+            "sedax_heal_seconds",
+            "From detecting a neighbour's failure to linking all desired neighbours again.",
+            s.heal,
+        )
+
+
+def _histogram(name: str, doc: str, buckets: Buckets) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, buckets=buckets.cumulative(), sum_value=buckets.total)
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+class MetricsServer:
+    """GET /metrics over HTTP/1.x on the broker's loop; one response per connection."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(BrokerCollector(broker))
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.address = ""
+
+    async def start(self, address: str) -> str:
+        """Listen on address ("host:port", port 0 = any); returns the bound "host:port"."""
+        host, port = parse_address(address)
+        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_REQUEST_HEAD)
+        self.address = format_address(host, int(self._server.sockets[0].getsockname()[1]))
+        return self.address
+
+    async def close(self) -> None:
+        """Stop listening and end the scrapes in progress."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            status, ctype, body = await self._respond(reader)
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            writer.write(head.encode("ascii") + body)
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                await writer.drain()
+        except (OSError, TimeoutError):
+            pass  # the scraper went away; nothing to answer
+        finally:
+            self._conns.discard(task)
+            writer.close()
+            with contextlib.suppress(OSError, asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(REQUEST_TIMEOUT):
+                    await writer.wait_closed()
+
+    async def _respond(self, reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+        text = "text/plain; charset=utf-8"
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            return "431 Request Header Fields Too Large", text, f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
+        except (asyncio.IncompleteReadError, TimeoutError):
+            return "400 Bad Request", text, b"incomplete HTTP request\n"
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            return "400 Bad Request", text, b"expected an HTTP/1.x request line: GET /metrics HTTP/1.1\n"
+        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        if method != b"GET":
+            return "405 Method Not Allowed", text, b"only GET /metrics is served\n"
+        if target != b"/metrics":
+            return "404 Not Found", text, b"metrics are at /metrics\n"
+        try:
+            body = generate_latest(self.registry)
+        except Exception:
+            log.exception("collecting metrics failed")
+            return "500 Internal Server Error", text, b"collecting metrics failed; see the broker's log\n"
+        return "200 OK", CONTENT_TYPE_LATEST, body

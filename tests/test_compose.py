@@ -1,0 +1,411 @@
+"""`docker compose up` of docker-compose.yml on a real Docker engine: nine brokers, Prometheus, the analysis.
+
+No image can be pulled here, so the base image is built locally (deploy/offline-base.sh: debootstrap + the
+dependency wheels + `docker import`, cached under a content tag) and handed to the compose file through the
+variables it offers for that (SEDAX_BASE_IMAGE, SEDAX_PIP_OPTS, PROMETHEUS_IMAGE); everything else is the
+file users get.  The project name, the image tags and the Prometheus port are the test's own, and the
+project is taken down (`down -v`, built images removed) even when the test fails.  Skipped only when no
+Docker engine answers `docker info`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from overlay.geometry import delaunay_neighbour_map
+
+REPO = Path(__file__).resolve().parent.parent
+BROKERS = [f"b{i}" for i in range(1, 10)]
+TOPIC = "grid/compose/voltage"
+BEFORE, AFTER = 20, 20
+
+# Generous bounds: image builds and container starts on a loaded 2-core machine with a slow storage driver.
+BASE_BUILD_TIMEOUT = 1200.0
+BUILD_TIMEOUT = 600.0
+COMMAND_TIMEOUT = 300.0
+HEALTHY_WITHIN = 300.0
+CONVERGED_WITHIN = 120.0
+PROMETHEUS_WITHIN = 180.0
+POLL = 1.0
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def _run(cmd: Sequence[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False, **kw)
+
+
+def _docker_engine() -> str | None:
+    """None if a Docker engine answers, else why not."""
+    if shutil.which("docker") is None:
+        return "the docker command is not installed"
+    try:
+        r = _run(["docker", "info", "--format", "{{.ServerVersion}}"], 60)
+    except subprocess.TimeoutExpired:
+        return "`docker info` did not answer within 60 s"
+    if r.returncode != 0:
+        return f"`docker info` failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    return None
+
+
+def _compose_command() -> list[str]:
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        if _run([*cmd, "version"], 60).returncode == 0:
+            return cmd
+    pytest.fail("a Docker engine answers but neither `docker compose` nor `docker-compose` works: install Compose")
+
+
+def _wait(what: str, within: float, probe: Any) -> Any:
+    """Call probe() until it returns something truthy; fail with the last value after `within` seconds."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while True:
+        last = probe()
+        if last and not isinstance(last, _NotYet):
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {within:.0f} s; last: {last}")
+        time.sleep(POLL)
+
+
+@dataclass
+class _NotYet:
+    """A probe's negative answer that still says what it saw."""
+
+    detail: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass
+class Project:
+    """One compose project of this test: its name, environment and the images it built."""
+
+    compose: list[str]
+    name: str
+    env: dict[str, str]
+    images: list[str]
+    built_ids: set[str] = field(default_factory=set)
+
+    def cmd(self, *args: str, profiles: Sequence[str] = ()) -> list[str]:
+        prof = [a for p in profiles for a in ("--profile", p)]
+        return [*self.compose, "-f", str(REPO / "docker-compose.yml"), "-p", self.name, *prof, *args]
+
+    def run(
+        self, *args: str, profiles: Sequence[str] = (), timeout: float = COMMAND_TIMEOUT, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return _run(self.cmd(*args, profiles=profiles), timeout, env=self.env, cwd=REPO, input=stdin)
+
+    def check(
+        self, *args: str, profiles: Sequence[str] = (), timeout: float = COMMAND_TIMEOUT, stdin: str | None = None
+    ) -> str:
+        r = self.run(*args, profiles=profiles, timeout=timeout, stdin=stdin)
+        what = f"`compose {' '.join(args)}` exited {r.returncode}"
+        assert r.returncode == 0, f"{what}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+        return r.stdout
+
+    def container(self, service: str) -> str:
+        labels = [f"label=com.docker.compose.project={self.name}", f"label=com.docker.compose.service={service}"]
+        cmd = ["docker", "ps", "-aq", *(a for lab in labels for a in ("--filter", lab))]
+        ids = _run(cmd, 60).stdout.split()
+        assert len(ids) == 1, f"expected one container of service {service}, found {ids}"
+        return ids[0]
+
+    def logs(self, *services: str) -> str:
+        r = self.run("logs", "--no-color", "--tail", "40", *services, timeout=120)
+        return r.stdout[-6000:]
+
+
+@pytest.fixture(scope="module")
+def base_image() -> str:
+    """The offline base image (built once per recipe, then found by its content tag)."""
+    why = _docker_engine()
+    if why is not None:
+        pytest.skip(f"no Docker engine answers: {why}")
+    env = {**os.environ, "SEDAX_PYTHON": sys.executable}
+    r = _run([str(REPO / "deploy" / "offline-base.sh")], BASE_BUILD_TIMEOUT, env=env, cwd=REPO)
+    assert r.returncode == 0, f"deploy/offline-base.sh failed:\n{r.stderr[-4000:]}"
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def project(base_image: str) -> Iterator[Project]:
+    """A compose project named for this run; down -v, its images removed and nothing left, even on failure."""
+    name = f"sedaxtest{uuid.uuid4().hex[:10]}"
+    images = [f"sedax-compose-test:{name}-broker", f"sedax-compose-test:{name}-analysis"]
+    # The shell's Compose and SeDAX variables would change what is tested; DOCKER_HOST and the like stay.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SEDAX_", "PROMETHEUS_"))}
+    env.update(
+        {
+            "SEDAX_BASE_IMAGE": base_image,
+            "SEDAX_PIP_OPTS": "--no-index --no-build-isolation",
+            "PROMETHEUS_IMAGE": base_image,
+            "SEDAX_IMAGE": images[0],
+            "SEDAX_ANALYSIS_IMAGE": images[1],
+            # Publish Prometheus on a port the OS picks (compose: "127.0.0.1::9090").
+            "PROMETHEUS_PORT": "127.0.0.1:",
+        }
+    )
+    p = Project(_compose_command(), name, env, images)
+    try:
+        yield p
+    finally:
+        _teardown(p)
+
+
+def _teardown(p: Project) -> None:
+    started = time.monotonic()
+    down = p.run("down", "-v", "--remove-orphans", "--timeout", "5", profiles=("analysis", "cli"), timeout=600)
+    label = f"label=com.docker.compose.project={p.name}"
+    # One-off `run` containers of a failed test are removed here too, whatever the Compose version does.
+    leftover = _run(["docker", "ps", "-aq", "--filter", label], 60).stdout.split()
+    if leftover:
+        _run(["docker", "rm", "-f", "-v", *leftover], 300)
+    for image in p.images:
+        _run(["docker", "rmi", "-f", image], 300)
+    left: list[str] = []
+    for kind in ("ps -aq", "volume ls -q", "network ls -q"):
+        ids = _run(["docker", *kind.split(), "--filter", label], 60).stdout.split()
+        left += [f"{kind.split()[0]} {i}" for i in ids]
+    for iid in p.built_ids:
+        if _run(["docker", "image", "inspect", iid], 60).returncode == 0:
+            left.append(f"image {iid}")
+    print(f"[compose test] teardown took {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    assert down.returncode == 0, f"compose down failed:\n{down.stderr[-2000:]}"
+    assert not left, f"left behind by project {p.name}: {left}"
+
+
+def _image_layers(image: str, base: str) -> set[str]:
+    """The ids of image and of its parent images that the build made (not the base image's)."""
+    base_id = _run(["docker", "image", "inspect", "-f", "{{.Id}}", base], 60).stdout.strip()
+    out = _run(["docker", "history", "-q", "--no-trunc", image], 60).stdout.split()
+    made = []
+    for iid in out:
+        if iid == base_id:
+            break
+        if iid != "<missing>":
+            made.append(iid)
+    return set(made)
+
+
+class _Lines:
+    """Lines of a stream, read on a thread so the test can wait for one with a deadline."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def wait_for(self, text: str, within: float) -> str:
+        deadline = time.monotonic() + within
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{text!r} not seen within {within:.0f} s; got: {self.lines[-20:]}")
+            try:
+                line = self._q.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"stream ended before {text!r}; got: {self.lines[-20:]}")
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    def rest(self, within: float) -> list[str]:
+        """Every further line until the stream ends (within seconds)."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty as exc:
+                raise AssertionError(f"stream still open after {within:.0f} s") from exc
+            if line is None:
+                return self.lines
+            self.lines.append(line)
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+
+
+HEALTH_FORMAT = "{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{end}}"
+
+
+def _health(cids: dict[str, str]) -> dict[str, str]:
+    """Per service: "running healthy", "running starting", "exited", ..."""
+    return {svc: _run(["docker", "inspect", "-f", HEALTH_FORMAT, cid], 60).stdout.strip() for svc, cid in cids.items()}
+
+
+def _wait_healthy(p: Project) -> dict[str, str]:
+    cids = {svc: p.container(svc) for svc in BROKERS}
+
+    def probe() -> dict[str, str] | _NotYet:
+        h = _health(cids)
+        dead = [s for s, st in h.items() if not st.startswith("running")]
+        if dead:
+            raise AssertionError(f"brokers {dead} stopped: {h}\n{p.logs(*dead)}")
+        return h if all(st == "running healthy" for st in h.values()) else _NotYet(str(h))
+
+    _wait("all nine brokers healthy", HEALTHY_WITHIN, probe)
+    return cids
+
+
+def _statuses(cid: str) -> dict[str, dict[str, Any]]:
+    """`sedax status --json` of every broker, asked from inside b1's container (service names resolve there)."""
+    script = "; ".join(f"sedax status --broker {b}:7000 --json || echo null" for b in BROKERS)
+    r = _run(["docker", "exec", cid, "sh", "-c", script], 120)
+    answers = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+    return {b: a for b, a in zip(BROKERS, answers, strict=False) if a is not None}
+
+
+def _wait_converged(b1: str) -> None:
+    def probe() -> bool | _NotYet:
+        st = _statuses(b1)
+        if len(st) < len(BROKERS):
+            return _NotYet(f"answered: {sorted(st)}")
+        want = delaunay_neighbour_map({s["node"]: s["coord"] for s in st.values()})
+        have = {s["node"]: {n["id"] for n in s["neighbours"]} for s in st.values()}
+        return True if have == want else _NotYet(f"links {have} != Delaunay {want}")
+
+    _wait("links equal to the Delaunay triangulation", CONVERGED_WITHIN, probe)
+
+
+def _prometheus_targets(base: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{base}/api/v1/targets?state=active", timeout=10) as resp:
+        body = json.load(resp)
+    targets: list[dict[str, Any]] = body["data"]["activeTargets"]
+    return targets
+
+
+def _wait_prometheus_up(p: Project) -> list[dict[str, Any]]:
+    host_port = p.check("port", "prometheus", "9090").strip()
+    assert host_port.startswith("127.0.0.1:"), host_port
+    base = f"http://{host_port}"
+
+    def probe() -> list[dict[str, Any]] | _NotYet:
+        try:
+            targets = _prometheus_targets(base)
+        except OSError as exc:
+            return _NotYet(f"Prometheus API: {exc!r}")
+        health = {t["labels"].get("instance"): t["health"] for t in targets}
+        if sorted(health) == sorted(f"{b}:9100" for b in BROKERS) and set(health.values()) == {"up"}:
+            return targets
+        return _NotYet(f"targets: {health}")
+
+    result: list[dict[str, Any]] = _wait("Prometheus reporting every broker target up", PROMETHEUS_WITHIN, probe)
+    return result
+
+
+def _locate(p: Project, broker: str) -> dict[str, Any]:
+    out = p.check("run", "--rm", "-T", "cli", "sedax", "locate", TOPIC, "--broker", f"{broker}:7000", "--json")
+    loc: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return loc
+
+
+def _service(listen: str) -> str:
+    host, _, port = listen.rpartition(":")
+    assert host in BROKERS and port == "7000", f"advertised address {listen} is not a broker service"
+    return host
+
+
+# ------------------------------------------------------------------------------------------------ the test
+
+
+def test_compose_cluster_failover_prometheus_analysis(project: Project, base_image: str) -> None:
+    p = project
+    started = last = time.monotonic()
+
+    def phase(what: str) -> None:
+        # Shown with -s: where the minutes go on a given machine (the test asserts no durations).
+        nonlocal last
+        now = time.monotonic()
+        print(f"[compose test] {now - started:6.1f} s (+{now - last:5.1f}) {what}", file=sys.stderr, flush=True)
+        last = now
+
+    p.check("build", "b1", "analyze", profiles=("analysis",), timeout=BUILD_TIMEOUT)
+    for image in p.images:
+        p.built_ids |= _image_layers(image, base_image)
+    phase("images built")
+
+    p.check("up", "-d", timeout=BUILD_TIMEOUT)
+    phase("up -d returned")
+    cids = _wait_healthy(p)
+    phase("brokers healthy")
+    _wait_converged(cids["b1"])
+    phase("overlay converged")
+
+    targets = _wait_prometheus_up(p)
+    assert len(targets) == len(BROKERS)
+    phase("Prometheus: every broker target up")
+
+    # The topic's holders, asked through the CLI service like a user would.
+    loc = _locate(p, "b1")
+    primary, secondary = _service(loc["primary"]), _service(loc["secondary"])
+    others = [b for b in BROKERS if b != primary]
+    sub_at, pub_at = others[0], others[-1]
+    phase(f"located {TOPIC}: primary {primary}, secondary {secondary}")
+
+    with subprocess.Popen(
+        p.cmd("run", "--rm", "-T", "cli", "sedax", "sub", TOPIC, "--broker", f"{sub_at}:7000", "--json", "-v",
+              "--count", str(BEFORE + AFTER), "--timeout", str(COMMAND_TIMEOUT)),
+        env=p.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as sub:  # fmt: skip
+        try:
+            assert sub.stdout is not None and sub.stderr is not None
+            out, err = _Lines(sub.stdout), _Lines(sub.stderr)
+            err.wait_for("subscribed to", COMMAND_TIMEOUT)
+            phase("subscriber attached")
+
+            before = "".join(f"before {i}\n" for i in range(BEFORE))
+            p.check("run", "--rm", "-T", "cli", "sedax", "pub", TOPIC, "--broker", f"{pub_at}:7000", stdin=before)
+            out.wait_for(f'"before {BEFORE - 1}"', COMMAND_TIMEOUT)
+            phase("published and received before the kill")
+
+            p.check("kill", primary)
+            _wait(f"{primary} killed", 60, lambda: _health({primary: cids[primary]})[primary].startswith("exited"))
+
+            after = "".join(f"after {i}\n" for i in range(AFTER))
+            p.check("run", "--rm", "-T", "cli", "sedax", "pub", TOPIC, "--broker", f"{pub_at}:7000", stdin=after)
+            lines = out.rest(COMMAND_TIMEOUT)
+            assert sub.wait(timeout=60) == 0, f"subscriber failed: {err.lines[-10:]}"
+            phase(f"killed {primary}, published and received after")
+        finally:
+            if sub.poll() is None:
+                sub.kill()
+    got = [json.loads(line)["payload"] for line in lines if line.startswith("{")]
+    want = [f"before {i}" for i in range(BEFORE)] + [f"after {i}" for i in range(AFTER)]
+    assert got == want, f"delivered {got}"
+
+    # At level 2 the former secondary, now the closest live broker, holds the topic.
+    assert _locate(p, pub_at)["primary"] == f"{secondary}:7000"
+    phase("former secondary is primary")
+
+    analysis = p.check("run", "--rm", "-T", "analyze", profiles=("analysis",), timeout=COMMAND_TIMEOUT)
+    summary = next((line for line in analysis.splitlines() if line.startswith("analysed ")), "")
+    records = int(summary.split()[1]) if summary else 0
+    assert records > 0, f"sedax analyze read no records:\n{analysis[-3000:]}"
+    assert "# " in analysis, f"summary.md not printed:\n{analysis[-3000:]}"
+    phase(f"analysis read {records} records")
