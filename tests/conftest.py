@@ -26,7 +26,7 @@ settings.load_profile("sedax")
 # The tests run ten brokers and their clients on two shared cores, where a 0.6 s window would declare busy
 # brokers dead, so they use 2 s (0.25 s x 8).
 FAST_ARGS = (
-    "--hello-timeout", "0.5", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8", "--client-timeout", "1.0",
+    "--hello-timeout", "2.0", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8", "--client-timeout", "3.0",
 )  # fmt: skip
 
 
