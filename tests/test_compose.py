@@ -185,12 +185,24 @@ def _teardown(p: Project) -> None:
     for kind in ("ps -aq", "volume ls -q", "network ls -q"):
         ids = _run(["docker", *kind.split(), "--filter", label], 60).stdout.split()
         left += [f"{kind.split()[0]} {i}" for i in ids]
+    parents = _parent_ids()
     for iid in p.built_ids:
-        if _run(["docker", "image", "inspect", iid], 60).returncode == 0:
+        # A build running beside this one (another checkout's test) may have taken a step of ours from the
+        # build cache; Docker keeps that step for its child, which is not ours to remove.
+        if _run(["docker", "image", "inspect", iid], 60).returncode == 0 and iid not in parents:
             left.append(f"image {iid}")
     print(f"[compose test] teardown took {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     assert down.returncode == 0, f"compose down failed:\n{down.stderr[-2000:]}"
     assert not left, f"left behind by project {p.name}: {left}"
+
+
+def _parent_ids() -> set[str]:
+    """The ids of all images that are the parent of an existing image."""
+    ids = _run(["docker", "images", "-aq", "--no-trunc"], 60).stdout.split()
+    if not ids:
+        return set()
+    out = _run(["docker", "image", "inspect", "--format", "{{.Parent}}", *ids], 120).stdout.split()
+    return {i for i in out if i}
 
 
 def _image_layers(image: str, base: str) -> set[str]:
