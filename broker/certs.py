@@ -155,7 +155,8 @@ def issue(
     ]
     if role == "broker":
         ext.append(f"subjectAltName={_san(hosts)}")
-    with tempfile.TemporaryDirectory(prefix="sedax-certs-") as tmp:
+    # Staged inside the target directory: os.replace below must not cross file systems (a Docker volume).
+    with tempfile.TemporaryDirectory(prefix=".issue-", dir=directory) as tmp:
         csr = Path(tmp) / "req.csr"
         extfile = Path(tmp) / "ext.cnf"
         extfile.write_text("\n".join(ext) + "\n")

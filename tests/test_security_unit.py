@@ -6,7 +6,9 @@ Certificates are real (the openssl CLI, broker/certs.py); TLS contexts are real 
 from __future__ import annotations
 
 import json
+import shutil
 import ssl
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,21 @@ def test_certs_refuse_to_overwrite_and_bad_names(pki: dict[str, Path]) -> None:
     with pytest.raises(certs.CertError, match="no CA in"):
         certs.issue(pki["dir"] / "nowhere", "x", "client")
     assert oct(pki["b_key"].stat().st_mode & 0o777) == "0o600"
+
+
+def test_issue_into_another_file_system(pki: dict[str, Path]) -> None:
+    """A certificate directory on another file system than /tmp (a Docker volume): nothing crosses it."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == Path(tempfile.gettempdir()).stat().st_dev:
+        pytest.skip("needs /dev/shm on another file system than the temporary directory")
+    d = Path(tempfile.mkdtemp(dir=shm, prefix="sedax-test-"))
+    try:
+        certs.init_ca(d)
+        cert, key = certs.issue(d, "n1", "broker")
+        assert cert.exists() and key.exists()
+        assert sorted(p.name for p in d.iterdir()) == ["ca.key", "ca.pem", "n1.key", "n1.pem"]  # no leftovers
+    finally:
+        shutil.rmtree(d)
 
 
 def test_broker_tls_self_check(pki: dict[str, Path]) -> None:
