@@ -73,6 +73,8 @@ DEFAULT_MAX_INFLIGHT: Final = 4096
 # A subscription buffers this many undelivered messages; beyond it the oldest are dropped and counted, so a
 # consumer that stopped iterating cannot grow the client's memory without bound.
 DEFAULT_SUB_QUEUE: Final = 65536
+# Records per FETCH page when a subscription catches up on stored messages before (re-)subscribing.
+CATCH_UP_PAGE: Final = 512
 READ_CHUNK: Final = 256 * 1024
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
@@ -148,6 +150,18 @@ class Subscription:
         self.gaps = 0  # missing sequence numbers: messages lost with a failed broker (resilience level 1)
         self.closed = False
         self._warned = False
+        # While catching up with FETCH pages the client waits for the consumer to make room (pull, not push).
+        self._room = asyncio.Event()
+        self._want_room = False
+        self.catching_up = False
+        self._error: Exception | None = None
+
+    def _fail(self, exc: Exception) -> None:
+        """The overlay refused the subscription after subscribe() returned: iteration ends with exc."""
+        self._error = exc
+        self.closed = True
+        self._wakeup.set()
+        self._room.set()
 
     def _deliver(self, d: Record) -> None:
         last = self._last_seq.get(d.publisher)
@@ -180,11 +194,23 @@ class Subscription:
 
     async def __anext__(self) -> ReceivedMessage:
         while not self._queue:
+            if self._error is not None:
+                raise self._error
             if self.closed:
                 raise StopAsyncIteration
             self._wakeup.clear()
             await self._wakeup.wait()
+        if self._want_room:
+            self._room.set()
         return self._queue.popleft()
+
+    async def _until_room(self, n: int) -> None:
+        """Wait until the queue can take n more messages without dropping any."""
+        while len(self._queue) + n > self._maxsize and not self.closed:
+            self._want_room = True
+            self._room.clear()
+            await self._room.wait()
+        self._want_room = False
 
     async def aclose(self) -> None:
         """Unsubscribe and end the iteration."""
@@ -192,6 +218,7 @@ class Subscription:
             return
         self.closed = True
         self._wakeup.set()
+        self._room.set()
         await self._client._unsubscribe(self)
 
     async def __aenter__(self) -> Self:
@@ -525,7 +552,7 @@ class Client:
         pending = [m for corr, m in self._request_msgs.items() if corr in self._requests]
         subscribing = {m.topic for m in pending if isinstance(m, Subscribe)}
         for sub in list(self._subs.values()):
-            if not sub.closed and sub.topic not in subscribing:
+            if not sub.closed and sub.topic not in subscribing and not sub.catching_up:
                 self._spawn(self._resubscribe(sub))
         self._resend_all()
         conn = self._conn
@@ -535,9 +562,60 @@ class Client:
 
     async def _resubscribe(self, sub: Subscription) -> None:
         try:
+            await self._catch_up(sub)
             await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
         except (RequestFailed, TimeoutError, ClientError) as exc:
             log.warning("re-subscribing %s failed: %s", sub.topic, exc)
+
+    async def _catch_up(self, sub: Subscription, wait: bool = True) -> bool:
+        """Read what was stored since sub.since page by page, as fast as the consumer takes it.
+
+        A SUBSCRIBE with `since` makes the holder push the whole backlog at once; after a long absence that
+        can be more than the access broker queues for one client (it would drop the subscriber as a slow
+        consumer, again and again) or than the subscription's queue holds.  Pulling it with FETCH first
+        leaves SUBSCRIBE only the few messages published after the last page.  While this runs, a reconnect
+        re-sends the pending FETCH instead of re-subscribing.  Returns False, when not to `wait`, as soon as
+        the queue is too full for the next page (the caller goes on in the background).
+        """
+        since = sub.since
+        if since is None:
+            return True
+        sub.catching_up = True
+        try:
+            while not sub.closed:
+                page = max(1, min(CATCH_UP_PAGE, sub._maxsize // 2))
+                if not wait and len(sub._queue) + page > sub._maxsize:
+                    return False
+                await sub._until_room(page)
+                try:
+                    reply = await self._request(Fetch(next(self._corr), sub.topic, since, page))
+                except RequestFailed as exc:
+                    if exc.code == "unknown_topic":
+                        return True  # nothing stored yet: SUBSCRIBE is all there is to do
+                    raise
+                assert isinstance(reply, Fetched)
+                for rec in reply.records:
+                    sub._deliver(rec)
+                if not reply.more or not reply.records:
+                    return True
+                since = reply.records[-1].ts
+            return True
+        finally:
+            sub.catching_up = False
+
+    async def _finish_subscribe(self, sub: Subscription) -> None:
+        # The rest of a catch-up that did not fit the queue at subscribe time, then the SUBSCRIBE itself;
+        # a refusal ends the iteration with that error.
+        sub.catching_up = True
+        try:
+            await self._catch_up(sub)
+            if not sub.closed:
+                await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+        except (RequestFailed, TimeoutError, ClientError) as exc:
+            log.warning("subscribing %s failed: %s", sub.topic, exc)
+            if self._subs.get(sub.topic) is sub:
+                del self._subs[sub.topic]
+            sub._fail(exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for fut in self._requests.values():
@@ -722,7 +800,9 @@ class Client:
     def subscribe(self, topic: str, since: float | None = None) -> _SubscribeCall:
         """Subscribe to topic: `async with c.subscribe(t) as sub` or `sub = await c.subscribe(t)`.
 
-        With `since` (a timestamp as in the messages' `ts`), stored messages newer than it come first.
+        With `since` (a timestamp as in the messages' `ts`), stored messages newer than it come first, pulled
+        page by page as the consumer takes them (a backlog larger than the queue is not dropped); if the
+        overlay refuses the subscription after that catch-up, the iteration raises the refusal.
         Raises RequestFailed (already_subscribed, bad_topic, not_allowed, ...) when the overlay refuses.
         """
         return _SubscribeCall(self, topic, since)
@@ -734,7 +814,11 @@ class Client:
         sub = Subscription(self, topic, since, self.subscription_queue)
         self._subs[topic] = sub
         try:
-            await self._request(Subscribe(next(self._corr), topic, since))
+            if await self._catch_up(sub, wait=False):
+                await self._request(Subscribe(next(self._corr), topic, sub.since))
+            else:
+                sub.catching_up = True  # until _finish_subscribe is done; a reconnect leaves it alone
+                self._spawn(self._finish_subscribe(sub))
         except BaseException:
             self._subs.pop(topic, None)
             raise

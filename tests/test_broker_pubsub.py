@@ -158,6 +158,21 @@ async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalC
         assert s.reconnects == 1 and sub.gaps == 0
 
 
+
+async def test_backlog_larger_than_the_queue_is_pulled_not_dropped(cluster10: LocalCluster) -> None:
+    # 2,000 stored messages against a subscription queue of 100: subscribing with `since` must hand out every
+    # one of them as the consumer takes them (FETCH pages), not push them all and drop the oldest.
+    topic = "grid/backlog/energy"
+    addrs = [bp.listen for bp in cluster10.nodes]
+    async with Client(addrs[2]) as pub:
+        futs = [await pub.publish_nowait(topic, f"m{i}") for i in range(2000)]
+        async with asyncio.timeout(60):
+            await asyncio.gather(*futs)
+    async with Client(addrs[7], subscription_queue=100) as s:
+        sub = await s.subscribe(topic, since=0.0)
+        got = await drain(sub, 2000, 60)
+        assert [seq for _, seq in got] == list(range(2000))
+        assert sub.dropped == 0 and sub.duplicates == 0 and sub.gaps == 0
 async def test_bad_input_gets_clear_errors(cluster10: LocalCluster) -> None:
     addr = cluster10.nodes[2].listen
     async with Client(addr) as c:
