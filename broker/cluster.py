@@ -13,6 +13,7 @@ client certificates for tools and tests.  `tls=None` means TLS unless SEDAX_INSE
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -43,6 +44,7 @@ STOP_GRACE: Final = 5.0
 # New brokers started at once; more only queue on the CPU behind numpy/scipy imports.
 START_BATCH: Final = 8
 STATE_FILE: Final = "cluster.json"
+PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
 _REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 
 
@@ -94,6 +96,8 @@ class LocalCluster:
         broker_args: extra command-line flags for every broker.
         tls: TLS with a development CA in state_dir/certs (True), plain TCP with --insecure (False), or
             TLS unless the environment sets SEDAX_INSECURE (None).
+        detached: leave the brokers running when this process exits (`sedax cluster up`, which hands them
+            to `sedax cluster down`); otherwise (Linux) they get SIGTERM when their owner dies, even by SIGKILL.
     """
 
     n: int = 0
@@ -105,6 +109,7 @@ class LocalCluster:
     space: Space = UNIT_SQUARE
     nodes: list[BrokerProcess] = field(default_factory=list)
     tls: bool | None = None
+    detached: bool = False
     _rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -202,7 +207,13 @@ class LocalCluster:
         env.pop(ENV_INSECURE, None)  # the flags above decide
         with out_path.open("wb") as out, err_path.open("wb") as err:
             proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+                preexec_fn=None if self.detached else _die_with_parent,
             )
         bp = BrokerProcess(index, c, node_id, proc, out_path, err_path)
         self.nodes.append(bp)
@@ -403,3 +414,10 @@ def _is_broker(pid: int) -> bool:
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
     return b"-m" in cmdline and b"broker" in cmdline
+
+
+def _die_with_parent() -> None:
+    # A cluster whose owner is killed (a test run cut off by a time-out, `sedax cluster up` sent SIGKILL)
+    # must not leave its brokers running: Linux sends them SIGTERM when the owner dies.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

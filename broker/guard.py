@@ -79,7 +79,7 @@ COUNTERS: Final = (
 
 
 class TokenBucket:
-    """`rate` tokens per second up to `burst`; `take()` spends one if there is one."""
+    """`rate` tokens per second up to `burst`; `take()` spends some if there are enough."""
 
     __slots__ = ("burst", "rate", "stamp", "tokens")
 
@@ -89,12 +89,16 @@ class TokenBucket:
         self.tokens = float(burst)
         self.stamp = now
 
-    def take(self, now: float) -> bool:
-        """Spend one token; False if the bucket is empty."""
+    def take(self, now: float, n: int = 1) -> bool:
+        """Spend n tokens; False if there are not enough.
+
+        A batch larger than the burst passes once the bucket is full and leaves it in debt, so the average
+        rate holds whatever the batch size.
+        """
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= min(n, self.burst):
+            self.tokens -= n
             return True
         return False
 
@@ -267,17 +271,19 @@ class Guard:
         """Limits and ACL for a client's pub/sub request at its access broker: the refusal, or None."""
         c = self.config
         if isinstance(msg, Publish):
-            if len(msg.payload) > c.max_payload:
+            if len(msg.payload) > c.max_payload or (msg.more and max(map(len, msg.more)) > c.max_payload):
+                # The first message over the limit is refused; those before it in a batch go out again with
+                # the publisher's next re-send, those after it follow the gap (Publish.base).
+                i, big = next((i, x) for i, x in enumerate(msg.payloads()) if len(x) > c.max_payload)
                 self.counters["too_large"] += 1
                 return Nack(
                     msg.topic,
                     msg.publisher,
-                    msg.seq,
+                    msg.seq + i,
                     "too_large",
-                    f"payload of {len(msg.payload)} bytes is over this broker's limit of {c.max_payload} "
-                    "(--max-payload)",
+                    f"payload of {len(big)} bytes is over this broker's limit of {c.max_payload} (--max-payload)",
                 )
-            if c.publish_rate > 0 and not self._bucket(link).take(time.monotonic()):
+            if c.publish_rate > 0 and not self._bucket(link).take(time.monotonic(), msg.count):
                 self.counters["rate_limited"] += 1
                 return Nack(
                     msg.topic,

@@ -283,7 +283,7 @@ class PubSub:
             case Publish():
                 if err := self._check_publish(msg):
                     code, text = err
-                    self._to_local(session, Nack(msg.topic, msg.publisher, msg.seq, code, text))
+                    self._to_local(session, Nack(msg.topic, msg.publisher, _nack_seq(msg, code), code, text))
                     return
             case Subscribe() | Unsubscribe() | Fetch() | Locate() | MoveTopic():
                 try:
@@ -326,8 +326,12 @@ class PubSub:
                 return ("bad_topic", str(exc))
             if len(self._valid_topics) < 100_000:  # a cache, not a second topic table
                 self._valid_topics.add(msg.topic)
-        if len(msg.payload) > MAX_PAYLOAD_SIZE:
-            return ("too_large", f"payload of {len(msg.payload)} bytes is over the limit of {MAX_PAYLOAD_SIZE}")
+        if len(msg.payload) > MAX_PAYLOAD_SIZE or (msg.more and max(map(len, msg.more)) > MAX_PAYLOAD_SIZE):
+            i, big = next((i, x) for i, x in enumerate(msg.payloads()) if len(x) > MAX_PAYLOAD_SIZE)
+            return (
+                "too_large",
+                f"payload of seq {msg.seq + i} is {len(big)} bytes, over the limit of {MAX_PAYLOAD_SIZE}",
+            )
         return None
 
     def _send_request(self, topic: str, session: str, msg: Message) -> None:
@@ -574,7 +578,7 @@ class PubSub:
         """Alg. 1: a topic created at its home gets the best coordinate the selection finds (Sec. VI-A)."""
         if self.placer is None or not _same(h.coord, h.home) or h.rank != 1:
             return False
-        if h.log.messages or h.log.last_seq or h.subscribers or h.name in self.delegate_lists:
+        if h.log.rows or h.log.last_seq or h.subscribers or h.name in self.delegate_lists:
             return False
         h.placing = True
         topic = h.name
@@ -639,7 +643,7 @@ class PubSub:
                     self._reply(access, [session], Done(req.corr))
                 self._mark(h)
             case Fetch():
-                if not h.log.messages and not h.log.last_seq and not h.subscribers:
+                if not h.log.rows and not h.log.last_seq and not h.subscribers:
                     self._forget_if_empty(h)
                     self._reply(
                         access,
@@ -684,7 +688,7 @@ class PubSub:
 
     def _forget_if_empty(self, h: _Holder) -> None:
         # A FETCH or LOCATE of a topic nobody published to must not create state that lingers.
-        if not h.log.messages and not h.log.last_seq and not h.subscribers and not h.waiting:
+        if not h.log.rows and not h.log.last_seq and not h.subscribers and not h.waiting:
             self._holders.pop(h.name, None)
             self.store.drop(h.name)
 
@@ -693,51 +697,65 @@ class PubSub:
         # is checked here, once.
         if access.id != self.ov.me.id and (err := self._check_publish(p)):
             code, text = err
-            self._reply(access, [session], Nack(p.topic, p.publisher, p.seq, code, text))
+            self._reply(access, [session], Nack(p.topic, p.publisher, _nack_seq(p, code), code, text))
             return
-        last = h.log.last_seq.get(p.publisher, -1)
-        if p.seq <= last:
+        if not p.more:
+            self._publish_one(h, access, session, p.publisher, p.seq, p.payload, p.base)
+            return
+        seq = p.seq
+        for payload in p.payloads():
+            if not self._publish_one(h, access, session, p.publisher, seq, payload, p.base):
+                break  # out of order: the publisher re-sends from the expected number, the rest with it
+            seq += 1
+
+    def _publish_one(
+        self, h: _Holder, access: NodeInfo, session: str, publisher: str, seq: int, payload: bytes, base: int
+    ) -> bool:
+        """Store one message (or re-acknowledge a duplicate); False if it is out of order."""
+        last = h.log.last_seq.get(publisher, -1)
+        if seq <= last:
             # A re-send (its acknowledgement was lost, or it is still on its way to the replica).
             self.counters["duplicates"] += 1
-            first = h.first_waiting.get(p.publisher)
-            if first is None or p.seq < first:
-                self._reply(access, [session], Ack(p.topic, p.publisher, p.seq, 0.0))  # stored and safe already
-                return
-            key = (access.id, session, p.publisher)
-            if h.waiter_max.get(key, -1) < p.seq:  # a new asker (e.g. after a reconnect): answer with the batch
-                self._wait(h, Record(h.last_ts, p.publisher, p.seq, b""), access, session)
-            return
-        if p.seq > last + 1 and p.base > last + 1:
+            first = h.first_waiting.get(publisher)
+            if first is None or seq < first:
+                self._reply(access, [session], Ack(h.name, publisher, seq, 0.0))  # stored and safe already
+                return True
+            key = (access.id, session, publisher)
+            if h.waiter_max.get(key, -1) < seq:  # a new asker (e.g. after a reconnect): answer with the batch
+                self._wait(h, Record(h.last_ts, publisher, seq, b""), access, session)
+            return True
+        if seq > last + 1 and base > last + 1:
             # The publisher had [last + 1, base) acknowledged, yet this broker never got them: they were lost
             # with a failed broker (resilience level 1, or more failures than the level survives).  Count and
             # log the loss, then continue the sequence after it so subscribers see the gap.
-            lost = p.base - last - 1
+            lost = base - last - 1
             self.counters["lost"] += lost
             log.warning(
                 "topic %s: %d acknowledged message(s) of publisher %s before seq %d are lost", h.name, lost,
-                p.publisher, p.base,
+                publisher, base,
             )  # fmt: skip
-            last = p.base - 1
-            h.log.last_seq[p.publisher] = last
-        if p.seq > last + 1:
+            last = base - 1
+            h.log.last_seq[publisher] = last
+        if seq > last + 1:
             # Earlier messages are still on their way or were dropped in a failover: the publisher has them.
             self._reply(
                 access,
                 [session],
-                Nack(p.topic, p.publisher, p.seq, "out_of_order", f"expected seq {last + 1} first", last + 1),
+                Nack(h.name, publisher, seq, "out_of_order", f"expected seq {last + 1} first", last + 1),
             )
-            return
+            return False
         now = self.ov.now()
         ts = max(now, h.last_ts + TS_EPSILON)
         h.last_ts = ts
-        rec = Record(ts, p.publisher, p.seq, p.payload)
+        rec = Record(ts, publisher, seq, payload)
         h.log.append(rec, now)
         self.counters["published"] += 1
-        self.counters["published_bytes"] += len(p.payload)
+        self.counters["published_bytes"] += len(payload)
         self._wait(h, rec, access, session)
         h.undelivered.append(rec)
         h.outbox.append(rec)
         self._mark(h)
+        return True
 
     @staticmethod
     def _wait(h: _Holder, rec: Record, access: NodeInfo, session: str) -> None:
@@ -767,7 +785,7 @@ class PubSub:
             h.replica = None
         # A back-fill replaces whatever the secondary had with the whole history; otherwise it merges.
         full = h.backfill
-        records = list(h.log.messages) if full else list(h.outbox)
+        records = h.log.records() if full else list(h.outbox)
         batches = _chunks(records)
         corr = 0
         for i, batch in enumerate(batches):
@@ -896,15 +914,14 @@ class PubSub:
             return
         h = self._holder(r.topic, r.coord)
         if r.full and r.corr not in h.pulling and h.rank != 1:
-            h.log.messages.clear()
-            h.log.size = 0
+            h.log.clear()
         h.log.merge(r.records, now)
         for pub, seq in r.last_seq.items():
             if seq > h.log.last_seq.get(pub, -1):
                 h.log.last_seq[pub] = seq
                 h.log.last_seen[pub] = now
-        if h.log.messages:
-            h.last_ts = max(h.last_ts, h.log.messages[-1].ts)
+        if (newest := h.log.last_ts) is not None:
+            h.last_ts = max(h.last_ts, newest)
         subs = {(s.access.id, s.session): s for s in r.subscribers}
         if h.rank == 1:
             h.subscribers.update(subs)  # handed over to us: keep what we had as well
@@ -941,10 +958,10 @@ class PubSub:
             me = self.ov.me
             self.ov.route(p.origin.coord, Replicate(p.corr, p.topic, dl[-1].coord, me, (), (), tuple(dl), False, {}))
             return
-        if h is None or (not h.log.messages and not h.subscribers and not h.log.last_seq):
+        if h is None or (not h.log.rows and not h.subscribers and not h.log.last_seq):
             self.ov.route(p.origin.coord, Replicated(p.corr, p.topic, self.ov.me.id))
             return
-        batches = _chunks(list(h.log.messages))
+        batches = _chunks(h.log.records())
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             self.ov.route(
@@ -967,7 +984,7 @@ class PubSub:
         if h.pulling:
             return
         dl = self.delegate_lists.get(h.name)
-        if dl and not _same(dl[-1].coord, h.coord) and not h.log.messages and not h.subscribers:
+        if dl and not _same(dl[-1].coord, h.coord) and not h.log.rows and not h.subscribers:
             # This broker became the home of a topic that lives at a delegate coordinate: forward, hold nothing.
             queued, h.queued = h.queued, []
             self._drop(h)
@@ -1072,7 +1089,7 @@ class PubSub:
         )
         delivered_upto = h.undelivered[0].ts - TS_EPSILON / 2 if h.undelivered else h.last_ts
         dl = (*h.delegates, Delegation(mv.to, self.ov.now()))
-        batches = _chunks(list(h.log.messages))
+        batches = _chunks(h.log.records())
         me = self.ov.me
         for i, batch in enumerate(batches):
             final = i == len(batches) - 1
@@ -1102,8 +1119,7 @@ class PubSub:
         if h is None:
             h = self._holder(r.topic, r.coord)
         if r.full:
-            h.log.messages.clear()
-            h.log.size = 0
+            h.log.clear()
             h.waiting.clear()
             h.first_waiting.clear()
             h.waiter_max.clear()
@@ -1114,8 +1130,8 @@ class PubSub:
             if seq > h.log.last_seq.get(pub, -1):
                 h.log.last_seq[pub] = seq
                 h.log.last_seen[pub] = now
-        if h.log.messages:
-            h.last_ts = max(h.last_ts, h.log.messages[-1].ts)
+        if (newest := h.log.last_ts) is not None:
+            h.last_ts = max(h.last_ts, newest)
         h.subscribers = {(s.access.id, s.session): s for s in r.subscribers}
         h.coord = r.coord
         h.delegates = list(r.delegates)
@@ -1356,7 +1372,7 @@ class PubSub:
     def _take_over(self, h: _Holder) -> None:
         self.counters["takeovers"] += 1
         self.event("takeover", topic=h.name)
-        log.info("taking over topic %s (%d messages, %d subscribers)", h.name, len(h.log.messages), len(h.subscribers))
+        log.info("taking over topic %s (%d messages, %d subscribers)", h.name, len(h.log.rows), len(h.subscribers))
         # The other holders may know more than we do (the dead primary may have replicated to a secondary
         # that our view did not rank second at the time): merge their copies first, like a returning primary
         # (Sec. III-C), then re-deliver.  Requests wait in the meantime, at most pull_timeout.
@@ -1478,6 +1494,13 @@ class PubSub:
             entry[1].append((h.name, ranked[0].id, ranked[1].id))
             entry[2].append(float(h.log.size))
         return out
+
+
+def _nack_seq(p: Publish, code: str) -> int:
+    # A batch over the size limit is refused at its first oversized message; any other refusal at its start.
+    if code == "too_large":
+        return p.seq + next(i for i, x in enumerate(p.payloads()) if len(x) > MAX_PAYLOAD_SIZE)
+    return p.seq
 
 
 def _same(a: Coord, b: Coord) -> bool:

@@ -140,6 +140,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
             state_dir=state_dir,
             broker_args=tuple(extra),
             tls=False if args.insecure else None,
+            detached=True,
         )
         creds = cluster.credentials("client")
     except CertError as exc:

@@ -46,6 +46,7 @@ from overlay.protocol import (
     parse_address,
 )
 from overlay.pubsub import (
+    MAX_BATCH,
     MAX_PAYLOAD_SIZE,
     Ack,
     Deliver,
@@ -82,6 +83,8 @@ MAX_RESEND_DELAY: Final = 8.0
 YIELD_EVERY: Final = 256
 # Unsent bytes above which a sender waits for the socket (backpressure without a drain per message).
 WRITE_HIGH_WATER: Final = 256 * 1024
+# Payload bytes in one batched PUBLISH (Publish.more), well under the frame limit.
+BATCH_BYTES: Final = 256 * 1024
 # How long aclose() waits for the connection to close cleanly (TLS close_notify) before cutting it off.
 CLOSE_TIMEOUT: Final = 2.0
 
@@ -321,6 +324,10 @@ class Client:
         self._request_msgs: dict[int, Message] = {}  # the requests of _requests, to re-send after a reconnect
         self._seq: dict[str, int] = {}  # next sequence number per topic
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
+        # Publishes of this turn of the event loop, per topic: they leave as one batched PUBLISH (Publish.more).
+        self._outbox: dict[str, list[Publish]] = {}
+        self._outbox_bytes = 0
+        self._outbox_scheduled = False
         self._low: dict[str, int] = {}  # topic -> lowest unacknowledged seq (or the next seq if none is)
         self._inflight = _Window(max_inflight)
         self._subs: dict[str, Subscription] = {}
@@ -695,13 +702,18 @@ class Client:
             # The primary misses earlier messages that we still hold: send them again, in order.
             self._resend_topic(m.topic, from_seq=m.expected)
             return
-        p = per_topic.pop(m.seq, None)
-        if p is not None:
-            if not p.future.done():
-                p.future.set_exception(RequestFailed(m.code, m.text))
-            self._inflight.release()
-            if m.seq == self._low.get(m.topic, 0):
-                self._low[m.topic] = self._first_pending(m.topic, m.seq)
+        # A refusal of the topic as such (ACL, name) fails this and every later publish to it; one of a
+        # single message (size) fails that one, and the rest of its batch goes out again at once.
+        whole_topic = m.code in ("not_allowed", "bad_topic")
+        for seq in sorted(s for s in per_topic if s >= m.seq) if whole_topic else [m.seq]:
+            p = per_topic.pop(seq, None)
+            if p is not None:
+                if not p.future.done():
+                    p.future.set_exception(RequestFailed(m.code, m.text))
+                self._inflight.release()
+        self._low[m.topic] = self._first_pending(m.topic, self._low.get(m.topic, 0))
+        if not whole_topic and per_topic:
+            self._resend_topic(m.topic, from_seq=self._low[m.topic])
 
     async def publish(self, topic: str, payload: bytes | str) -> PublishAck:
         """Publish and wait for the acknowledgement (RequestFailed if refused, TimeoutError if none comes)."""
@@ -734,8 +746,9 @@ class Client:
         if self._throttled.get(topic, 0.0) > now:
             pass  # rate-limited by the broker: the resender sends it after the back-off
         elif conn is not None and not self._closing and self._connected.is_set():
-            conn.send(encode_control(msg))  # the common case, without a coroutine per publish
-            if conn.buffered > WRITE_HIGH_WATER:
+            self._queue_publish(msg)  # the common case, without a coroutine per publish
+            if self._outbox_bytes + conn.buffered > WRITE_HIGH_WATER:
+                self._send_outbox()
                 await conn.drain()
         else:
             with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
@@ -746,6 +759,50 @@ class Client:
             self._unyielded = 0
             await asyncio.sleep(0)
         return fut
+
+    def _queue_publish(self, msg: Publish) -> None:
+        out = self._outbox.get(msg.topic)
+        if out is None:
+            self._outbox[msg.topic] = [msg]
+        else:
+            out.append(msg)
+        self._outbox_bytes += len(msg.payload) + 16
+        if not self._outbox_scheduled:
+            self._outbox_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_outbox)
+
+    def _send_outbox(self) -> None:
+        self._outbox_scheduled = False
+        out, self._outbox = self._outbox, {}
+        self._outbox_bytes = 0
+        conn = self._conn
+        if conn is None or conn.closed.is_set():
+            return  # still pending: the reconnect or the resender sends them
+        for msgs in out.values():
+            self._send_batched(conn, msgs)
+
+    def _send_batched(self, conn: _Connection, msgs: list[Publish]) -> None:
+        """Send publishes of one topic, consecutive sequence numbers together as batches."""
+        i, n = 0, len(msgs)
+        while i < n:
+            first = msgs[i]
+            j, size = i + 1, len(first.payload)
+            while (
+                j < n
+                and j - i < MAX_BATCH
+                and msgs[j].seq == first.seq + (j - i)
+                and size + len(msgs[j].payload) <= BATCH_BYTES
+            ):
+                size += len(msgs[j].payload)
+                j += 1
+            if j == i + 1:
+                conn.send(encode_control(first))
+            else:
+                more = tuple(m.payload for m in msgs[i + 1 : j])
+                conn.send(
+                    encode_control(Publish(first.topic, first.publisher, first.seq, first.payload, first.base, more))
+                )
+            i = j
 
     async def flush(self) -> None:
         """Wait until every publish sent so far is acknowledged or failed (bound it with asyncio.timeout)."""
@@ -765,6 +822,7 @@ class Client:
         per_topic = self._pending.get(topic, {})
         now = asyncio.get_running_loop().time()
         base = self._low.get(topic, 0)
+        again: list[Publish] = []
         for seq in sorted(per_topic):
             if seq < from_seq:
                 continue
@@ -772,10 +830,13 @@ class Client:
             p.sent_at = now
             old = p.msg
             p.msg = Publish(old.topic, old.publisher, old.seq, old.payload, base)
-            conn.send(encode_control(p.msg))
+            again.append(p.msg)
             self.resent += 1
+        self._send_batched(conn, again)
 
     def _resend_all(self) -> None:
+        self._outbox.clear()  # all of it is pending and goes out again below
+        self._outbox_bytes = 0
         for topic in list(self._pending):
             self._resend_topic(topic)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ from cluster import check_routes
 from conftest import FAST_ARGS
 
 from broker.cluster import LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +107,40 @@ async def test_unreachable_join_address_fails_clearly() -> None:
     res = await asyncio.to_thread(_run_broker, "--coord", "0.5,0.5", "--join", "127.0.0.1:1")
     assert res.returncode == 4
     assert "could not join through any address" in res.stderr
+
+
+def test_brokers_die_with_the_cluster_owner(tmp_path: Path) -> None:
+    # A test run cut off by a time-out (or `sedax cluster up` killed with SIGKILL) must not leave brokers behind.
+    owner = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from broker.cluster import LocalCluster\n"
+        "async def main():\n"
+        "    c = LocalCluster(2, seed=1, resilience=1, state_dir=Path(sys.argv[1]), tls=False)\n"
+        "    await c.__aenter__()\n"
+        "    print(' '.join(str(n.proc.pid) for n in c.nodes), flush=True)\n"
+        "    await asyncio.sleep(120)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", owner, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    deadline = time.monotonic() + 20
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(p) for p in pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -158,7 +158,6 @@ async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalC
         assert s.reconnects == 1 and sub.gaps == 0
 
 
-
 async def test_backlog_larger_than_the_queue_is_pulled_not_dropped(cluster10: LocalCluster) -> None:
     # 2,000 stored messages against a subscription queue of 100: subscribing with `since` must hand out every
     # one of them as the consumer takes them (FETCH pages), not push them all and drop the oldest.
@@ -173,6 +172,8 @@ async def test_backlog_larger_than_the_queue_is_pulled_not_dropped(cluster10: Lo
         got = await drain(sub, 2000, 60)
         assert [seq for _, seq in got] == list(range(2000))
         assert sub.dropped == 0 and sub.duplicates == 0 and sub.gaps == 0
+
+
 async def test_bad_input_gets_clear_errors(cluster10: LocalCluster) -> None:
     addr = cluster10.nodes[2].listen
     async with Client(addr) as c:
