@@ -132,7 +132,12 @@ class PublishAck:
 
 @dataclass(slots=True)
 class _Pending:
-    msg: Publish
+    """An unacknowledged publish; the PUBLISH itself is built when it is sent (batched with its neighbours)."""
+
+    topic: str
+    seq: int
+    payload: bytes
+    base: int  # the lowest unacknowledged sequence number of its topic when last sent
     future: asyncio.Future[PublishAck]
     sent_at: float
 
@@ -325,7 +330,7 @@ class Client:
         self._seq: dict[str, int] = {}  # next sequence number per topic
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
         # Publishes of this turn of the event loop, per topic: they leave as one batched PUBLISH (Publish.more).
-        self._outbox: dict[str, list[Publish]] = {}
+        self._outbox: dict[str, list[_Pending]] = {}
         self._outbox_bytes = 0
         self._outbox_scheduled = False
         self._low: dict[str, int] = {}  # topic -> lowest unacknowledged seq (or the next seq if none is)
@@ -737,51 +742,58 @@ class Client:
         self._seq[topic] = seq + 1
         per_topic = self._pending.setdefault(topic, {})
         base = self._low.get(topic, 0) if per_topic else seq  # the lowest unacknowledged sequence number
-        msg = Publish(topic, self.client_id, seq, data, base)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[PublishAck] = loop.create_future()
         now = loop.time()
-        per_topic[seq] = _Pending(msg, fut, now)
-        conn = self._conn
+        p = per_topic[seq] = _Pending(topic, seq, data, base, fut, now)
         if self._throttled.get(topic, 0.0) > now:
             pass  # rate-limited by the broker: the resender sends it after the back-off
-        elif conn is not None and not self._closing and self._connected.is_set():
-            self._queue_publish(msg)  # the common case, without a coroutine per publish
-            if self._outbox_bytes + conn.buffered > WRITE_HIGH_WATER:
-                self._send_outbox()
-                await conn.drain()
+        elif self._conn is not None and not self._closing and self._connected.is_set():
+            # The common case, without a coroutine per publish: queued, and sent with the others of this turn
+            # of the event loop as one batched PUBLISH per topic.
+            out = self._outbox.get(topic)
+            if out is None:
+                self._outbox[topic] = [p]
+                if not self._outbox_scheduled:
+                    self._outbox_scheduled = True
+                    loop.call_soon(self._send_outbox)
+            else:
+                out.append(p)
+            self._outbox_bytes += len(data)
         else:
             with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
-                await self._send(msg)
+                await self._send(self._publish_msg([p]))
         self._unyielded += 1
-        if self._unyielded >= YIELD_EVERY:
-            # A tight publish loop must not starve this client's own reading and heartbeats.
+        if self._unyielded >= YIELD_EVERY or self._outbox_bytes > BATCH_BYTES:
+            # A tight publish loop must not starve this client's own reading and heartbeats, nor outrun the
+            # socket: send what is queued, and wait while the connection's buffer is over its high-water mark.
             self._unyielded = 0
-            await asyncio.sleep(0)
+            self._send_outbox()
+            conn = self._conn
+            if conn is not None and conn.buffered > WRITE_HIGH_WATER:
+                await conn.drain()
+            else:
+                await asyncio.sleep(0)
         return fut
-
-    def _queue_publish(self, msg: Publish) -> None:
-        out = self._outbox.get(msg.topic)
-        if out is None:
-            self._outbox[msg.topic] = [msg]
-        else:
-            out.append(msg)
-        self._outbox_bytes += len(msg.payload) + 16
-        if not self._outbox_scheduled:
-            self._outbox_scheduled = True
-            asyncio.get_running_loop().call_soon(self._send_outbox)
 
     def _send_outbox(self) -> None:
         self._outbox_scheduled = False
+        if not self._outbox:
+            return
         out, self._outbox = self._outbox, {}
         self._outbox_bytes = 0
         conn = self._conn
         if conn is None or conn.closed.is_set():
             return  # still pending: the reconnect or the resender sends them
-        for msgs in out.values():
-            self._send_batched(conn, msgs)
+        for pending in out.values():
+            self._send_batched(conn, pending)
 
-    def _send_batched(self, conn: _Connection, msgs: list[Publish]) -> None:
+    def _publish_msg(self, batch: list[_Pending]) -> Publish:
+        first = batch[0]
+        more = tuple(p.payload for p in batch[1:]) if len(batch) > 1 else ()
+        return Publish(first.topic, self.client_id, first.seq, first.payload, first.base, more)
+
+    def _send_batched(self, conn: _Connection, msgs: list[_Pending]) -> None:
         """Send publishes of one topic, consecutive sequence numbers together as batches."""
         i, n = 0, len(msgs)
         while i < n:
@@ -795,13 +807,7 @@ class Client:
             ):
                 size += len(msgs[j].payload)
                 j += 1
-            if j == i + 1:
-                conn.send(encode_control(first))
-            else:
-                more = tuple(m.payload for m in msgs[i + 1 : j])
-                conn.send(
-                    encode_control(Publish(first.topic, first.publisher, first.seq, first.payload, first.base, more))
-                )
+            conn.send(encode_control(self._publish_msg(msgs[i:j])))
             i = j
 
     async def flush(self) -> None:
@@ -822,15 +828,14 @@ class Client:
         per_topic = self._pending.get(topic, {})
         now = asyncio.get_running_loop().time()
         base = self._low.get(topic, 0)
-        again: list[Publish] = []
+        again: list[_Pending] = []
         for seq in sorted(per_topic):
             if seq < from_seq:
                 continue
             p = per_topic[seq]
             p.sent_at = now
-            old = p.msg
-            p.msg = Publish(old.topic, old.publisher, old.seq, old.payload, base)
-            again.append(p.msg)
+            p.base = base
+            again.append(p)
             self.resent += 1
         self._send_batched(conn, again)
 
