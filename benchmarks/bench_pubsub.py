@@ -200,6 +200,8 @@ async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from client.client import Client
 
         extra = {"ack_timeout": spec["ack_timeout"]} if spec.get("ack_timeout") else {}
+        if spec.get("unbatched"):
+            extra["batch_publishes"] = False
         client = Client([spec["addr"]], client_id=f"bench-pub-{os.getpid()}", max_inflight=spec["inflight"], **extra)
         await client.connect()
 
@@ -554,6 +556,11 @@ class Driver:
                     await self.measure(row, {"system": "sedax", "topic": TOPIC}, primary, cluster.nodes[h].listen, pids)
                     after = broker_warnings(cluster)
                     row.notes += [f"brokers logged {after[k] - before[k]} × {k}" for k in after if after[k] > before[k]]
+                if resilience == 1 and 0 in hops:
+                    # Like for like with one-message protocols: the client sends one PUBLISH per message.
+                    row = Row("SeDAX", "resilience 1, 0 hops, one PUBLISH per message")
+                    spec = {"system": "sedax", "topic": TOPIC, "unbatched": True}
+                    await self.measure(row, spec, primary, cluster.nodes[0].listen, pids)
         except Exception as exc:
             for h in hops:
                 if not any(r.config == f"resilience {resilience}, {h} hop{'s' if h != 1 else ''}" for r in self.rows):
