@@ -213,11 +213,14 @@ register_field_type(
     lambda ws: [[_enc_node(w.access), w.session, w.publisher, w.seq, w.ts] for w in ws],
     lambda v: tuple(_dec_waiter(x) for x in _dec_list(v)),
 )
-register_field_type(
-    "tuple[bytes, ...]",
-    list,
-    lambda v: tuple(_dec_bytes(x) for x in _dec_list(v)),
-)
+def _dec_bytes_tuple(v: Any) -> tuple[bytes, ...]:
+    items = _dec_list(v)
+    if not items:
+        return ()  # the common case (a PUBLISH of one message): no generator for nothing
+    return tuple(_dec_bytes(x) for x in items)
+
+
+register_field_type("tuple[bytes, ...]", list, _dec_bytes_tuple)
 register_field_type(
     "float | None",
     lambda v: v,
