@@ -790,6 +790,7 @@ class Client:
             return  # still pending: the reconnect or the resender sends them
         for pending in out.values():
             self._send_batched(conn, pending)
+        conn.flush()  # already a deferred call: write now rather than one more turn of the loop later
 
     def _publish_msg(self, batch: list[_Pending]) -> Publish:
         first = batch[0]
