@@ -347,6 +347,10 @@ class Client:
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
         self._resend_delay: dict[str, float] = {}
+        # The last re-send per topic after an out_of_order NACK: (from seq, up to seq, when).  NACKs for messages
+        # sent before it are answered by it; re-sending for each of them made a storm after every failover
+        # (each of ~1,000 NACKs re-sent ~1,700 messages).
+        self._resent: dict[str, tuple[int, int, float]] = {}
         # Topics the access broker rate-limited, until when: nothing new is sent for them meanwhile, and the
         # next re-send (from the first unacknowledged message, in order) happens after the back-off.
         self._throttled: dict[str, float] = {}
@@ -707,7 +711,10 @@ class Client:
         if m.code == "out_of_order":
             if self._throttled.get(m.topic, 0.0) > now:
                 return  # a later message got through after an earlier one was refused: the re-send fixes it
-            # The primary misses earlier messages that we still hold: send them again, in order.
+            # The primary misses earlier messages that we still hold: send them again, in order, once.
+            last = self._resent.get(m.topic)
+            if last is not None and last[0] <= m.expected and m.seq <= last[1] and now - last[2] < self.ack_timeout:
+                return  # a NACK of a message sent before the re-send that already covers it
             self._resend_topic(m.topic, from_seq=m.expected)
             return
         # A refusal of the topic as such (ACL, name) fails this and every later publish to it; one of a
@@ -842,6 +849,11 @@ class Client:
             p.base = base
             again.append(p)
             self.resent += 1
+        queued = self._outbox.pop(topic, None)  # the newest of them, not sent yet: they go out with the rest
+        if queued:
+            self._outbox_bytes -= sum(len(p.payload) for p in queued)
+        if again:
+            self._resent[topic] = (from_seq, again[-1].seq, now)
         self._send_batched(conn, again)
 
     def _resend_all(self) -> None:
