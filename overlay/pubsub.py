@@ -213,6 +213,8 @@ register_field_type(
     lambda ws: [[_enc_node(w.access), w.session, w.publisher, w.seq, w.ts] for w in ws],
     lambda v: tuple(_dec_waiter(x) for x in _dec_list(v)),
 )
+
+
 def _dec_bytes_tuple(v: Any) -> tuple[bytes, ...]:
     items = _dec_list(v)
     if not items:
