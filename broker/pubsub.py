@@ -216,6 +216,7 @@ class _Holder:
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
     pulling: dict[int, str] = field(default_factory=dict)  # pull corr -> asked node id
     pull_started: float = 0.0
+    pull_retried: bool = False  # the unanswered pulls went out once more
     queued: list[tuple[NodeInfo, str, Message]] = field(default_factory=list)  # requests held during a pull
     meta_dirty: bool = False  # subscribers changed: the secondary needs the new list
     takeover: bool = False  # became primary by a failure; re-deliver once the other holders answered
@@ -945,6 +946,7 @@ class PubSub:
         if not others:
             return False
         h.pull_started = self.ov.now()
+        h.pull_retried = False
         for n in others:
             corr = next(self._corr)
             h.pulling[corr] = n.id
@@ -1402,6 +1404,15 @@ class PubSub:
             if h.pulling and now - h.pull_started > self.config.pull_timeout:
                 h.pulling.clear()
                 self._pull_progress(h)
+            elif h.pulling and not h.pull_retried and now - h.pull_started > self.config.pull_timeout / 4:
+                # Right after a failure a pull can be routed through a broker that has not yet noticed it and
+                # be lost there; asking again once the overlay has healed beats waiting out the time-out (the
+                # requests of the topic wait meanwhile).  A second answer finds its corr gone and is ignored.
+                h.pull_retried = True
+                view = self.ov.view()
+                for corr, nid in h.pulling.items():
+                    if (node := view.get(nid)) is not None:
+                        self.ov.route(node.coord, Pull(corr, h.name, h.coord, self.ov.me))
             if h.moving is not None and now - h.moving.started > self.config.move_timeout:
                 self._abort_move(h, f"no confirmation from the new coordinate within {self.config.move_timeout:.1f} s")
             if h.staged is not None and now - h.staged.since > 2 * self.config.move_timeout + 1.0:
