@@ -49,7 +49,7 @@ def summarise(loads: np.ndarray, norm: float) -> dict[str, float]:
 async def statuses(cluster: LocalCluster) -> list[dict[str, Any]]:
     out = []
     for bp in cluster.nodes:
-        a = await AdminClient.connect(bp.listen)
+        a = await AdminClient.connect(bp.listen, credentials=cluster.credentials("bench"))
         try:
             out.append(status_json(await a.status()))
         finally:
@@ -82,10 +82,12 @@ async def run_live(
         started = time.monotonic()
         summary = await run_load(
             [bp.listen for bp in c.nodes], args.topics, LoadModel.HETEROGENEOUS, args.unit_bytes, args.seed,
-            None, "bench", 1024, 120.0,
+            None, "bench", 1024, 120.0, c.credentials("bench"),
         )  # fmt: skip
         load_s = time.monotonic() - started
         t0 = time.monotonic()
+        # The last topics' load reports and tertiary notes (L3) go out with the next reports: measure after them.
+        await asyncio.sleep(3 * 0.5)
         sts = await statuses(c)
         if mode in ("continuous", "combined"):
             last, quiet = counter_sum(sts, "moves"), 0

@@ -18,6 +18,7 @@ import numpy as np
 
 from client.cli_pubsub import EXIT_FAILED, EXIT_USAGE, _err, add_broker_flag, brokers_arg
 from client.client import Client, ClientError, PublishAck
+from client.credentials import Credentials
 from overlay.pubsub import MESSAGE_OVERHEAD
 from overlay.sim.experiments import LoadModel, static_topic_loads
 from overlay.topics import BadTopic, validate_topic
@@ -41,13 +42,17 @@ async def run_load(
     prefix: str,
     payload_bytes: int,
     wait: float,
+    credentials: Credentials | None = None,
 ) -> dict[str, Any]:
-    """Create the topics and fill them; returns a summary (topics, bytes, messages, seconds, sizes)."""
+    """Create the topics and fill them; returns a summary (topics, bytes, messages, seconds, sizes).
+
+    `credentials` default to the environment (SEDAX_CA, ... SEDAX_INSECURE).
+    """
     sizes = topic_sizes(model, n_topics, unit_bytes, seed)
     interval = 1.0 / rate if rate else 0.0
     started = time.monotonic()
     messages = 0
-    async with Client(brokers, request_timeout=wait) as c:
+    async with Client(brokers, request_timeout=wait, credentials=credentials) as c:
         for i, size in enumerate(sizes):
             topic = f"{prefix}/{i:04d}"
             futures: list[asyncio.Future[PublishAck]] = []
