@@ -271,17 +271,17 @@ class Guard:
         """Limits and ACL for a client's pub/sub request at its access broker: the refusal, or None."""
         c = self.config
         if isinstance(msg, Publish):
-            if len(msg.payload) > c.max_payload or (msg.more and max(map(len, msg.more)) > c.max_payload):
+            if (i := msg.oversized(c.max_payload)) is not None:
                 # The first message over the limit is refused; those before it in a batch go out again with
                 # the publisher's next re-send, those after it follow the gap (Publish.base).
-                i, big = next((i, x) for i, x in enumerate(msg.payloads()) if len(x) > c.max_payload)
                 self.counters["too_large"] += 1
                 return Nack(
                     msg.topic,
                     msg.publisher,
                     msg.seq + i,
                     "too_large",
-                    f"payload of {len(big)} bytes is over this broker's limit of {c.max_payload} (--max-payload)",
+                    f"payload of {len(msg.payloads()[i])} bytes is over this broker's limit of {c.max_payload} "
+                    "(--max-payload)",
                 )
             if c.publish_rate > 0 and not self._bucket(link).take(time.monotonic(), msg.count):
                 self.counters["rate_limited"] += 1

@@ -58,7 +58,6 @@ from overlay.pubsub import (
     Located,
     Nack,
     Publish,
-    PubSubCode,
     Pull,
     Record,
     Redirect,
@@ -282,9 +281,8 @@ class PubSub:
         """A message from a client attached to this broker."""
         match msg:
             case Publish():
-                if err := self._check_publish(msg):
-                    code, text = err
-                    self._to_local(session, Nack(msg.topic, msg.publisher, _nack_seq(msg, code), code, text))
+                if refusal := self._check_publish(msg):
+                    self._to_local(session, refusal)
                     return
             case Subscribe() | Unsubscribe() | Fetch() | Locate() | MoveTopic():
                 try:
@@ -319,20 +317,19 @@ class PubSub:
                 raise RemoteProtocolError(f"{msg.op} is not a client request")
         self._send_request(msg.topic, session, msg)
 
-    def _check_publish(self, msg: Publish) -> tuple[PubSubCode, str] | None:
+    def _check_publish(self, msg: Publish) -> Nack | None:
+        """The refusal of a malformed PUBLISH: the whole batch at its start, or at its first oversized payload."""
         if msg.topic not in self._valid_topics:
             try:
                 validate_topic(msg.topic)
             except BadTopic as exc:
-                return ("bad_topic", str(exc))
+                return Nack(msg.topic, msg.publisher, msg.seq, "bad_topic", str(exc))
             if len(self._valid_topics) < 100_000:  # a cache, not a second topic table
                 self._valid_topics.add(msg.topic)
-        if len(msg.payload) > MAX_PAYLOAD_SIZE or (msg.more and max(map(len, msg.more)) > MAX_PAYLOAD_SIZE):
-            i, big = next((i, x) for i, x in enumerate(msg.payloads()) if len(x) > MAX_PAYLOAD_SIZE)
-            return (
-                "too_large",
-                f"payload of seq {msg.seq + i} is {len(big)} bytes, over the limit of {MAX_PAYLOAD_SIZE}",
-            )
+        if (i := msg.oversized(MAX_PAYLOAD_SIZE)) is not None:
+            size = len(msg.payloads()[i])
+            text = f"payload of seq {msg.seq + i} is {size} bytes, over the limit of {MAX_PAYLOAD_SIZE}"
+            return Nack(msg.topic, msg.publisher, msg.seq + i, "too_large", text)
         return None
 
     def _send_request(self, topic: str, session: str, msg: Message) -> None:
@@ -696,9 +693,8 @@ class PubSub:
     def _publish(self, h: _Holder, access: NodeInfo, session: str, p: Publish) -> None:
         # A local client's publish was checked on arrival (client_message); one from another access broker
         # is checked here, once.
-        if access.id != self.ov.me.id and (err := self._check_publish(p)):
-            code, text = err
-            self._reply(access, [session], Nack(p.topic, p.publisher, _nack_seq(p, code), code, text))
+        if access.id != self.ov.me.id and (refusal := self._check_publish(p)):
+            self._reply(access, [session], refusal)
             return
         if not p.more:
             self._publish_one(h, access, session, p.publisher, p.seq, p.payload, p.base)
@@ -1505,13 +1501,6 @@ class PubSub:
             entry[1].append((h.name, ranked[0].id, ranked[1].id))
             entry[2].append(float(h.log.size))
         return out
-
-
-def _nack_seq(p: Publish, code: str) -> int:
-    # A batch over the size limit is refused at its first oversized message; any other refusal at its start.
-    if code == "too_large":
-        return p.seq + next(i for i, x in enumerate(p.payloads()) if len(x) > MAX_PAYLOAD_SIZE)
-    return p.seq
 
 
 def _same(a: Coord, b: Coord) -> bool:

@@ -340,6 +340,12 @@ class Publish(Message):
         """The payloads of seq, seq + 1, ... in order."""
         return (self.payload, *self.more)
 
+    def oversized(self, limit: int) -> int | None:
+        """The index (0 for `payload`) of the first payload longer than limit bytes, or None if none is."""
+        if len(self.payload) <= limit and (not self.more or max(map(len, self.more)) <= limit):
+            return None
+        return next(i for i, x in enumerate(self.payloads()) if len(x) > limit)
+
 
 @register_message
 @dataclass(frozen=True, slots=True)
