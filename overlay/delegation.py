@@ -28,12 +28,18 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, TypeAlias
 
 from overlay.protocol import (
-    MAX_CORR,
     MAX_ID_LEN,
     MAX_LIST_LEN,
     LocalProtocolError,
     Message,
     NodeInfo,
+    check_corr,
+    dec_coord,
+    dec_float,
+    dec_list,
+    dec_node,
+    dec_str,
+    enc_node,
     register_field_type,
     register_message,
 )
@@ -44,11 +50,6 @@ QueryKind: TypeAlias = Literal["indcoord", "bestlocal", "flood"]
 
 # A flooded query (BestRegionalCoord's region, BestGlobalCoord's whole overlay) travels at most this many hops.
 MAX_FLOOD_TTL: Final = 64
-
-
-def _check_corr(corr: int) -> None:
-    if not 0 <= corr <= MAX_CORR:
-        raise LocalProtocolError(f"correlation id must be in 0..{MAX_CORR}, got {corr}")
 
 
 def _check_load(v: float, what: str) -> None:
@@ -94,80 +95,46 @@ class Offer:
     node: str
 
 
-def _dec_list(v: Any) -> list[Any]:
-    if type(v) is not list:
-        raise TypeError(f"expected an array, got {type(v).__name__}")
-    if len(v) > MAX_LIST_LEN:
-        raise ValueError(f"array of {len(v)} entries exceeds {MAX_LIST_LEN}")
-    return v
-
-
-def _num(v: Any) -> float:
-    if type(v) not in (int, float):
-        raise TypeError(f"expected a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _str(v: Any) -> str:
-    if type(v) is not str:
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _coord(v: Any) -> Coord:
-    x, y = _dec_list(v)
-    return (_num(x), _num(y))
-
-
-def _node(v: Any) -> NodeInfo:
-    nid, c, listen = _dec_list(v)
-    return NodeInfo(_str(nid), _coord(c), _str(listen))
-
-
-def _enc_node(n: NodeInfo) -> list[Any]:
-    return [n.id, [n.coord[0], n.coord[1]], n.listen]
-
-
 def _dec_fails(v: Any) -> dict[str, float]:
     if type(v) is not dict or len(v) > MAX_LIST_LEN:
         raise TypeError("failure sums are a map of node id to number")
-    return {_str(k): _num(x) for k, x in v.items()}
+    return {dec_str(k): dec_float(x) for k, x in v.items()}
 
 
 def _dec_load(v: Any) -> NodeLoad:
-    node, t1, t2, fails, ts = _dec_list(v)
-    return NodeLoad(_node(node), _num(t1), _num(t2), _dec_fails(fails), _num(ts))
+    node, t1, t2, fails, ts = dec_list(v)
+    return NodeLoad(dec_node(node), dec_float(t1), dec_float(t2), _dec_fails(fails), dec_float(ts))
 
 
 def _dec_offer(v: Any) -> Offer:
-    c, lmax, lmin, spare, node = _dec_list(v)
-    return Offer(_coord(c), _num(lmax), _num(lmin), _num(spare), _str(node))
+    c, lmax, lmin, spare, node = dec_list(v)
+    return Offer(dec_coord(c), dec_float(lmax), dec_float(lmin), dec_float(spare), dec_str(node))
 
 
 register_field_type(
     "tuple[NodeLoad, ...]",
-    lambda ls: [[_enc_node(x.node), x.t1, x.t2, x.fails, x.ts] for x in ls],
-    lambda v: tuple(_dec_load(x) for x in _dec_list(v)),
+    lambda ls: [[enc_node(x.node), x.t1, x.t2, x.fails, x.ts] for x in ls],
+    lambda v: tuple(_dec_load(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[Offer, ...]",
     lambda os: [[[o.coord[0], o.coord[1]], o.lmax, o.lmin, o.spare, o.node] for o in os],
-    lambda v: tuple(_dec_offer(x) for x in _dec_list(v)),
+    lambda v: tuple(_dec_offer(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[str, str, str]",
     list,
-    lambda v: tuple(_str(x) for x in _dec_list(v)),
+    lambda v: tuple(dec_str(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[float, ...]",
     list,
-    lambda v: tuple(_num(x) for x in _dec_list(v)),
+    lambda v: tuple(dec_float(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[tuple[str, str, str], ...]",
     lambda ps: [list(p) for p in ps],
-    lambda v: tuple(tuple(_str(y) for y in _dec_list(x)) for x in _dec_list(v)),
+    lambda v: tuple(tuple(dec_str(y) for y in dec_list(x)) for x in dec_list(v)),
 )
 _KINDS: Final = frozenset(("indcoord", "bestlocal", "flood"))
 
@@ -198,7 +165,7 @@ class Lease(Message):
     force: bool = False  # an operator's move (`sedax move`): no cool-down
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
 
 
 @register_message
@@ -313,7 +280,7 @@ class CoordQuery(Message):
     qid: str = ""
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
         if self.level not in (1, 2, 3):
             raise LocalProtocolError(f"query level must be 1, 2 or 3, got {self.level}")
         _check_load(self.load, "topic load")
@@ -349,7 +316,7 @@ class MoveTopic(Message):
     to: Coord
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
 
 
 @register_message
@@ -363,7 +330,7 @@ class BalancePlan(Message):
     all_topics: bool = False
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
 
 
 @register_message

@@ -133,6 +133,11 @@ def _check_uint(value: int, what: str, limit: int) -> None:
         raise LocalProtocolError(f"{what} must be in 0..{limit}, got {value}")
 
 
+def check_corr(corr: int) -> None:
+    """LocalProtocolError unless corr is a valid correlation id (0..MAX_CORR)."""
+    _check_uint(corr, "correlation id", MAX_CORR)
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port, raising ValueError saying what is wrong."""
     host, sep, port_text = text.rpartition(":")
@@ -275,40 +280,47 @@ def register_message(cls: type[M]) -> type[M]:
 
 
 # Field decoders: strict about types (a bool is not an int, a string is not a list), lenient only where
-# msgpack itself is (an integer is accepted where a float is expected).
+# msgpack itself is (an integer is accepted where a float is expected).  Public, so that the message modules
+# (overlay.pubsub, overlay.delegation) build their field codecs from the same pieces.
 
 
-def _dec_int(v: Any) -> int:
+def dec_int(v: Any) -> int:
+    """An integer from the wire (a bool is not one), else TypeError."""
     if type(v) is not int:
         raise TypeError(f"expected an integer, got {type(v).__name__}")
     return v
 
 
-def _dec_float(v: Any) -> float:
+def dec_float(v: Any) -> float:
+    """A number from the wire as a float (integers accepted), else TypeError."""
     if type(v) not in (int, float):
         raise TypeError(f"expected a number, got {type(v).__name__}")
     return float(v)
 
 
-def _dec_str(v: Any) -> str:
+def dec_str(v: Any) -> str:
+    """A string from the wire, else TypeError."""
     if type(v) is not str:
         raise TypeError(f"expected a string, got {type(v).__name__}")
     return v
 
 
-def _dec_bool(v: Any) -> bool:
+def dec_bool(v: Any) -> bool:
+    """A boolean from the wire, else TypeError."""
     if type(v) is not bool:
         raise TypeError(f"expected a boolean, got {type(v).__name__}")
     return v
 
 
-def _dec_bytes(v: Any) -> bytes:
+def dec_bytes(v: Any) -> bytes:
+    """Binary from the wire, else TypeError."""
     if type(v) is not bytes:
         raise TypeError(f"expected binary, got {type(v).__name__}")
     return v
 
 
-def _dec_list(v: Any) -> list[Any]:
+def dec_list(v: Any) -> list[Any]:
+    """An array from the wire of at most MAX_LIST_LEN entries, else TypeError/ValueError."""
     if type(v) is not list:
         raise TypeError(f"expected an array, got {type(v).__name__}")
     if len(v) > MAX_LIST_LEN:
@@ -316,25 +328,28 @@ def _dec_list(v: Any) -> list[Any]:
     return v
 
 
-def _dec_coord(v: Any) -> Coord:
-    items = _dec_list(v)
+def dec_coord(v: Any) -> Coord:
+    """A coordinate [x, y] from the wire, else TypeError/ValueError."""
+    items = dec_list(v)
     if len(items) != 2:
         raise ValueError(f"a coordinate has two components, got {len(items)}")
-    return (_dec_float(items[0]), _dec_float(items[1]))
+    return (dec_float(items[0]), dec_float(items[1]))
 
 
 def _enc_coord(c: Coord) -> list[float]:
     return [c[0], c[1]]
 
 
-def _dec_node(v: Any) -> NodeInfo:
-    items = _dec_list(v)
+def dec_node(v: Any) -> NodeInfo:
+    """A NodeInfo [id, [x, y], listen] from the wire, else TypeError/ValueError."""
+    items = dec_list(v)
     if len(items) != 3:
         raise ValueError(f"a node is [id, coord, listen], got {len(items)} entries")
-    return NodeInfo(_dec_str(items[0]), _dec_coord(items[1]), _dec_str(items[2]))
+    return NodeInfo(dec_str(items[0]), dec_coord(items[1]), dec_str(items[2]))
 
 
-def _enc_node(n: NodeInfo) -> list[Any]:
+def enc_node(n: NodeInfo) -> list[Any]:
+    """A NodeInfo as the wire carries it: [id, [x, y], listen]."""
     return [n.id, [n.coord[0], n.coord[1]], n.listen]
 
 
@@ -348,7 +363,7 @@ def _optional(codec: _FieldCodec) -> _FieldCodec:
 def _tuple_of(codec: _FieldCodec) -> _FieldCodec:
     return _FieldCodec(
         lambda v: [codec.encode(x) for x in v],
-        lambda v: tuple(codec.decode(x) for x in _dec_list(v)),
+        lambda v: tuple(codec.decode(x) for x in dec_list(v)),
     )
 
 
@@ -357,14 +372,14 @@ def _dec_str_int_map(v: Any) -> dict[str, int]:
         raise TypeError(f"expected a map, got {type(v).__name__}")
     if len(v) > MAX_LIST_LEN:
         raise ValueError(f"map of {len(v)} entries exceeds {MAX_LIST_LEN}")
-    return {_dec_str(k): _dec_int(x) for k, x in v.items()}
+    return {dec_str(k): dec_int(x) for k, x in v.items()}
 
 
 def _literal(alias: Any) -> _FieldCodec:
     allowed = frozenset(get_args(alias))
 
     def dec(v: Any) -> str:
-        s = _dec_str(v)
+        s = dec_str(v)
         if s not in allowed:
             raise ValueError(f"{s!r} is not one of {sorted(allowed)}")
         return s
@@ -376,16 +391,16 @@ def _ident(v: Any) -> Any:
     return v
 
 
-_INT = _FieldCodec(_ident, _dec_int)
-_STR = _FieldCodec(_ident, _dec_str)
-_COORD = _FieldCodec(_enc_coord, _dec_coord)
-_NODE = _FieldCodec(_enc_node, _dec_node)
+_INT = _FieldCodec(_ident, dec_int)
+_STR = _FieldCodec(_ident, dec_str)
+_COORD = _FieldCodec(_enc_coord, dec_coord)
+_NODE = _FieldCodec(enc_node, dec_node)
 for _ann, _codec in {
     "int": _INT,
-    "float": _FieldCodec(_ident, _dec_float),
+    "float": _FieldCodec(_ident, dec_float),
     "str": _STR,
-    "bool": _FieldCodec(_ident, _dec_bool),
-    "bytes": _FieldCodec(_ident, _dec_bytes),
+    "bool": _FieldCodec(_ident, dec_bool),
+    "bytes": _FieldCodec(_ident, dec_bytes),
     "Coord": _COORD,
     "Coord | None": _optional(_COORD),
     "NodeInfo": _NODE,
@@ -607,16 +622,16 @@ class TopicHeld:
 
 
 def _dec_held(v: Any) -> TopicHeld:
-    items = _dec_list(v)
+    items = dec_list(v)
     if len(items) != 3:
         raise ValueError("a held topic is [topic, role, size]")
-    return TopicHeld(_dec_str(items[0]), _dec_str(items[1]), _dec_int(items[2]))
+    return TopicHeld(dec_str(items[0]), dec_str(items[1]), dec_int(items[2]))
 
 
 register_field_type(
     "tuple[TopicHeld, ...]",
     lambda hs: [[h.topic, h.role, h.size] for h in hs],
-    lambda v: tuple(_dec_held(x) for x in _dec_list(v)),
+    lambda v: tuple(_dec_held(x) for x in dec_list(v)),
 )
 
 

@@ -16,10 +16,16 @@ from overlay.protocol import (
     MAX_CORR,
     MAX_FRAME_SIZE,
     MAX_ID_LEN,
-    MAX_LIST_LEN,
     LocalProtocolError,
     Message,
     NodeInfo,
+    check_corr,
+    dec_bytes,
+    dec_coord,
+    dec_float,
+    dec_list,
+    dec_node,
+    enc_node,
     register_field_type,
     register_message,
 )
@@ -48,11 +54,6 @@ PubSubCode: TypeAlias = Literal[
     "bad_request",  # anything else the client got wrong
     "rate_limited",  # over the broker's per-client publish rate (--publish-rate): re-send later
 ]
-
-
-def _check_corr(corr: int) -> None:
-    if not 0 <= corr <= MAX_CORR:
-        raise LocalProtocolError(f"correlation id must be in 0..{MAX_CORR}, got {corr}")
 
 
 def _check_publisher(publisher: str, seq: int) -> None:
@@ -134,99 +135,66 @@ class Waiter:
     ts: float
 
 
-def _dec_list(v: Any) -> list[Any]:
-    if type(v) is not list:
-        raise TypeError(f"expected an array, got {type(v).__name__}")
-    if len(v) > MAX_LIST_LEN:
-        raise ValueError(f"array of {len(v)} entries exceeds {MAX_LIST_LEN}")
-    return v
-
-
-def _dec_float(v: Any) -> float:
-    if type(v) not in (int, float):
-        raise TypeError(f"expected a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _dec_bytes(v: Any) -> bytes:
-    if type(v) is not bytes:
-        raise TypeError(f"expected binary, got {type(v).__name__}")
-    return v
-
-
 def _dec_record(v: Any) -> Record:
-    ts, pub, seq, payload = _dec_list(v)
+    ts, pub, seq, payload = dec_list(v)
     if type(pub) is not str or type(seq) is not int or type(payload) is not bytes:
         raise TypeError("a record is [ts, publisher, seq, payload]")
-    return check_record(Record(_dec_float(ts), pub, seq, payload))
-
-
-def _dec_node(v: Any) -> NodeInfo:
-    nid, coord, listen = _dec_list(v)
-    x, y = _dec_list(coord)
-    if type(nid) is not str or type(listen) is not str:
-        raise TypeError("a node is [id, [x, y], listen]")
-    return NodeInfo(nid, (_dec_float(x), _dec_float(y)), listen)
-
-
-def _enc_node(n: NodeInfo) -> list[Any]:
-    return [n.id, [n.coord[0], n.coord[1]], n.listen]
+    return check_record(Record(dec_float(ts), pub, seq, payload))
 
 
 def _dec_subref(v: Any) -> SubRef:
-    node, session = _dec_list(v)
+    node, session = dec_list(v)
     if type(session) is not str:
         raise TypeError("a subscription is [node, session]")
-    return SubRef(_dec_node(node), session)
+    return SubRef(dec_node(node), session)
 
 
 def _dec_waiter(v: Any) -> Waiter:
-    node, session, pub, seq, ts = _dec_list(v)
+    node, session, pub, seq, ts = dec_list(v)
     if type(session) is not str or type(pub) is not str or type(seq) is not int:
         raise TypeError("a waiter is [node, session, publisher, seq, ts]")
-    return Waiter(_dec_node(node), session, pub, seq, _dec_float(ts))
+    return Waiter(dec_node(node), session, pub, seq, dec_float(ts))
 
 
 def _dec_delegation(v: Any) -> Delegation:
-    coord, start = _dec_list(v)
-    x, y = _dec_list(coord)
-    return Delegation((_dec_float(x), _dec_float(y)), _dec_float(start))
+    coord, start = dec_list(v)
+    return Delegation(dec_coord(coord), dec_float(start))
 
 
 register_field_type(
     "tuple[Record, ...]",
     lambda rs: rs,  # records are tuples: msgpack packs them as arrays as they are
-    lambda v: tuple(_dec_record(x) for x in _dec_list(v)),
+    lambda v: tuple(_dec_record(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[SubRef, ...]",
-    lambda ss: [[_enc_node(s.access), s.session] for s in ss],
-    lambda v: tuple(_dec_subref(x) for x in _dec_list(v)),
+    lambda ss: [[enc_node(s.access), s.session] for s in ss],
+    lambda v: tuple(_dec_subref(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[Delegation, ...]",
     lambda ds: [[[d.coord[0], d.coord[1]], d.start] for d in ds],
-    lambda v: tuple(_dec_delegation(x) for x in _dec_list(v)),
+    lambda v: tuple(_dec_delegation(x) for x in dec_list(v)),
 )
 register_field_type(
     "tuple[Waiter, ...]",
-    lambda ws: [[_enc_node(w.access), w.session, w.publisher, w.seq, w.ts] for w in ws],
-    lambda v: tuple(_dec_waiter(x) for x in _dec_list(v)),
+    lambda ws: [[enc_node(w.access), w.session, w.publisher, w.seq, w.ts] for w in ws],
+    lambda v: tuple(_dec_waiter(x) for x in dec_list(v)),
 )
 
 
 def _dec_bytes_tuple(v: Any) -> tuple[bytes, ...]:
-    items = _dec_list(v)
+    items = dec_list(v)
     if not items:
         return ()  # the common case (a PUBLISH of one message): no generator for nothing
-    return tuple(_dec_bytes(x) for x in items)
+    return tuple(dec_bytes(x) for x in items)
 
 
 register_field_type("tuple[bytes, ...]", list, _dec_bytes_tuple)
 register_field_type(
     "float | None",
     lambda v: v,
-    lambda v: None if v is None else _dec_float(v),
+    lambda v: None if v is None else dec_float(v),
 )
 register_field_type(
     "PubSubCode",
@@ -256,7 +224,7 @@ class Subscribe(Message):
     since: float | None = None
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
         if self.since is not None:
             _check_ts(self.since, "since")
 
@@ -282,7 +250,7 @@ class Unsubscribe(Message):
     topic: str
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
 
 
 @register_message
@@ -397,7 +365,7 @@ class Fetch(Message):
     limit: int = MAX_BATCH
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
         _check_ts(self.since, "since")
         if not 1 <= self.limit <= MAX_BATCH:
             raise LocalProtocolError(f"fetch limit must be in 1..{MAX_BATCH}, got {self.limit}")
@@ -425,7 +393,7 @@ class Locate(Message):
     topic: str
 
     def __post_init__(self) -> None:
-        _check_corr(self.corr)
+        check_corr(self.corr)
 
 
 @register_message

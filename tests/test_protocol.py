@@ -192,7 +192,7 @@ def test_local_misuse_is_local_error() -> None:
 
 
 def test_registry_extends_without_touching_the_codec() -> None:
-    p.register_field_type("tuple[int, ...]", list, lambda v: tuple(p._dec_int(x) for x in p._dec_list(v)))
+    p.register_field_type("tuple[int, ...]", list, lambda v: tuple(p.dec_int(x) for x in p.dec_list(v)))
 
     @p.register_message
     @dataclass(frozen=True, slots=True)
