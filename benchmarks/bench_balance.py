@@ -34,6 +34,7 @@ from overlay.geometry import UNIT_SQUARE, geohash
 from overlay.sim.experiments import LoadModel, ccdf_quantile
 from overlay.sim.world import SimNetwork
 
+REPORT_INTERVAL = 0.5  # --load-report-interval of the brokers
 BASE_ARGS = ("--heartbeat-interval", "0.5", "--heartbeat-misses", "6", "--log-level", "WARNING")
 
 
@@ -72,7 +73,7 @@ async def run_live(
         *BASE_ARGS, "--balance", mode, "--goal", "L3", "--selection", args.selection, "--queries", str(args.queries),
         "--balance-interval", str(args.delta_tau), "--min-gain", str(args.min_gain),
         "--move-cooldown", str(args.cooldown),
-        "--load-report-interval", "0.5", "--query-timeout", "1.0",
+        "--load-report-interval", str(REPORT_INTERVAL), "--query-timeout", "1.0",
     )  # fmt: skip
     base: list[dict[str, Any]] = []
     async with LocalCluster(len(coords), coords=coords, resilience=3, state_dir=state, broker_args=flags) as c:
@@ -87,7 +88,7 @@ async def run_live(
         load_s = time.monotonic() - started
         t0 = time.monotonic()
         # The last topics' load reports and tertiary notes (L3) go out with the next reports: measure after them.
-        await asyncio.sleep(3 * 0.5)
+        await asyncio.sleep(3 * REPORT_INTERVAL)
         sts = await statuses(c)
         if mode in ("continuous", "combined"):
             last, quiet = counter_sum(sts, "moves"), 0

@@ -696,9 +696,6 @@ class PubSub:
         if access.id != self.ov.me.id and (refusal := self._check_publish(p)):
             self._reply(access, [session], refusal)
             return
-        if not p.more:
-            self._publish_one(h, access, session, p.publisher, p.seq, p.payload, p.base)
-            return
         seq = p.seq
         for payload in p.payloads():
             if not self._publish_one(h, access, session, p.publisher, seq, payload, p.base):
@@ -1403,7 +1400,8 @@ class PubSub:
             elif h.pulling and not h.pull_retried and now - h.pull_started > self.config.pull_timeout / 4:
                 # Right after a failure a pull can be routed through a broker that has not yet noticed it and
                 # be lost there; asking again once the overlay has healed beats waiting out the time-out (the
-                # requests of the topic wait meanwhile).  A second answer finds its corr gone and is ignored.
+                # requests of the topic wait meanwhile).  A second answer is merged like one that comes after the
+                # time-out: the merge drops what is already stored.
                 h.pull_retried = True
                 view = self.ov.view()
                 for corr, nid in h.pulling.items():

@@ -581,10 +581,14 @@ class Client:
 
     async def _resubscribe(self, sub: Subscription) -> None:
         try:
-            await self._catch_up(sub)
-            await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+            await self._catch_up_and_subscribe(sub)
         except (RequestFailed, TimeoutError, ClientError) as exc:
             log.warning("re-subscribing %s failed: %s", sub.topic, exc)
+
+    async def _catch_up_and_subscribe(self, sub: Subscription) -> None:
+        await self._catch_up(sub)
+        if not sub.closed:
+            await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
 
     async def _catch_up(self, sub: Subscription, wait: bool = True) -> bool:
         """Read what was stored since sub.since page by page, as fast as the consumer takes it.
@@ -625,11 +629,8 @@ class Client:
     async def _finish_subscribe(self, sub: Subscription) -> None:
         # The rest of a catch-up that did not fit the queue at subscribe time, then the SUBSCRIBE itself;
         # a refusal ends the iteration with that error.
-        sub.catching_up = True
         try:
-            await self._catch_up(sub)
-            if not sub.closed:
-                await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+            await self._catch_up_and_subscribe(sub)
         except (RequestFailed, TimeoutError, ClientError) as exc:
             log.warning("subscribing %s failed: %s", sub.topic, exc)
             if self._subs.get(sub.topic) is sub:
