@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import numpy as np
 
 from broker.tasks import TaskSet
-from overlay.balance import BalanceMode, BalanceParams, Goal, Selection, decide, smallest_topic
+from overlay.balance import BalanceMode, BalanceParams, Goal, Selection, decide, smallest_topics
 from overlay.balance import Offer as Choice
 from overlay.delegation import (
     MAX_FLOOD_TTL,
@@ -109,7 +109,11 @@ class Balancer:
         self.log = log
         self.mode = BalanceMode(config.balance)
         self.params = BalanceParams(
-            goal=Goal(config.goal), selection=Selection(config.selection), n_queries=config.queries, n_hops=config.hops
+            goal=Goal(config.goal),
+            selection=Selection(config.selection),
+            n_queries=config.queries,
+            n_hops=config.hops,
+            scan=config.balance_scan,
         )
         self.records: dict[str, _Record] = {}
         self._pending: dict[int, _Collect] = {}
@@ -334,6 +338,8 @@ class Balancer:
     async def round(self, dry_run: bool = False, all_topics: bool = False) -> list[dict[str, object]]:
         """Alg. 2 once: the smallest topic this broker is responsible for, moved if a better coordinate exists.
 
+        With `balance_scan` > 1 the round goes on to the next-smallest topics until one moves (or, in a dry
+        run, would move); never more than one topic moves per round.
         dry_run: decide and report, move nothing; all_topics: consider every topic (a dry run's overview).
         """
         self.counters["balance_rounds"] += 1
@@ -343,11 +349,7 @@ class Balancer:
         for t, s in sizes.items():
             if s > self.config.max_move_bytes and all_topics:
                 plans.append({"topic": t, "size": s, "verdict": "too large to move this round"})
-        if all_topics:
-            chosen = sorted(movable, key=lambda t: (movable[t], t))
-        else:
-            t_min = smallest_topic(movable)
-            chosen = [] if t_min is None else [t_min]
+        chosen = smallest_topics(movable, len(movable) if all_topics else self.params.scan)
         if dry_run and all_topics:  # an overview: every topic's decision at once, nothing moves
             live = [t for t in chosen if self.pubsub.topic_coord(t) is not None]
             plans.extend(await asyncio.gather(*(self.plan_topic(t, float(movable[t])) for t in live)))
@@ -364,6 +366,8 @@ class Balancer:
                 plan["verdict"] = "moving" if why is None else f"not moved: {why}"
                 self.log.info("balancing: %s", json.dumps(plan))
             plans.append(plan)
+            if plan["verdict"] in ("move", "moving"):
+                break
         return plans
 
 

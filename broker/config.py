@@ -85,6 +85,9 @@ class BrokerConfig:
         min_gain: a topic moves only if the best coordinate lowers L_max by at least this fraction of the
             current coordinate's L_max (hysteresis; 0 is the paper's rule).
         max_move_bytes: a balancing round moves no topic larger than this (bytes per round).
+        balance_scan: how many of its smallest topics one Alg. 2 round may try until one has a better
+            coordinate (1 = the paper's: the smallest only; more lets a broker whose smallest topic sits well
+            shed the next one instead of stalling).  At most one topic moves per round either way.
         move_cooldown: seconds before the balancer may move a topic again (the home enforces it).
         load_report_interval: seconds between the load reports sent to neighbours.
         query_timeout: seconds a coordinate selection waits for its answers.
@@ -143,6 +146,7 @@ class BrokerConfig:
     balance_interval: float = 5.0
     min_gain: float = 0.05
     max_move_bytes: int = 64 << 20
+    balance_scan: int = 1
     move_cooldown: float = 30.0
     load_report_interval: float = 1.0
     query_timeout: float = 1.0
@@ -216,6 +220,8 @@ class BrokerConfig:
             raise ConfigError(f"move_cooldown must be >= 0 seconds, got {self.move_cooldown}")
         if not (math.isfinite(self.min_gain) and 0 <= self.min_gain < 1):
             raise ConfigError(f"min_gain must be a fraction in [0, 1), got {self.min_gain}")
+        if self.balance_scan < 1:
+            raise ConfigError(f"balance_scan must be >= 1 (1 = the smallest topic only), got {self.balance_scan}")
         if self.max_move_bytes < 0:
             raise ConfigError(f"max_move_bytes must be >= 0, got {self.max_move_bytes}")
         if not (math.isfinite(self.log_interval) and MIN_LOG_INTERVAL <= self.log_interval <= MAX_LOG_INTERVAL):
@@ -366,6 +372,7 @@ _INT_FIELDS: Final = frozenset(
         "queries",
         "hops",
         "max_move_bytes",
+        "balance_scan",
         "log_max_bytes",
         "log_keep",
         "max_connections",

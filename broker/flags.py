@@ -44,6 +44,9 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     lb.add_argument("--balance-interval", dest="balance_interval", type=float, help="Δτ in seconds (5.0)")
     lb.add_argument("--min-gain", dest="min_gain", type=float, help="least L_max reduction, fraction (0.05)")
     lb.add_argument("--max-move-bytes", dest="max_move_bytes", type=int, help="largest topic moved (64 MiB)")
+    lb.add_argument(
+        "--balance-scan", dest="balance_scan", type=int, help="smallest topics one round may try, 1 = paper's (1)"
+    )
     lb.add_argument("--move-cooldown", dest="move_cooldown", type=float, help="seconds between moves (30)")
     lb.add_argument("--load-report-interval", dest="load_report_interval", type=float, help="seconds (1.0)")
     lb.add_argument("--query-timeout", dest="query_timeout", type=float, help="seconds (1.0)")

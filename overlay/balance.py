@@ -76,6 +76,11 @@ class BalanceParams:
     # moves.  0 is the paper's rule; a live cluster uses a positive value so that measurement noise and a
     # topic's own growth do not move it back and forth (the oscillation Pulsar and Cruise Control users see).
     min_gain: float = 0.0
+    # How many of a node's smallest topics one Alg. 2 round may try, smallest first; the first that has a
+    # better coordinate moves.  1 is the paper's line 1 (t_vmin only).  With 1 a node whose smallest topic
+    # already sits well stalls for good: it proposes the same topic every Δτ and never sheds a larger one
+    # (docs/reproduction.md, Table V).
+    scan: int = 1
 
     def __post_init__(self) -> None:
         if self.n_queries < 1:
@@ -84,6 +89,8 @@ class BalanceParams:
             raise ValueError(f"n_hops must be non-negative, got {self.n_hops}")
         if self.min_gain < 0:
             raise ValueError(f"min_gain must be non-negative, got {self.min_gain}")
+        if self.scan < 1:
+            raise ValueError(f"scan must be at least 1 (1 = the paper's smallest topic only), got {self.scan}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +130,14 @@ def decide(current: CoordMetric, offers: Sequence[Offer[C]], min_gain: float = 0
 
 def smallest_topic(loads: Mapping[T, float]) -> T | None:
     """Alg. 2 line 1: t_vmin, the smallest topic among those v is responsible for (ties by name)."""
-    if not loads:
-        return None
-    return min(loads.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
+    first = smallest_topics(loads, 1)
+    return first[0] if first else None
+
+
+def smallest_topics(loads: Mapping[T, float], k: int) -> list[T]:
+    """The k smallest topics, smallest first (ties by name): the topics one Alg. 2 round tries in turn.
+
+    k = 1 is Alg. 2 line 1; a larger k (`BalanceParams.scan`) lets the round go on to the next-smallest topic
+    when the smallest has no better coordinate.
+    """
+    return [t for t, _ in sorted(loads.items(), key=lambda kv: (kv[1], str(kv[0])))[:k]]

@@ -144,7 +144,7 @@ async def test_continuous_balancing_moves_load_off_the_busiest_broker(tmp_path: 
         k += 1
     args = (*FAST_ARGS, "--balance", "continuous", "--goal", "L1", "--selection", "bestglobal",
             "--balance-interval", "0.5", "--load-report-interval", "0.2", "--query-timeout", "0.5",
-            "--move-cooldown", "1", "--min-gain", "0.05")  # fmt: skip
+            "--move-cooldown", "1", "--min-gain", "0.05", "--balance-scan", "3")  # fmt: skip
     async with LocalCluster(7, coords=coords, resilience=2, state_dir=tmp_path, broker_args=args) as c:
         await c.wait_converged(30.0)
         addrs = [bp.listen for bp in c.nodes]
@@ -224,6 +224,27 @@ async def test_dry_run_reports_and_moves_nothing(tmp_path: Path, selection: str)
             out, err = await proc.communicate()
         assert proc.returncode == 0, err.decode()
         assert json.loads(out)[0]["topic"] == topic
+
+
+async def test_dry_run_scans_the_smallest_topics_until_one_would_move(tmp_path: Path) -> None:
+    # Two brokers at resilience 2 both hold every topic, so every coordinate is as good as any other: no topic
+    # can move, and a round with --balance-scan 2 looks at exactly the two smallest, smallest first.
+    args = (*FAST_ARGS, "--goal", "L2", "--selection", "bestglobal", "--balance-scan", "2",
+            "--load-report-interval", "0.2", "--query-timeout", "2.0", "--min-gain", "0")  # fmt: skip
+    coords = {0: (0.3, 0.5), 1: (0.7, 0.5)}
+    async with LocalCluster(2, coords=list(coords.values()), resilience=2, state_dir=tmp_path, broker_args=args) as c:
+        await c.wait_converged(30.0)
+        names = [n for n in (f"grid/scan/{k}" for k in range(200)) if closest(coords, geohash(n))[0] == 0][:3]
+        addr = c.nodes[0].listen
+        async with Client(addr) as cl:
+            for i, topic in enumerate(names):  # sizes grow with i
+                for _ in range(i + 1):
+                    await cl.publish(topic, b"z" * 400)
+            await wait_for(lambda: _has_reports(addr), 20, "load reports arrived")
+            plans = await cl.balance_plan()
+            assert [p["topic"] for p in plans] == names[:2]
+            assert [p["verdict"] for p in plans] == ["stay", "stay"]
+            assert plans[0]["size"] < plans[1]["size"]
 
 
 async def _has_reports(addr: str) -> bool:

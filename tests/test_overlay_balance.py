@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
 import pytest
 
-from overlay.balance import BalanceParams, Goal, Offer, Selection, decide, smallest_topic, tiebreaker
+from overlay.balance import BalanceParams, Goal, Offer, Selection, decide, smallest_topic, smallest_topics, tiebreaker
 from overlay.dynamics import (
     exponential_sizes,
     growth_rates,
@@ -36,6 +37,9 @@ def test_tiebreaker_and_decide() -> None:
 def test_smallest_topic() -> None:
     assert smallest_topic({"x": 4.0, "y": 0.25, "z": 0.25}) == "y"
     assert smallest_topic({}) is None
+    assert smallest_topics({"x": 4.0, "y": 0.25, "z": 0.25, "w": 1.0}, 3) == ["y", "z", "w"]
+    assert smallest_topics({"x": 4.0}, 5) == ["x"]
+    assert smallest_topics({}, 2) == []
 
 
 def test_params_validation() -> None:
@@ -43,6 +47,8 @@ def test_params_validation() -> None:
         BalanceParams(n_queries=0)
     with pytest.raises(ValueError, match="min_gain"):
         BalanceParams(min_gain=-1)
+    with pytest.raises(ValueError, match="scan must be at least 1"):
+        BalanceParams(scan=0)
     assert Goal("L2").level == 2
 
 
@@ -109,3 +115,32 @@ def test_world_incremental_loads_match_recomputation_after_moves() -> None:
     full = LoadLedger.recompute(12, zip(net.triples, net.loads, strict=True))
     for level in (1, 2, 3):
         assert np.allclose(net.ledger.node_loads(level), full.node_loads(level))  # type: ignore[arg-type]
+
+
+def test_alg2_scan_moves_the_next_smallest_topic_when_the_smallest_cannot_move() -> None:
+    # Find a node whose smallest topic has no better coordinate (the paper's Alg. 2 stalls there) and check
+    # that scanning moves the smallest topic that does have one, leaving the loads consistent.
+    rng = np.random.default_rng(8)
+    net = SimNetwork(UNIT_SQUARE.uniform(rng, 10), UNIT_SQUARE, rng, per_node=40)
+    one = BalanceParams(goal=Goal.L3, selection=Selection.BESTGLOBAL)
+    scan = BalanceParams(goal=Goal.L3, selection=Selection.BESTGLOBAL, scan=100)
+    for h, load in zip(UNIT_SQUARE.uniform(rng, 100), rng.exponential(1.0, 100), strict=True):
+        net.add_balanced(h, float(load), one, rng)
+    found = 0
+    for v in range(10):
+        trial = copy.deepcopy(net)
+        if trial.balance_step(v, one, rng) is not None:
+            continue
+        trial = copy.deepcopy(net)
+        mv = trial.balance_step(v, scan, rng)
+        if mv is None:
+            continue
+        found += 1
+        order = smallest_topics(net.responsible(v, 3), 100)
+        assert mv.topic != order[0]
+        for t in order[: order.index(mv.topic)]:  # every smaller topic really had nowhere better to go
+            alone = copy.deepcopy(net)
+            assert alone._try_move(v, t, one, rng) is None
+        full = LoadLedger.recompute(10, zip(trial.triples, trial.loads, strict=True))
+        assert np.allclose(trial.ledger.node_loads(3), full.node_loads(3))
+    assert found > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, o
         (["sim", "static", "--topics-per-node", "-1"], "--topics-per-node"),
         (["sim", "static", "--balance", "addition", "--selection", "bestlocal", "--queries", "0"], "--queries"),
         (["sim", "static", "--jobs", "0"], "--jobs"),
-        (["sim", "static", "--goal", "L2"], "need balancing"),
-        (["sim", "static", "--selection", "indcoord"], "need balancing"),
+        (["sim", "static", "--goal", "L2"], "--goal needs balancing"),
+        (["sim", "static", "--selection", "indcoord"], "--selection needs balancing"),
         (["sim", "static", "--balance", "addition", "--goal", "L4"], "--goal"),
         (["sim", "static", "--balance", "addition", "--selection", "bestlocal", "--hops", "2"], "bestregional"),
         (["sim", "static", "--balance", "addition", "--selection", "bestglobal", "--queries", "5"], "bestglobal"),
@@ -40,6 +41,9 @@ def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, o
         (["sim", "growth", "--delta-tau", "0.3"], "divide"),
         (["sim", "growth", "--lmax", "0.5"], "--lmax"),
         (["sim", "growth", "--nodes", "x"], "--nodes"),
+        (["sim", "growth", "--scan", "3"], "--scan applies to continuous"),
+        (["sim", "growth", "--balance", "addition", "--scan", "3"], "--scan applies to continuous"),
+        (["sim", "growth", "--balance", "combined", "--scan", "0"], "--scan"),
     ],
 )
 def test_impossible_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,6 +115,13 @@ def test_continuous_balancing_lowers_final_q95(capsys: pytest.CaptureFixture[str
     balanced = run_json([*base, "--balance", "continuous"], capsys)
     assert balanced["L3"]["q95"] < plain["L3"]["q95"]  # type: ignore[index]
     assert balanced["before"] == plain["before"]  # balancing starts only after the addition
+    # Going on to the next-smallest topic when the smallest cannot move moves more and balances better.
+    scanning = run_json([*base, "--balance", "continuous", "--scan", "50"], capsys)
+    moved, scan_moved = balanced["moved"], scanning["moved"]
+    assert isinstance(moved, dict) and isinstance(scan_moved, dict)
+    assert scan_moved["moves_mean"] > moved["moves_mean"]
+    assert scanning["L3"]["q95"] < balanced["L3"]["q95"]  # type: ignore[index]
+    assert scanning["config"]["scan"] == 50 and balanced["config"]["scan"] == 1  # type: ignore[index]
 
 
 REQUIRED = {"schema": int, "type": str, "run": str, "source": str, "ts": float, "step": int, "node": str}
@@ -185,3 +196,20 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL_STATIC, "--balance", "addition"]) == 0
     out = capsys.readouterr().out
     assert "L3" in out and "cell_area" in out and "eq. (11) violations: 0" in out
+
+
+def test_readme_sim_commands_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # The experiment commands users copy from the README must at least run (with one run each, to stay quick).
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    commands = [
+        shlex.split(line.split("sedax ", 1)[1])
+        for line in text.replace("\\\n", " ").splitlines()
+        if line.startswith(".venv/bin/sedax sim ")
+    ]
+    assert len(commands) >= 3
+    for argv in commands:
+        if "--runs" in argv:
+            argv[argv.index("--runs") + 1] = "1"
+        assert "--json" in argv
+        result = run_json(argv, capsys)
+        assert result["runs"] == 1, argv

@@ -139,6 +139,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     gr.add_argument(
         "--balance", choices=[b.value for b in BalanceMode], default="none", help="when to balance (default none)"
     )
+    gr.add_argument(
+        "--scan",
+        type=_int_at_least(1),
+        default=None,
+        help="Alg. 2 tries up to SCAN of the node's smallest topics until one moves (default 1: the paper's)",
+    )
     gr.set_defaults(func=_run_growth_cmd, sim_parser=gr)
     return sim
 
@@ -148,18 +154,22 @@ def _params(args: argparse.Namespace, balancing: bool) -> BalanceParams:
     if not balancing:
         given = [f"--{n}" for n in ("goal", "selection", "queries", "hops") if getattr(args, n) is not None]
         if given:
-            parser.error(f"{', '.join(given)} need balancing; add --balance")
+            parser.error(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} balancing; add --balance")
     selection = Selection(args.selection or Selection.BESTGLOBAL.value)
     if args.hops is not None and selection is not Selection.BESTREGIONAL:
         parser.error("--hops applies only to --selection bestregional")
     if args.queries is not None and selection is Selection.BESTGLOBAL:
         parser.error("--queries does not apply to bestglobal, which asks every node")
+    scan = getattr(args, "scan", None)
+    if scan is not None and not BalanceMode(args.balance).continuous:
+        parser.error("--scan applies to continuous balancing (Alg. 2): use --balance continuous or combined")
     try:
         return BalanceParams(
             goal=Goal(args.goal or Goal.L3.value),
             selection=selection,
             n_queries=args.queries if args.queries is not None else DEFAULT_QUERIES,
             n_hops=args.hops if args.hops is not None else DEFAULT_HOPS,
+            scan=scan if scan is not None else 1,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -301,6 +311,8 @@ def _config_dict(args: argparse.Namespace, params: BalanceParams, balance: Balan
             cfg["queries"] = params.n_queries
         if params.selection is Selection.BESTREGIONAL:
             cfg["hops"] = params.n_hops
+        if balance.continuous:
+            cfg["scan"] = params.scan
     if args.experiment == "static":
         cfg.update(loads=args.loads, order=args.order)
     else:

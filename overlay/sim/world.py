@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.spatial import cKDTree
 
-from overlay.balance import BalanceParams, Offer, Selection, decide, smallest_topic
+from overlay.balance import BalanceParams, Offer, Selection, decide, smallest_topics
 from overlay.candidates import CANDIDATES_PER_NODE, CandidateSet, pick_best, triples_for
 from overlay.geometry import FloatArray, Space, delaunay_neighbours, hop_distances
 from overlay.load import CoordMetric, Level, LoadLedger, eq11_holds
@@ -190,15 +190,23 @@ class SimNetwork:
         return {t: self.loads[t] for t in self.members[v] if self.rank[v][t] <= level}
 
     def balance_step(self, v: int, params: BalanceParams, rng: np.random.Generator) -> Move | None:
-        """Continuous load balancing for node v, Alg. 2: try to delegate its smallest topic."""
+        """Continuous load balancing for node v, Alg. 2: delegate its smallest topic if it has a better place.
+
+        With params.scan > 1 the round goes on to the next-smallest topics until one moves.
+        """
         level = params.goal.level
-        t = smallest_topic(self.responsible(v, level))
-        if t is None:
-            return None
+        for t in smallest_topics(self.responsible(v, level), params.scan):
+            mv = self._try_move(v, t, params, rng)
+            if mv is not None:
+                return mv
+        return None
+
+    def _try_move(self, v: int, t: int, params: BalanceParams, rng: np.random.Generator) -> Move | None:
+        """Alg. 2 lines 2-6 for topic t of node v."""
         tr, load = self.triples[t], self.loads[t]
         # Sec. V: metrics are computed excluding the topic to be delegated.
         self._unplace(t, tr, load)
-        current = self.ledger.metric(level, tr)
+        current = self.ledger.metric(params.goal.level, tr)
         choice = decide(current, self.offers(v, params, rng), params.min_gain)
         if choice is None:
             self._place(t, tr, load)
