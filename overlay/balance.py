@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, Generic, TypeVar
 
+import numpy as np
+
 from overlay.load import CoordMetric, Level
 
 T = TypeVar("T")
@@ -81,6 +83,9 @@ class BalanceParams:
     # already sits well stalls for good: it proposes the same topic every Δτ and never sheds a larger one
     # (docs/reproduction.md, Table V).
     scan: int = 1
+    # Tiebreaker(C*) among several best coordinates: a random one (True) or the first answer (False, which
+    # prefers the delegating node's own answer and the lowest-numbered candidate).
+    random_ties: bool = True
 
     def __post_init__(self) -> None:
         if self.n_queries < 1:
@@ -101,11 +106,12 @@ class Offer(Generic[C]):
     metric: CoordMetric
 
 
-def tiebreaker(offers: Sequence[Offer[C]]) -> Offer[C]:
+def tiebreaker(offers: Sequence[Offer[C]], rng: np.random.Generator | None = None) -> Offer[C]:
     """Tiebreaker(C*) of Alg. 1 line 3 / Alg. 2 line 3: a best offer in the Sec. IV-D order.
 
-    On a full tie the earliest offer wins, so the delegating node's own answer (listed first) is preferred
-    and no topic moves for nothing.
+    On a full tie the earliest offer wins, or with rng a random one of the tied offers.  Either way a topic
+    moves only if the winner is strictly better than where it is (`decide`), so a tie never moves it for
+    nothing.
     """
     if not offers:
         raise ValueError("tiebreaker needs at least one offer")
@@ -113,18 +119,26 @@ def tiebreaker(offers: Sequence[Offer[C]]) -> Offer[C]:
     for o in offers[1:]:
         if o.metric.better_than(best.metric):
             best = o
-    return best
+    if rng is None:
+        return best
+    tied = [o for o in offers if not best.metric.better_than(o.metric)]
+    return tied[int(rng.integers(len(tied)))] if len(tied) > 1 else best
 
 
-def decide(current: CoordMetric, offers: Sequence[Offer[C]], min_gain: float = 0.0) -> Offer[C] | None:
+def decide(
+    current: CoordMetric,
+    offers: Sequence[Offer[C]],
+    min_gain: float = 0.0,
+    rng: np.random.Generator | None = None,
+) -> Offer[C] | None:
     """Alg. 1 lines 3-6 and Alg. 2 lines 3-6: the offer to delegate to, or None to stay at C(t).
 
     current is the metric of the topic's present coordinate computed *without* the topic (Sec. V), the
-    offers likewise.
+    offers likewise; rng draws among several best offers (`tiebreaker`).
     """
     if not offers:
         return None
-    best = tiebreaker(offers)
+    best = tiebreaker(offers, rng)
     return best if best.metric.better_than(current, min_gain) else None
 
 

@@ -82,15 +82,20 @@ class CandidateSet:
         # The metrics of a candidate depend only on its triple, and the 200 candidates of a cell share a few
         # distinct triples.  An answer evaluates each distinct triple once, kept contiguous per node, in
         # order of first occurrence: the first best distinct triple then maps to the first best candidate,
-        # so the answer is the one a scan of all 200 gives.
+        # so the answer is the one a scan of all 200 gives; a random tie-break weights each distinct triple
+        # by how many candidates share it, as a draw among the 200 would.
         self._uniq_triples: list[IntArray] = []
         self._uniq_first: list[IntArray] = []
+        self._uniq_count: list[FloatArray] = []
         for v in range(self.n):
             lo = v * per_node
             block = self.triples[lo : lo + per_node]
-            first = np.sort(np.unique(block, axis=0, return_index=True)[1])
-            self._uniq_triples.append(np.ascontiguousarray(block[first]))
-            self._uniq_first.append(lo + first)
+            _, first, inverse = np.unique(block, axis=0, return_index=True, return_inverse=True)
+            counts = np.bincount(inverse.reshape(-1), minlength=len(first)).astype(np.float64)
+            order = np.argsort(first)
+            self._uniq_triples.append(np.ascontiguousarray(block[first[order]]))
+            self._uniq_first.append(lo + first[order])
+            self._uniq_count.append(counts[order])
         self._best: dict[tuple[int, int], tuple[int, CoordMetric]] = {}
         self._valid = np.zeros((self.n, 4), dtype=bool)  # [v, level]: cached answer still true
         self.recomputed = 0  # how many cell answers were recomputed (for benchmarks of the cache)
@@ -100,29 +105,39 @@ class CandidateSet:
         for x in nodes:
             self._valid[self.deps[x]] = False
 
-    def best(self, v: int, level: Level, ledger: LoadLedger) -> tuple[int, CoordMetric]:
-        """Node v's locally best candidate (global candidate index, its metric) for the given level."""
+    def best(
+        self, v: int, level: Level, ledger: LoadLedger, rng: np.random.Generator | None = None
+    ) -> tuple[int, CoordMetric]:
+        """Node v's locally best candidate (global candidate index, its metric) for the given level.
+
+        rng draws among several best candidates (`best_index`); the answer is kept until v's loads change.
+        """
         if self._valid[v, level]:
             return self._best[(v, level)]
         lmax, lmin, spare = ledger.metrics(level, self._uniq_triples[v])
-        i = best_index(lmax, lmin, spare)
+        i = best_index(lmax, lmin, spare, rng, self._uniq_count[v])
         ans = (int(self._uniq_first[v][i]), CoordMetric(float(lmax[i]), float(lmin[i]), float(spare[i])))
         self._best[(v, level)] = ans
         self._valid[v, level] = True
         self.recomputed += 1
         return ans
 
-    def best_among(self, nodes: Iterable[int], level: Level, ledger: LoadLedger) -> tuple[int, CoordMetric]:
+    def best_among(
+        self, nodes: Iterable[int], level: Level, ledger: LoadLedger, rng: np.random.Generator | None = None
+    ) -> tuple[int, CoordMetric]:
         """The best of the given nodes' locally best candidates (BestRegionalCoord, BestGlobalCoord)."""
-        answers = [self.best(v, level, ledger) for v in nodes]
-        return pick_best(answers)
+        answers = [self.best(v, level, ledger, rng) for v in nodes]
+        return pick_best(answers, rng)
 
 
-def pick_best(answers: list[tuple[int, CoordMetric]]) -> tuple[int, CoordMetric]:
-    """Tiebreaker(C*) of Alg. 1/2: the best answer in the Sec. IV-D order (the first on ties)."""
+def pick_best(
+    answers: list[tuple[int, CoordMetric]], rng: np.random.Generator | None = None
+) -> tuple[int, CoordMetric]:
+    """Tiebreaker(C*) of Alg. 1/2: the best answer in the Sec. IV-D order (the first on ties, or with rng a
+    random one of the tied)."""
     if not answers:
         raise ValueError("pick_best needs at least one answer")
     lmax = np.array([m.lmax for _, m in answers])
     lmin = np.array([m.lmin for _, m in answers])
     spare = np.array([m.spare for _, m in answers])
-    return answers[best_index(lmax, lmin, spare)]
+    return answers[best_index(lmax, lmin, spare, rng)]

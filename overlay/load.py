@@ -130,8 +130,20 @@ def coordinate_loads(
     return lmax, lmin, spare
 
 
-def best_index(lmax: FloatArray, lmin: FloatArray, spare: FloatArray) -> int:
-    """Index of a best coordinate among candidates in the Sec. IV-D order (first one on exact ties)."""
+def best_index(
+    lmax: FloatArray,
+    lmin: FloatArray,
+    spare: FloatArray,
+    rng: np.random.Generator | None = None,
+    weights: FloatArray | None = None,
+) -> int:
+    """Index of a best coordinate among candidates in the Sec. IV-D order.
+
+    Several coordinates can be best (Sec. IV-D: "several best coordinates may exist").  Without rng the first
+    wins; with rng one of them is drawn, in proportion to `weights` when given (how many sampled candidates
+    a row stands for).  Drawing matters: always taking the first sends every topic of a tie to the same
+    coordinate until its load rises, and with unit-size topics ties are the rule (docs/reproduction.md).
+    """
     if len(lmax) == 0:
         raise ValueError("best_index needs at least one candidate")
     idx = np.flatnonzero(_within(lmax, float(lmax.min())))
@@ -141,7 +153,12 @@ def best_index(lmax: FloatArray, lmin: FloatArray, spare: FloatArray) -> int:
         if len(idx) > 1:
             sub = spare[idx]
             idx = idx[_within(sub, float(sub.max()))]
-    return int(idx[0])
+    if rng is None or len(idx) == 1:
+        return int(idx[0])
+    if weights is None:
+        return int(idx[rng.integers(len(idx))])
+    w = weights[idx]
+    return int(rng.choice(idx, p=w / w.sum()))
 
 
 def _within(values: FloatArray, ref: float) -> npt.NDArray[np.bool_]:

@@ -81,10 +81,15 @@ class RegionLoads:
         tr = self.triples(np.asarray([coord], dtype=float))
         return self.ledger.metric(level, (int(tr[0, 0]), int(tr[0, 1]), int(tr[0, 2])))
 
-    def best(self, level: Level, candidates: FloatArray) -> tuple[int, CoordMetric]:
-        """Index and criteria of a best candidate in the Sec. IV-D order (BestLocalCoord's answer)."""
+    def best(
+        self, level: Level, candidates: FloatArray, rng: np.random.Generator | None = None
+    ) -> tuple[int, CoordMetric]:
+        """Index and criteria of a best candidate in the Sec. IV-D order (BestLocalCoord's answer).
+
+        rng draws among several best candidates (`overlay.load.best_index`); without it the first wins.
+        """
         lmax, lmin, spare = self.ledger.metrics(level, self.triples(candidates))
-        i = best_index(lmax, lmin, spare)
+        i = best_index(lmax, lmin, spare, rng)
         return i, CoordMetric(float(lmax[i]), float(lmin[i]), float(spare[i]))
 
     def offer(self, level: Level, coord: tuple[float, float], node: str) -> Offer:

@@ -34,6 +34,19 @@ def test_tiebreaker_and_decide() -> None:
     assert decide(CoordMetric(6, 0, 0), []) is None
 
 
+def test_random_tiebreaker_draws_among_the_best_and_never_moves_on_a_tie() -> None:
+    best1, best2, worse = (
+        Offer("p", CoordMetric(4, 3, 1)),
+        Offer("q", CoordMetric(4, 3, 1)),
+        Offer("r", CoordMetric(5, 0, 9)),
+    )
+    rng = np.random.default_rng(3)
+    picks = {tiebreaker([worse, best1, best2], rng).coord for _ in range(100)}
+    assert picks == {"p", "q"}
+    assert all(decide(CoordMetric(4, 3, 1), [best1, best2], rng=rng) is None for _ in range(20))
+    assert {decide(CoordMetric(6, 0, 0), [worse, best1, best2], rng=rng).coord for _ in range(100)} == {"p", "q"}  # type: ignore[union-attr]
+
+
 def test_smallest_topic() -> None:
     assert smallest_topic({"x": 4.0, "y": 0.25, "z": 0.25}) == "y"
     assert smallest_topic({}) is None
@@ -118,18 +131,20 @@ def test_world_incremental_loads_match_recomputation_after_moves() -> None:
 
 
 def test_alg2_scan_moves_the_next_smallest_topic_when_the_smallest_cannot_move() -> None:
-    # Find a node whose smallest topic has no better coordinate (the paper's Alg. 2 stalls there) and check
-    # that scanning moves the smallest topic that does have one, leaving the loads consistent.
-    rng = np.random.default_rng(8)
+    # A balanced overlay whose topics then grow at different rates (Sec. VIII-A).  Find a node whose smallest
+    # topic has no better coordinate (the paper's Alg. 2 stalls there) and check that scanning moves the
+    # smallest topic that does have one, leaving the loads consistent.
+    rng = np.random.default_rng(1)
     net = SimNetwork(UNIT_SQUARE.uniform(rng, 10), UNIT_SQUARE, rng, per_node=40)
     one = BalanceParams(goal=Goal.L3, selection=Selection.BESTGLOBAL)
     scan = BalanceParams(goal=Goal.L3, selection=Selection.BESTGLOBAL, scan=100)
-    for h, load in zip(UNIT_SQUARE.uniform(rng, 100), rng.exponential(1.0, 100), strict=True):
-        net.add_balanced(h, float(load), one, rng)
+    for h in UNIT_SQUARE.uniform(rng, 100):
+        net.add_balanced(h, 1.0, one, rng)
+    for t, size in enumerate(topic_sizes(growth_rates(100, 10.0), 1.0)):
+        net.set_load(t, float(size))
     found = 0
     for v in range(10):
-        trial = copy.deepcopy(net)
-        if trial.balance_step(v, one, rng) is not None:
+        if copy.deepcopy(net).balance_step(v, one, rng) is not None:
             continue
         trial = copy.deepcopy(net)
         mv = trial.balance_step(v, scan, rng)
@@ -139,8 +154,7 @@ def test_alg2_scan_moves_the_next_smallest_topic_when_the_smallest_cannot_move()
         order = smallest_topics(net.responsible(v, 3), 100)
         assert mv.topic != order[0]
         for t in order[: order.index(mv.topic)]:  # every smaller topic really had nowhere better to go
-            alone = copy.deepcopy(net)
-            assert alone._try_move(v, t, one, rng) is None
+            assert copy.deepcopy(net)._try_move(v, t, one, rng) is None
         full = LoadLedger.recompute(10, zip(trial.triples, trial.loads, strict=True))
         assert np.allclose(trial.ledger.node_loads(3), full.node_loads(3))
     assert found > 0

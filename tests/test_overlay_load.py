@@ -113,6 +113,22 @@ def test_best_index_lexicographic() -> None:
         best_index(np.array([]), np.array([]), np.array([]))
 
 
+def test_best_index_draws_among_ties_only() -> None:
+    # rows 1, 2 and 4 tie on all three criteria; row 0 is worse on L_max, row 3 on the spare capacity
+    lmax = np.array([3.0, 2.0, 2.0, 2.0, 2.0])
+    lmin = np.array([0.0, 1.0, 1.0, 1.0, 1.0])
+    spare = np.array([9.0, 5.0, 5.0, 4.0, 5.0])
+    assert best_index(lmax, lmin, spare) == 1  # no generator: the first
+    rng = np.random.default_rng(1)
+    picks = [best_index(lmax, lmin, spare, rng) for _ in range(300)]
+    assert set(picks) == {1, 2, 4}
+    # weighted by how many candidates a row stands for: a row of weight 0 is never drawn, 3:1 shows
+    weights = np.array([1.0, 3.0, 0.0, 1.0, 1.0])
+    picks = [best_index(lmax, lmin, spare, rng, weights) for _ in range(2000)]
+    assert 2 not in picks and set(picks) == {1, 4}
+    assert 2.4 < picks.count(1) / picks.count(4) < 3.8
+
+
 def test_incremental_remove_and_resize_by_hand() -> None:
     led = ledger()
     led.remove((3, 1, 2), 3.0)  # t5 leaves: node 2's sums become {0: 4, 1: 4} -> L3_aN(2) = 4

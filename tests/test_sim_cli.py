@@ -36,6 +36,8 @@ def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, o
         (["sim", "static", "--balance", "addition", "--selection", "bestlocal", "--hops", "2"], "bestregional"),
         (["sim", "static", "--balance", "addition", "--selection", "bestglobal", "--queries", "5"], "bestglobal"),
         (["sim", "static", "--balance", "continuous"], "--balance"),
+        (["sim", "static", "--ties", "first"], "--ties needs balancing"),
+        (["sim", "static", "--balance", "addition", "--ties", "lowest"], "--ties"),
         (["sim", "growth", "--delta-tau", "0"], "--delta-tau"),
         (["sim", "growth", "--delta-tau", "1.5"], "--delta-tau"),
         (["sim", "growth", "--delta-tau", "0.3"], "divide"),

@@ -104,6 +104,12 @@ def _common(p: argparse.ArgumentParser, nodes: int, per_node: int) -> None:
         "--hops", type=_int_at_least(0), default=None, help=f"n_hops for bestregional (default {DEFAULT_HOPS})"
     )
     p.add_argument(
+        "--ties",
+        choices=["random", "first"],
+        default=None,
+        help="Tiebreaker(C*) among several best coordinates: a random one (default) or the first",
+    )
+    p.add_argument(
         "--quantile",
         choices=[q.value for q in QuantileRule],
         default=QuantileRule.INTERPOLATED.value,
@@ -152,7 +158,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _params(args: argparse.Namespace, balancing: bool) -> BalanceParams:
     parser: argparse.ArgumentParser = args.sim_parser
     if not balancing:
-        given = [f"--{n}" for n in ("goal", "selection", "queries", "hops") if getattr(args, n) is not None]
+        given = [f"--{n}" for n in ("goal", "selection", "queries", "hops", "ties") if getattr(args, n) is not None]
         if given:
             parser.error(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} balancing; add --balance")
     selection = Selection(args.selection or Selection.BESTGLOBAL.value)
@@ -170,6 +176,7 @@ def _params(args: argparse.Namespace, balancing: bool) -> BalanceParams:
             n_queries=args.queries if args.queries is not None else DEFAULT_QUERIES,
             n_hops=args.hops if args.hops is not None else DEFAULT_HOPS,
             scan=scan if scan is not None else 1,
+            random_ties=args.ties != "first",
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -306,7 +313,9 @@ def _config_dict(args: argparse.Namespace, params: BalanceParams, balance: Balan
         "quantile": args.quantile,
     }
     if balance is not BalanceMode.NONE:
-        cfg.update(goal=params.goal.value, selection=params.selection.value)
+        cfg.update(
+            goal=params.goal.value, selection=params.selection.value, ties="random" if params.random_ties else "first"
+        )
         if params.selection not in (Selection.BESTGLOBAL,):
             cfg["queries"] = params.n_queries
         if params.selection is Selection.BESTREGIONAL:

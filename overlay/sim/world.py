@@ -29,6 +29,11 @@ class Move:
     target: FloatArray
 
 
+def _ties(params: BalanceParams, rng: np.random.Generator) -> np.random.Generator | None:
+    """The generator Tiebreaker(C*) draws from, or None when the first best coordinate wins."""
+    return rng if params.random_ties else None
+
+
 class SimNetwork:
     """Nodes at fixed coordinates, topics with loads and coordinates C(t), and the loads they induce."""
 
@@ -129,6 +134,7 @@ class SimNetwork:
         """The answers delegating node `node` collects with the configured selection algorithm (C*)."""
         level = params.goal.level
         cands = self.cands
+        ties = _ties(params, rng)
         if params.selection is Selection.INDCOORD:
             qs = self.space.uniform(rng, params.n_queries)
             trs = triples_for(self.points, qs, self.tree)
@@ -137,16 +143,16 @@ class SimNetwork:
         if cands is None:
             raise ValueError(f"{params.selection} needs candidate coordinates")
         if params.selection is Selection.BESTGLOBAL:
-            i, m = cands.best_among(range(self.n), level, self.ledger)
+            i, m = cands.best_among(range(self.n), level, self.ledger, ties)
             return [Offer(cands.coords[i], m)]
         qs = self.space.uniform(rng, params.n_queries)
         owners = [node] + [int(o) for o in self.tree.query(qs, k=1)[1]]
         answers = []
         for o in owners:
             if params.selection is Selection.BESTLOCAL:
-                answers.append(cands.best(o, level, self.ledger))
+                answers.append(cands.best(o, level, self.ledger, ties))
             else:
-                answers.append(cands.best_among(self.region(o, params.n_hops), level, self.ledger))
+                answers.append(cands.best_among(self.region(o, params.n_hops), level, self.ledger, ties))
         return [Offer(cands.coords[i], m) for i, m in answers]
 
     def global_min_lmax(self, level: Level) -> float:
@@ -170,7 +176,7 @@ class SimNetwork:
         home_tr = self.triple(home)
         current = self.ledger.metric(level, home_tr)
         offers = self.offers(home_tr[0], params, rng)
-        choice = decide(current, offers, params.min_gain)
+        choice = decide(current, offers, params.min_gain, _ties(params, rng))
         old_min = 0.0
         if check_eq11:
             # BestGlobalCoord for L3 has just computed exactly global_min_lmax(3): reuse it
@@ -207,7 +213,7 @@ class SimNetwork:
         # Sec. V: metrics are computed excluding the topic to be delegated.
         self._unplace(t, tr, load)
         current = self.ledger.metric(params.goal.level, tr)
-        choice = decide(current, self.offers(v, params, rng), params.min_gain)
+        choice = decide(current, self.offers(v, params, rng), params.min_gain, _ties(params, rng))
         if choice is None:
             self._place(t, tr, load)
             return None
