@@ -72,7 +72,7 @@ async def run_live(
     flags = (
         *BASE_ARGS, "--balance", mode, "--goal", "L3", "--selection", args.selection, "--queries", str(args.queries),
         "--balance-interval", str(args.delta_tau), "--min-gain", str(args.min_gain),
-        "--move-cooldown", str(args.cooldown), "--balance-scan", str(args.scan),
+        "--move-cooldown", str(args.cooldown), "--balance-scan", str(args.scan), "--ties", args.ties,
         "--load-report-interval", str(REPORT_INTERVAL), "--query-timeout", "1.0",
     )  # fmt: skip
     base: list[dict[str, Any]] = []
@@ -130,7 +130,13 @@ def run_sim(
     rng = np.random.default_rng(args.seed)
     points = np.asarray(coords, dtype=float)
     net = SimNetwork(points, UNIT_SQUARE, rng)
-    params = BalanceParams(goal=Goal.L3, selection=Selection(args.selection), n_queries=args.queries, scan=args.scan)
+    params = BalanceParams(
+        goal=Goal.L3,
+        selection=Selection(args.selection),
+        n_queries=args.queries,
+        scan=args.scan,
+        random_ties=args.ties == "random",
+    )
     moved = 0.0
     for name, size in zip(names, sizes, strict=True):
         home = np.asarray(geohash(name), dtype=float)
@@ -167,6 +173,7 @@ async def main() -> None:
     ap.add_argument("--min-gain", type=float, default=0.05, help="hysteresis of the live brokers (fraction)")
     ap.add_argument("--cooldown", type=float, default=5.0, help="seconds before a topic may move again")
     ap.add_argument("--scan", type=int, default=1, help="smallest topics one Alg. 2 round may try (1 = the paper's)")
+    ap.add_argument("--ties", choices=("random", "first"), default="random", help="Tiebreaker(C*) of both sides")
     ap.add_argument("--modes", default="none,addition,continuous")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--state", default="/tmp/sedax-bench-balance")

@@ -114,6 +114,7 @@ class Balancer:
             n_queries=config.queries,
             n_hops=config.hops,
             scan=config.balance_scan,
+            random_ties=config.ties == "random",
         )
         self.records: dict[str, _Record] = {}
         self._pending: dict[int, _Collect] = {}

@@ -85,6 +85,7 @@ class BrokerConfig:
         min_gain: a topic moves only if the best coordinate lowers L_max by at least this fraction of the
             current coordinate's L_max (hysteresis; 0 is the paper's rule).
         max_move_bytes: a balancing round moves no topic larger than this (bytes per round).
+        ties: Tiebreaker(C*) among several equally best coordinates: "random" (one is drawn) or "first".
         balance_scan: how many of its smallest topics one Alg. 2 round may try until one has a better
             coordinate (1 = the paper's: the smallest only; more lets a broker whose smallest topic sits well
             shed the next one instead of stalling).  At most one topic moves per round either way.
@@ -147,6 +148,7 @@ class BrokerConfig:
     min_gain: float = 0.05
     max_move_bytes: int = 64 << 20
     balance_scan: int = 1
+    ties: str = "random"
     move_cooldown: float = 30.0
     load_report_interval: float = 1.0
     query_timeout: float = 1.0
@@ -208,6 +210,8 @@ class BrokerConfig:
             raise ConfigError(
                 f"selection must be indcoord, bestlocal, bestregional or bestglobal, got {self.selection!r}"
             )
+        if self.ties not in ("random", "first"):
+            raise ConfigError(f"ties must be random or first, got {self.ties!r}")
         if not 1 <= self.queries <= 1000:
             raise ConfigError(f"queries must be in 1..1000, got {self.queries}")
         if not 0 <= self.hops <= 64:
@@ -441,7 +445,7 @@ def _convert_one(name: str, value: object) -> object:
         return _to_opt_str(name, value)
     if name == "insecure":
         return _to_bool(name, value)
-    if name in ("listen", "log_level", "balance", "goal", "selection", "log_run", "slow_consumer_policy"):
+    if name in ("listen", "log_level", "balance", "goal", "selection", "ties", "log_run", "slow_consumer_policy"):
         return _to_str(name, value)
     raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
 

@@ -47,6 +47,7 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     lb.add_argument(
         "--balance-scan", dest="balance_scan", type=int, help="smallest topics one round may try, 1 = paper's (1)"
     )
+    lb.add_argument("--ties", choices=("random", "first"), help="among equally best coordinates (random)")
     lb.add_argument("--move-cooldown", dest="move_cooldown", type=float, help="seconds between moves (30)")
     lb.add_argument("--load-report-interval", dest="load_report_interval", type=float, help="seconds (1.0)")
     lb.add_argument("--query-timeout", dest="query_timeout", type=float, help="seconds (1.0)")

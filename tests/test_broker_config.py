@@ -68,6 +68,7 @@ def test_repeated_and_comma_join_flags() -> None:
         ({"coord": "0.5,0.5", "space": "0,0,-1,1"}, {}, "positive width"),
         ({"coord": "0.5,0.5", "heartbeat_misses": 1.5}, {}, "heartbeat_misses must be an integer"),
         ({"coord": "0.5,0.5", "balance_scan": 0}, {}, "balance_scan must be >= 1"),
+        ({"coord": "0.5,0.5", "ties": "lowest"}, {}, "ties must be random or first"),
     ],
 )
 def test_errors_name_the_setting(flags: dict[str, object], env: dict[str, str], match: str) -> None:

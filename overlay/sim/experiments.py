@@ -13,6 +13,9 @@ Setup choices the paper leaves open, and why they are what they are:
   are 5 points above a torus (docs/reproduction.md).
 * Heterogeneous loads use exactly 20% topics of load 4 and 80% of load 1/4 in random order, so the mean is
   exactly 1 in every run (the paper gives the proportions, not a sampling rule).
+* Tiebreaker(C*) (Alg. 1/2 line 3) draws uniformly among several best coordinates ("several best coordinates
+  may exist", Sec. IV-D); taking always the first sends every topic of a tie to one coordinate and left the
+  balanced q95 of Tables III-V 5-15 points above the paper (`--ties first` keeps that rule for comparison).
 * Every random draw of a run comes from one generator seeded with the run's seed, in a fixed order (nodes,
   topic coordinates, topic order, then candidates and queries), so the same seed gives the same overlay and
   topics with and without balancing, as the paper does ("the same seeds for all corresponding experiments").
