@@ -137,11 +137,6 @@ class Balancer:
         }
 
     @property
-    def _ties(self) -> np.random.Generator | None:
-        """The generator that draws among several best coordinates, or None to take the first."""
-        return self.rng if self.params.random_ties else None
-
-    @property
     def level(self) -> Level:
         """The resilience level whose loads the goal balances."""
         return self.params.goal.level
@@ -238,7 +233,7 @@ class Balancer:
             offer = region.offer(level, q.target, me.id)
         else:
             cands = self.candidates()
-            i, m = region.best(level, cands, self._ties)
+            i, m = region.best(level, cands, self.params.tie_rng(self.rng))
             offer = Offer((float(cands[i, 0]), float(cands[i, 1])), m.lmax, m.lmin, m.spare, me.id)
         answer = CoordOffer(q.corr, (offer,))
         self.counters["balance_offers"] += 1
@@ -328,7 +323,7 @@ class Balancer:
         current = self.region().without(triple, load).metric(self.level, coord)
         offers = await self.select(load, triple)
         choices = [Choice(o.coord, CoordMetric(o.lmax, o.lmin, o.spare)) for o in offers]
-        best = decide(current, choices, self.config.min_gain * current.lmax, self._ties)
+        best = decide(current, choices, self.config.min_gain * current.lmax, self.params.tie_rng(self.rng))
         plan: dict[str, object] = {
             "topic": topic,
             "size": int(load),

@@ -80,8 +80,8 @@ class BalanceParams:
     min_gain: float = 0.0
     # How many of a node's smallest topics one Alg. 2 round may try, smallest first; the first that has a
     # better coordinate moves.  1 is the paper's line 1 (t_vmin only).  With 1 a node whose smallest topic
-    # already sits well stalls for good: it proposes the same topic every Δτ and never sheds a larger one
-    # (docs/reproduction.md, Table V).
+    # already sits well proposes that same topic every Δτ and never sheds a larger one (docs/reproduction.md,
+    # Table V).
     scan: int = 1
     # Tiebreaker(C*) among several best coordinates: a random one (True) or the first answer (False, which
     # prefers the delegating node's own answer and the lowest-numbered candidate).
@@ -96,6 +96,10 @@ class BalanceParams:
             raise ValueError(f"min_gain must be non-negative, got {self.min_gain}")
         if self.scan < 1:
             raise ValueError(f"scan must be at least 1 (1 = the paper's smallest topic only), got {self.scan}")
+
+    def tie_rng(self, rng: np.random.Generator) -> np.random.Generator | None:
+        """The generator Tiebreaker(C*) draws from, or None when the first best coordinate wins."""
+        return rng if self.random_ties else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +146,11 @@ def decide(
     return best if best.metric.better_than(current, min_gain) else None
 
 
-def smallest_topic(loads: Mapping[T, float]) -> T | None:
-    """Alg. 2 line 1: t_vmin, the smallest topic among those v is responsible for (ties by name)."""
-    first = smallest_topics(loads, 1)
-    return first[0] if first else None
-
-
 def smallest_topics(loads: Mapping[T, float], k: int) -> list[T]:
     """The k smallest topics, smallest first (ties by name): the topics one Alg. 2 round tries in turn.
 
-    k = 1 is Alg. 2 line 1; a larger k (`BalanceParams.scan`) lets the round go on to the next-smallest topic
-    when the smallest has no better coordinate.
+    k = 1 is Alg. 2 line 1 (t_vmin, the smallest topic among those v is responsible for); a larger k
+    (`BalanceParams.scan`) lets the round go on to the next-smallest topic when the smallest has no better
+    coordinate.
     """
     return [t for t, _ in sorted(loads.items(), key=lambda kv: (kv[1], str(kv[0])))[:k]]

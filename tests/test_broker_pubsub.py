@@ -18,6 +18,7 @@ from conftest import FAST_ARGS
 from broker.cluster import LocalCluster
 from client.client import Client, PublishAck, RequestFailed, Subscription
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
+from overlay.pubsub import Located
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,15 @@ async def cluster10(tmp_path: Path) -> AsyncIterator[LocalCluster]:
     async with LocalCluster(10, seed=10, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS) as c:
         await c.wait_converged(30.0)
         yield c
+
+
+async def _locate_and_others(cluster: LocalCluster, topic: str) -> tuple[Located, list[int]]:
+    """Where the topic is stored, and the indices of the brokers that hold no copy of it (its primary and
+    secondary can then be killed or hung without taking a client's access broker with them)."""
+    async with Client(cluster.nodes[0].listen) as probe:
+        loc = await probe.locate(topic)
+    holders = {loc.primary.id, loc.secondary.id if loc.secondary else ""}
+    return loc, [i for i, bp in enumerate(cluster.nodes) if bp.node_id not in holders]
 
 
 async def drain(sub: Subscription, want: int, within: float) -> list[tuple[str, int]]:
@@ -118,10 +128,7 @@ async def test_hung_primary_fails_over_without_a_resend_storm(cluster10: LocalCl
     # out of order, and the client must re-send the missing ones once, not once per refusal.
     topic = "grid/hang/current"
     addrs = [bp.listen for bp in cluster10.nodes]
-    async with Client(addrs[0]) as probe:
-        loc = await probe.locate(topic)
-    holders = {loc.primary.id, loc.secondary.id if loc.secondary else ""}
-    free = [i for i, bp in enumerate(cluster10.nodes) if bp.node_id not in holders]
+    loc, free = await _locate_and_others(cluster10, topic)
     victim = next(i for i, bp in enumerate(cluster10.nodes) if bp.node_id == loc.primary.id)
     others = [addrs[i] for i in free[2:]]
     # One PUBLISH per message, so that every message after the failover gets a refusal of its own.
@@ -190,10 +197,7 @@ async def test_level1_loss_is_reported(tmp_path: Path) -> None:
 async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalCluster) -> None:
     topic = "grid/resume/power"
     addrs = [bp.listen for bp in cluster10.nodes]
-    async with Client(addrs[0]) as probe:
-        loc = await probe.locate(topic)
-    holders = {loc.primary.id, loc.secondary.id if loc.secondary else ""}
-    candidates = [i for i, bp in enumerate(cluster10.nodes) if bp.node_id not in holders]
+    _, candidates = await _locate_and_others(cluster10, topic)
     sub_at, pub_at = candidates[0], candidates[1]
     others = [addrs[i] for i in candidates[2:]]
     async with Client([addrs[sub_at], *others]) as s, Client(addrs[pub_at]) as pub:

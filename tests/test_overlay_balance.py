@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from overlay.balance import BalanceParams, Goal, Offer, Selection, decide, smallest_topic, smallest_topics, tiebreaker
+from overlay.balance import BalanceParams, Goal, Offer, Selection, decide, smallest_topics, tiebreaker
 from overlay.dynamics import (
     exponential_sizes,
     growth_rates,
@@ -48,8 +48,8 @@ def test_random_tiebreaker_draws_among_the_best_and_never_moves_on_a_tie() -> No
 
 
 def test_smallest_topic() -> None:
-    assert smallest_topic({"x": 4.0, "y": 0.25, "z": 0.25}) == "y"
-    assert smallest_topic({}) is None
+    assert smallest_topics({"x": 4.0, "y": 0.25, "z": 0.25}, 1) == ["y"]
+    assert smallest_topics({}, 1) == []
     assert smallest_topics({"x": 4.0, "y": 0.25, "z": 0.25, "w": 1.0}, 3) == ["y", "z", "w"]
     assert smallest_topics({"x": 4.0}, 5) == ["x"]
     assert smallest_topics({}, 2) == []

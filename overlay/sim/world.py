@@ -29,11 +29,6 @@ class Move:
     target: FloatArray
 
 
-def _ties(params: BalanceParams, rng: np.random.Generator) -> np.random.Generator | None:
-    """The generator Tiebreaker(C*) draws from, or None when the first best coordinate wins."""
-    return rng if params.random_ties else None
-
-
 class SimNetwork:
     """Nodes at fixed coordinates, topics with loads and coordinates C(t), and the loads they induce."""
 
@@ -134,7 +129,7 @@ class SimNetwork:
         """The answers delegating node `node` collects with the configured selection algorithm (C*)."""
         level = params.goal.level
         cands = self.cands
-        ties = _ties(params, rng)
+        ties = params.tie_rng(rng)
         if params.selection is Selection.INDCOORD:
             qs = self.space.uniform(rng, params.n_queries)
             trs = triples_for(self.points, qs, self.tree)
@@ -176,7 +171,7 @@ class SimNetwork:
         home_tr = self.triple(home)
         current = self.ledger.metric(level, home_tr)
         offers = self.offers(home_tr[0], params, rng)
-        choice = decide(current, offers, params.min_gain, _ties(params, rng))
+        choice = decide(current, offers, params.min_gain, params.tie_rng(rng))
         old_min = 0.0
         if check_eq11:
             # BestGlobalCoord for L3 has just computed exactly global_min_lmax(3): reuse it
@@ -213,7 +208,7 @@ class SimNetwork:
         # Sec. V: metrics are computed excluding the topic to be delegated.
         self._unplace(t, tr, load)
         current = self.ledger.metric(params.goal.level, tr)
-        choice = decide(current, self.offers(v, params, rng), params.min_gain, _ties(params, rng))
+        choice = decide(current, self.offers(v, params, rng), params.min_gain, params.tie_rng(rng))
         if choice is None:
             self._place(t, tr, load)
             return None
