@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -65,8 +66,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command != "broker":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except BrokenPipeError:
+        try:
+            gone = closed_pipe(sys.stdout.fileno())
+        except (OSError, ValueError):  # no file descriptor behind stdout (captured or already closed)
+            gone = False
+        if not gone:
+            raise  # a broker connection broke, not our reader: that error is the user's to see
+        # Whoever read our output has gone (`sedax sim ... | head`): stop quietly, as other Unix tools do.
+        # stdout now points at /dev/null so that the interpreter's last flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # what a shell reports for a tool ended by SIGPIPE
     return code
+
+
+def closed_pipe(fd: int) -> bool:
+    """Whether fd is a pipe whose reading end is closed (poll reports POLLERR for it on Linux and macOS)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 if __name__ == "__main__":

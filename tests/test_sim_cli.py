@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from client.cli import closed_pipe
 from overlay.sim.cli import main
 
 SMALL_STATIC = ["sim", "static", "--nodes", "12", "--topics-per-node", "5", "--seed", "3"]
@@ -215,3 +219,25 @@ def test_readme_sim_commands_run(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--json" in argv
         result = run_json(argv, capsys)
         assert result["runs"] == 1, argv
+
+
+def test_closed_stdout_ends_quietly() -> None:
+    """`sedax sim ... | head` must not end in a traceback when the reader goes away before the JSON is written."""
+    argv = [sys.executable, "-m", "overlay.sim.cli", *SMALL_STATIC, "--runs", "2", "--json"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err
+
+
+def test_closed_pipe_detects_a_reader_that_left() -> None:
+    r, w = os.pipe()
+    try:
+        assert not closed_pipe(w)
+        os.close(r)
+        assert closed_pipe(w)
+    finally:
+        os.close(w)

@@ -405,4 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m overlay.sim.cli sim ...` is `sedax sim ...`, with the same handling of a closed stdout
+    from client.cli import main as sedax
+
+    sys.exit(sedax())
