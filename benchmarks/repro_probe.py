@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -184,20 +185,16 @@ def _lattice(m: int) -> Sampler:
     return draw
 
 
+@dataclass(frozen=True, slots=True)
 class Geometry:
     """One hypothesis about node placement, distance and replica choice."""
 
-    def __init__(
-        self,
-        name: str,
-        nodes: Sampler = _square,
-        topics: Sampler = _square,
-        p: float = 2.0,
-        box: float | None = None,
-        replicas_of_primary: bool = False,
-    ) -> None:
-        self.name, self.nodes, self.topics, self.p, self.box = name, nodes, topics, p, box
-        self.replicas_of_primary = replicas_of_primary
+    name: str
+    nodes: Sampler = _square
+    topics: Sampler = _square
+    p: float = 2.0  # Minkowski p of the distance (2 Euclidean, 1 Manhattan, inf Chebyshev)
+    box: float | None = None  # side of a periodic square (a torus), or a bounded square
+    replicas_of_primary: bool = False
 
     def run(self, n: int, m: int, rng: np.random.Generator) -> tuple[FloatArray, FloatArray]:
         """Relative loads (3, n) and Monte Carlo cell areas (n,) in % for one overlay."""
