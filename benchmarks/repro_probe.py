@@ -110,15 +110,12 @@ def _horizontal(samples: Runs, p: float) -> float:
     x = np.sort(samples, axis=1).mean(axis=0)
     n = len(x)
     y = (n - np.arange(1, n + 1)) / n
-    level = 1.0 - p
-    k = int(np.argmax(y <= level + 1e-12))
-    if k == 0:
-        return float(x[0])
-    return float(x[k - 1] + (y[k - 1] - level) / (y[k - 1] - y[k]) * (x[k] - x[k - 1]))
+    # y falls with x: interpolate on the reversed line; a level above its first point gives x_(1)
+    return float(np.interp(1.0 - p, y[::-1], x[::-1]))
 
 
 READINGS: Final[dict[str, Callable[[Runs, float], float]]] = {
-    "pooled, interpolated (ours)": lambda s, p: ccdf_quantile(list(s), p),
+    "pooled, interpolated (ours)": q,
     "pooled, order statistic": lambda s, p: ccdf_quantile(list(s), p, QuantileRule.STEP),
     "per-run polyline (n-i)/n": lambda s, p: _polyline_vertical(s, p, 0),
     "per-run polyline (n-i)/(n+1)": lambda s, p: _polyline_vertical(s, p, 1),
@@ -252,6 +249,10 @@ def _paper_rule(led: LoadLedger, triples: IntArray, load: float) -> tuple[FloatA
     return led.metrics(3, triples)  # eqs. (8)-(10) without the new topic, as Sec. V says
 
 
+def _max_min(a: FloatArray, b: FloatArray, c: FloatArray) -> tuple[FloatArray, FloatArray]:
+    return np.maximum(np.maximum(a, b), c), np.minimum(np.minimum(a, b), c)
+
+
 def _size_aware(led: LoadLedger, triples: IntArray, load: float) -> tuple[FloatArray, FloatArray, FloatArray]:
     """The three loads of eq. (10) *after* adding the topic: a rule that knows the new topic's size."""
     n1, n2, n3 = triples[:, 0], triples[:, 1], triples[:, 2]
@@ -260,7 +261,7 @@ def _size_aware(led: LoadLedger, triples: IntArray, load: float) -> tuple[FloatA
     a = l3[n1] + load
     b = np.where(n2 != n1, l3[n2] + load, l3[n2])
     c = np.where(n3 == led.pad, 0.0, l2[n3] + np.maximum(led.l3a[n3], fa + load))
-    return np.maximum(np.maximum(a, b), c), np.minimum(np.minimum(a, b), c), l3[n3] - (l2[n3] + fa)
+    return (*_max_min(a, b, c), l3[n3] - (l2[n3] + fa))
 
 
 def _n3_full_load(led: LoadLedger, triples: IntArray, load: float) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -268,7 +269,7 @@ def _n3_full_load(led: LoadLedger, triples: IntArray, load: float) -> tuple[Floa
     _, _, spare = led.metrics(3, triples)
     l3 = led.l3()
     a, b, c = l3[triples[:, 0]], l3[triples[:, 1]], l3[triples[:, 2]]
-    return np.maximum(np.maximum(a, b), c), np.minimum(np.minimum(a, b), c), spare
+    return (*_max_min(a, b, c), spare)
 
 
 RULES: Final[dict[str, Rule]] = {
@@ -319,7 +320,8 @@ def probe_order(runs: int, blocks: int) -> None:
             s = summarise_static(sim_runs, cfg)["L3"]
             assert isinstance(s, dict)
             cells.append(f"{s['q5']:5.1f}/{s['mean']:5.1f}/{s['q95']:5.1f}")
-            first = first or [r.loads[2] / r.norm * 100.0 for r in sim_runs]
+            if b == 0:
+                first = [r.loads[2] / r.norm * 100.0 for r in sim_runs]
         print(f"  {order.value:10s} paper q95 {PAPER_TABLE_IV[order]:5.1f} | simulator: " + "  ".join(cells))
         # With a sorted order the greedy rule lands on the same sums of topic sizes run after run.
         values, counts = np.unique(np.round(np.concatenate(first), 3), return_counts=True)
@@ -335,22 +337,22 @@ def probe_order(runs: int, blocks: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("probe", choices=("levels", "readings", "geometry", "order"))
-    ap.add_argument("--runs", type=int, default=None, help="runs per cell (default 100)")
+    ap.add_argument("--runs", type=int, default=100, help="runs per cell (default 100)")
     ap.add_argument("--blocks", type=int, default=3, help="order: independent seed blocks (default 3)")
     args = ap.parse_args(argv)
-    if args.runs is not None and args.runs < 2:
+    if args.runs < 2:
         ap.error(f"--runs must be at least 2, got {args.runs}")
     if args.blocks < 1:
         ap.error(f"--blocks must be at least 1, got {args.blocks}")
     if args.probe == "levels":
-        probe_levels(args.runs or 100)
+        probe_levels(args.runs)
     elif args.probe == "readings":
-        probe_readings(args.runs or 100)
-        probe_estimators(args.runs or 100)
+        probe_readings(args.runs)
+        probe_estimators(args.runs)
     elif args.probe == "geometry":
-        probe_geometry(args.runs or 100)
+        probe_geometry(args.runs)
     else:
-        probe_order(args.runs or 100, args.blocks)
+        probe_order(args.runs, args.blocks)
     return 0
 
 
