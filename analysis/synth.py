@@ -1,6 +1,6 @@
 """Synthetic metrics logs in the schema of docs/logs.md, for tests and the analysis benchmark.
 
-The simulator (`overlay/sim/`) and the brokers write the real logs; this generator writes logs with the same
+The simulator (`sim/`) and the brokers write the real logs; this generator writes logs with the same
 shape and realistic content so the analysis can be tested and benchmarked without them: N nodes at random
 coordinates in the unit square, topics at random coordinates with growing sizes, node loads L1/L2/L3 from
 the topics' N1/N2/N3 (eqs. 1, 2, 4), Voronoi cell areas, Delaunay neighbours, move/delegation events, node

@@ -213,7 +213,10 @@ def picture_from_logs(log_dirs: Sequence[str]) -> OverlayPicture:
 
 
 class _StatusSource(Protocol):
-    """What the live adapter needs from an admin connection (client.admin.AdminClient satisfies it)."""
+    """What the live adapter needs from an admin connection (the CLI passes client.admin.AdminClient's).
+
+    analysis/ never imports the client or the broker (the layering contract in pyproject.toml): the command
+    line hands the crawl its connection factory and the errors that mean "this broker is unreachable"."""
 
     async def status(self) -> Any: ...
 
@@ -226,8 +229,9 @@ Connect = Callable[..., Awaitable[_StatusSource]]
 async def crawl_overlay(
     address: str,
     *,
+    connect: Connect,
+    unreachable_errors: tuple[type[BaseException], ...] = (),
     request_timeout: float = 5.0,
-    connect: Connect | None = None,
     max_brokers: int = MAX_CRAWL,
 ) -> OverlayPicture:
     """Crawl a live overlay from one broker: ask it for STATUS, then its neighbours, breadth first.
@@ -237,21 +241,21 @@ async def crawl_overlay(
 
     Args:
         address: HOST:PORT of any broker.
+        connect: the admin client factory (`client.admin.AdminClient.connect` from the CLI).
+        unreachable_errors: what connect or status raise for a broker that cannot be reached, besides
+            OSError and TimeoutError.
         request_timeout: seconds for each connect and request.
-        connect: the admin client factory (default `client.admin.AdminClient.connect`); tests pass a fake.
         max_brokers: stop crawling after this many brokers.
 
     Raises:
         VizError: the first broker cannot be reached.
     """
-    from client.admin import AdminClient, AdminError
-
-    factory: Connect = connect or AdminClient.connect
+    unreachable_types: tuple[type[BaseException], ...] = (OSError, TimeoutError, *unreachable_errors)
     sem = asyncio.Semaphore(CRAWL_PARALLEL)
 
     async def fetch(addr: str) -> Any:
         async with sem:
-            client = await factory(addr, timeout=request_timeout)
+            client = await connect(addr, timeout=request_timeout)
             try:
                 return await client.status()
             finally:
@@ -266,7 +270,7 @@ async def crawl_overlay(
         results = await asyncio.gather(*(fetch(addr) for _, addr in frontier), return_exceptions=True)
         nxt: list[tuple[str | None, str]] = []
         for (node_id, addr), res in zip(frontier, results, strict=True):
-            if isinstance(res, AdminError | OSError | TimeoutError):
+            if isinstance(res, unreachable_types):
                 if node_id is None:
                     raise VizError(f"cannot reach broker at {addr}: {res}")
                 unreachable.add(node_id)
@@ -293,9 +297,13 @@ async def crawl_overlay(
     return OverlayPicture(nodes=nodes, failed=failed, title=f"live overlay via {address}")
 
 
-def picture_from_broker(address: str, *, timeout: float = 5.0) -> OverlayPicture:
+def picture_from_broker(
+    address: str, connect: Connect, unreachable_errors: tuple[type[BaseException], ...] = (), *, timeout: float = 5.0
+) -> OverlayPicture:
     """The live adapter: `crawl_overlay` run on its own event loop (for the CLI)."""
-    return asyncio.run(crawl_overlay(address, request_timeout=timeout))
+    return asyncio.run(
+        crawl_overlay(address, connect=connect, unreachable_errors=unreachable_errors, request_timeout=timeout)
+    )
 
 
 # ---- drawing --------------------------------------------------------------------------------------------

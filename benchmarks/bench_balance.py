@@ -7,7 +7,7 @@ processes at resilience 3 is started at the same seeded coordinates; `sedax load
 another and fills them to the paper's heterogeneous sizes (Sec. VII-A).  With continuous balancing the brokers
 then balance until no topic has moved for a while.  The L1/L2/L3 loads of every broker (bytes, from STATUS)
 are normalised as in the paper (100% = total topic bytes / nodes) and compared with what the simulator
-(`overlay.sim.world.SimNetwork`, the same `overlay/` decision code) predicts for the same brokers, topic names
+(`sim.world.SimNetwork`, the same `overlay/` decision code) predicts for the same brokers, topic names
 (hence homes h(t)) and sizes.  Printed: max/mean and q95 of L3 for both, their ratio, signalling cost per Δτ
 and the moved load V_ML, R_ML (eqs. 13-14).
 """
@@ -26,13 +26,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from broker.cluster import LocalCluster
+from cli.balance import run_load
+from cli.cluster import LocalCluster
 from client.admin import AdminClient, status_json
-from client.cli_balance import run_load
 from overlay.balance import BalanceParams, Goal, Selection
 from overlay.geometry import UNIT_SQUARE, geohash
-from overlay.sim.experiments import LoadModel, ccdf_quantile
-from overlay.sim.world import SimNetwork
+from sim.experiments import LoadModel, ccdf_quantile
+from sim.world import SimNetwork
 
 REPORT_INTERVAL = 0.5  # --load-report-interval of the brokers
 BASE_ARGS = ("--heartbeat-interval", "0.5", "--heartbeat-misses", "6", "--log-level", "WARNING")

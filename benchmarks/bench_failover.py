@@ -35,7 +35,7 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-from broker.cluster import LocalCluster  # noqa: E402
+from cli.cluster import LocalCluster  # noqa: E402
 from client.client import Client  # noqa: E402
 
 NODES = 6

@@ -32,7 +32,7 @@ from scipy.sparse.csgraph import shortest_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from overlay.geometry import closest, delaunay_neighbour_map, distance, greedy_next_hop
 from overlay.protocol import Ping, append_routed, encode_message

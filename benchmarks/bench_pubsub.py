@@ -534,7 +534,7 @@ class Driver:
     # ---------------------------------------------------------------------------------------- SeDAX
 
     async def sedax(self, resilience: int, hops: list[int]) -> None:
-        from broker.cluster import LocalCluster
+        from cli.cluster import LocalCluster
 
         coords = line_coords(TOPIC, max(max(hops) + 1, resilience))
         try:

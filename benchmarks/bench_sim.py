@@ -16,7 +16,7 @@ import time
 from typing import Final
 
 from overlay.balance import BalanceMode, BalanceParams, Goal, Selection
-from overlay.sim.experiments import LoadModel, StaticConfig, run_static
+from sim.experiments import LoadModel, StaticConfig, run_static
 
 BOUND_S: Final = 10.0  # the bound for one Table III run
 NODES: Final = (100, 300, 1000)

@@ -41,7 +41,7 @@ RESULTS_MARK = "## Results"
 
 
 def _creds(spec: dict[str, Any]) -> Any:
-    from client.credentials import Credentials
+    from net.credentials import Credentials
 
     return Credentials(**spec["credentials"])
 
@@ -135,7 +135,7 @@ class Mode:
 
 
 async def run_once(mode: Mode, count: int, workdir: Path) -> None:
-    from broker.cluster import LocalCluster
+    from cli.cluster import LocalCluster
 
     state = workdir / f"{mode.name}-{len(mode.rates)}"
     async with LocalCluster(1, coords=[(0.5, 0.5)], resilience=1, tls=mode.tls, state_dir=state) as cluster:

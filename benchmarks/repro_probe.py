@@ -27,7 +27,7 @@ from scipy.stats import spearmanr
 from overlay.balance import BalanceMode
 from overlay.geometry import UNIT_SQUARE, FloatArray, IntArray
 from overlay.load import CoordMetric, LoadLedger, best_index
-from overlay.sim.experiments import (
+from sim.experiments import (
     LoadModel,
     Order,
     QuantileRule,
@@ -40,7 +40,7 @@ from overlay.sim.experiments import (
     static_topic_loads,
     summarise_static,
 )
-from overlay.sim.world import SimNetwork
+from sim.world import SimNetwork
 
 H, E = LoadModel.HOMOGENEOUS, LoadModel.HETEROGENEOUS
 # Table I (q5, q95 per level L1, L2, L3) and Fig. 6 top row, before growth (L3 only): the paper's values in %.

@@ -18,9 +18,9 @@ from typing import Any, Final
 
 from broker.flags import add_broker_arguments
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
+from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 from overlay.protocol import MAX_FRAME_SIZE, MAX_HOP_LIMIT, parse_address
 from overlay.pubsub import MAX_PAYLOAD_SIZE
-from overlay.sim.simlog import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 
 __all__ = ["BrokerConfig", "ConfigError", "add_broker_arguments", "build_config", "config_from_args"]
 

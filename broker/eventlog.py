@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from overlay.geometry import polygon_area, voronoi_cell
-from overlay.sim.simlog import JsonlWriter, Record, base_record, event_record
+from overlay.logschema import JsonlWriter, Record, base_record, event_record
 
 if TYPE_CHECKING:
     from broker.config import BrokerConfig

@@ -33,7 +33,7 @@ from broker.acl import Acl, load_acl, refusal
 from broker.config import BrokerConfig, ConfigError
 from broker.link import CloseReason, PeerLink
 from broker.tls import BrokerTls, load_broker_tls
-from client.credentials import ROLE_BROKER, PeerCert
+from net.credentials import ROLE_BROKER, PeerCert
 from overlay.protocol import (
     MAX_FRAME_SIZE,
     MAX_TOKEN_LEN,

@@ -14,7 +14,7 @@ import logging
 from typing import Final, Protocol
 
 from broker.tasks import TaskSet
-from client.credentials import PeerCert, peer_cert
+from net.credentials import PeerCert, peer_cert
 from overlay.protocol import (
     ControlFrame,
     FrameDecoder,

@@ -37,7 +37,7 @@ from broker.pubsub import PubSub, PubSubConfig
 from broker.store import Retention
 from broker.tasks import TaskSet
 from broker.tls import Listener
-from client.credentials import connect_broker, peer_cert
+from net.credentials import connect_broker, peer_cert
 from overlay.delegation import BalancePlan, BalancePlanned, CoordOffer, CoordQuery, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance

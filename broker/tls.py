@@ -23,7 +23,7 @@ from typing import Final
 
 from broker.config import BrokerConfig, ConfigError
 from broker.tasks import TaskSet
-from client.credentials import ROLE_BROKER, PeerCert, peer_cert
+from net.credentials import ROLE_BROKER, PeerCert, peer_cert
 
 # Pending connections the kernel queues for us; asyncio's default is 100.
 BACKLOG: Final = 512

@@ -12,7 +12,7 @@ import uuid
 from types import TracebackType
 from typing import Final, Self
 
-from client.credentials import Credentials, open_stream
+from net.credentials import Credentials, open_stream
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -95,7 +95,7 @@ class AdminClient:
     ) -> Self:
         """Connect and complete the handshake within timeout seconds; later requests get the same bound.
 
-        `credentials` default to the environment (client/credentials.py: SEDAX_CA, ... SEDAX_INSECURE).
+        `credentials` default to the environment (net/credentials.py: SEDAX_CA, ... SEDAX_INSECURE).
 
         Raises:
             BrokerUnavailable: the address is unreachable, the broker refused us, or it did not answer.

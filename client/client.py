@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 from client.admin import HANDSHAKE_HINT
-from client.credentials import Credentials, connect_broker
+from net.credentials import Credentials, connect_broker
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
     PROTOCOL_VERSION,
@@ -303,7 +303,7 @@ class Client:
         credentials: Credentials | None = None,
     ) -> None:
         """Raises ValueError for a bad address and CredentialsError (a ValueError) for unusable credentials;
-        credentials default to the environment (client/credentials.py: SEDAX_CA, ... SEDAX_INSECURE)."""
+        credentials default to the environment (net/credentials.py: SEDAX_CA, ... SEDAX_INSECURE)."""
         addrs = [brokers] if isinstance(brokers, str) else list(brokers)
         if not addrs:
             raise ValueError("give at least one broker address HOST:PORT")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from broker.cluster import BrokerProcess, LocalCluster
+from cli.cluster import BrokerProcess, LocalCluster
 from client.admin import AdminClient
-from client.credentials import Credentials
+from net.credentials import Credentials
 from overlay.geometry import closest, geohash
 from overlay.protocol import parse_address
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 
 # Brokers and clients require TLS unless told otherwise.  The suite predates TLS: its brokers, clients and
 # CLI processes run on plain TCP through SEDAX_INSECURE, which every process a test starts inherits.  The

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from analysis.synth import SynthStats, generate_logs
-from client import cli_analysis
+from cli import analysis as cli_analysis
 
 pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import SparkSession  # noqa: E402
@@ -437,7 +437,7 @@ async def _live_run(log_dir: Path, state_dir: Path) -> tuple[str, set[str]]:
     from cluster import topics_per_broker, wait_for
     from conftest import FAST_ARGS
 
-    from broker.cluster import LocalCluster
+    from cli.cluster import LocalCluster
     from client.client import Client
 
     args = (*FAST_ARGS, "--log-dir", str(log_dir), "--log-interval", str(LIVE_INTERVAL), "--log-run", "live")

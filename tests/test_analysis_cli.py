@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from analysis.job import AnalysisInputError, check_inputs
-from client import cli_analysis
+from cli import analysis as cli_analysis
 
 
 def test_missing_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,7 +63,7 @@ def test_register_on_a_foreign_parser() -> None:
 
 def test_module_entry_point(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "client.cli_analysis", "analyze", str(tmp_path / "none"), "--out", str(tmp_path)],
+        [sys.executable, "-m", "cli.analysis", "analyze", str(tmp_path / "none"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from overlay.geometry import closest
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "client.cli_overlay", *args],
+        [sys.executable, "-m", "cli.overlay", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 from cluster import check_routes, log_has, log_size, raw_connect, read_until_eof, wait_for
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from client.admin import AdminClient, RequestFailed
 from overlay.protocol import (
     PROTOCOL_VERSION,

@@ -13,7 +13,7 @@ import pytest
 from cluster import check_routes
 from conftest import FAST_ARGS
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def test_brokers_die_with_the_cluster_owner(tmp_path: Path) -> None:
     owner = (
         "import asyncio, sys\n"
         "from pathlib import Path\n"
-        "from broker.cluster import LocalCluster\n"
+        "from cli.cluster import LocalCluster\n"
         "async def main():\n"
         "    c = LocalCluster(2, seed=1, resilience=1, state_dir=Path(sys.argv[1]), tls=False)\n"
         "    await c.__aenter__()\n"

@@ -15,7 +15,7 @@ import pytest
 from cluster import wait_for
 from conftest import FAST_ARGS
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from client.client import Client, PublishAck, RequestFailed, Subscription
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
 from overlay.pubsub import Located
@@ -264,7 +264,7 @@ async def test_bad_input_gets_clear_errors(cluster10: LocalCluster) -> None:
 
 def sedax(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args],
+        [sys.executable, "-m", "cli.main", *args],
         input=stdin,
         capture_output=True,
         text=True,
@@ -276,7 +276,7 @@ def sedax(*args: str, stdin: str | None = None, timeout: float = 60) -> subproce
 async def test_cli_pub_sub_locate(cluster10: LocalCluster) -> None:
     a, b = cluster10.nodes[1].listen, cluster10.nodes[7].listen
     sub = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "client.cli", "sub", "grid/cli/t", "--broker", a, "--count", "3", "--json",
+        sys.executable, "-m", "cli.main", "sub", "grid/cli/t", "--broker", a, "--count", "3", "--json",
         "--timeout", "30", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     async with Client(a) as probe:  # the subscription is registered once the topic lists a subscriber

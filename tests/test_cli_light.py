@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from client import cli
+from cli import main as cli
 
 PROBE = """
 import sys
-from client import cli
+from cli import main as cli
 argv = sys.argv[1:]
 cli.build_parser(light=cli._command(argv) in cli.LIGHT_COMMANDS).parse_args(argv)
 heavy = sorted(m for m in ("numpy", "scipy") if m in sys.modules)

@@ -11,7 +11,7 @@ import pytest
 from cluster import wait_for
 from conftest import FAST_ARGS
 
-from broker.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from client.admin import AdminClient, status_json
 from client.client import Client, PublishAck, RequestFailed, Subscription
 from overlay.geometry import closest, geohash
@@ -217,7 +217,7 @@ async def test_dry_run_reports_and_moves_nothing(tmp_path: Path, selection: str)
             after = await cl.locate(topic)
             assert after.coord == before.coord and len(after.delegates) == len(before.delegates)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "client.cli", "balance", "--broker", addr, "--all", "--json",
+            sys.executable, "-m", "cli.main", "balance", "--broker", addr, "--all", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         async with asyncio.timeout(60):

@@ -22,9 +22,9 @@ import pytest
 from cluster import topics_per_broker, wait_for
 from conftest import FAST_ARGS
 
-from broker.cluster import LocalCluster
 from broker.config import ConfigError, build_config
 from broker.metrics import AckTimer, Buckets
+from cli.cluster import LocalCluster
 from client.client import Client
 from overlay.protocol import encode_control, parse_address
 from overlay.pubsub import Ack, Deliver, Nack, Record

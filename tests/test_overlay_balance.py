@@ -19,7 +19,7 @@ from overlay.dynamics import (
 )
 from overlay.geometry import UNIT_SQUARE
 from overlay.load import CoordMetric, LoadLedger
-from overlay.sim.world import SimNetwork
+from sim.world import SimNetwork
 
 
 def test_tiebreaker_and_decide() -> None:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def _sedax(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SEDAX_")}  # the secure default
     return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args],
+        [sys.executable, "-m", "cli.main", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,7 +15,7 @@ import pytest
 from cluster import log_has, log_size, raw_connect, read_until_eof, wait_for
 from conftest import FAST_ARGS
 
-from broker.cluster import BrokerProcess, LocalCluster
+from cli.cluster import BrokerProcess, LocalCluster
 from client.client import Client, ConnectError, RequestFailed
 from overlay.protocol import (
     PROTOCOL_VERSION,

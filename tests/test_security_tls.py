@@ -22,10 +22,10 @@ import pytest
 from cluster import check_routes, log_has, log_size, wait_for
 from conftest import FAST_ARGS
 
-from broker import certs
-from broker.cluster import BrokerProcess, LocalCluster
+from cli.cluster import BrokerProcess, LocalCluster
 from client.client import Client, ConnectError, RequestFailed
-from client.credentials import Credentials
+from net import certs
+from net.credentials import Credentials
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,

@@ -1,6 +1,6 @@
 """Security building blocks without a running overlay: ACL rules, token buckets, certificates, settings.
 
-Certificates are real (the openssl CLI, broker/certs.py); TLS contexts are real (Python's ssl module).
+Certificates are real (the openssl CLI, net/certs.py); TLS contexts are real (Python's ssl module).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from broker import certs
 from broker.acl import AclError, load_acl, parse_acl, refusal
 from broker.config import BrokerConfig, ConfigError, build_config
 from broker.guard import Guard, TokenBucket, load_tokens
 from broker.node import Broker
-from client.credentials import Credentials, CredentialsError
+from net import certs
+from net.credentials import Credentials, CredentialsError
 from overlay.pubsub import Failed, Fetch, Locate, Nack, Publish, Subscribe, Unsubscribe
 
 ACL = """\

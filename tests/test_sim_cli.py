@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from client.cli import closed_pipe
-from overlay.sim.cli import main
+from cli.main import closed_pipe
+from cli.sim import main
 
 SMALL_STATIC = ["sim", "static", "--nodes", "12", "--topics-per-node", "5", "--seed", "3"]
 SMALL_GROWTH = ["sim", "growth", "--nodes", "6", "--topics-per-node", "5", "--delta-tau", "0.1", "--seed", "3"]
@@ -223,7 +223,7 @@ def test_readme_sim_commands_run(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_closed_stdout_ends_quietly() -> None:
     """`sedax sim ... | head` must not end in a traceback when the reader goes away before the JSON is written."""
-    argv = [sys.executable, "-m", "overlay.sim.cli", *SMALL_STATIC, "--runs", "2", "--json"]
+    argv = [sys.executable, "-m", "cli.sim", *SMALL_STATIC, "--runs", "2", "--json"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before anything is written

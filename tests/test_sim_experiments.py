@@ -10,7 +10,7 @@ import pytest
 from overlay.balance import BalanceMode, BalanceParams, Goal, Selection
 from overlay.candidates import triples_for
 from overlay.load import LoadLedger
-from overlay.sim.experiments import (
+from sim.experiments import (
     GrowthConfig,
     LoadModel,
     Order,

@@ -20,8 +20,8 @@ from analysis.viz import (
     picture_from_logs,
     render,
 )
-from client import cli_analysis
-from client.admin import BrokerUnavailable
+from cli import analysis as cli_analysis
+from client.admin import AdminError, BrokerUnavailable
 from overlay.protocol import NodeInfo, Status
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -172,7 +172,7 @@ async def test_crawl_live_overlay_with_fake_admin() -> None:
         clients.append(FakeAdmin(by_addr[addr]))
         return clients[-1]
 
-    pic = await crawl_overlay(info["a"].listen, request_timeout=1.5, connect=connect)
+    pic = await crawl_overlay(info["a"].listen, request_timeout=1.5, connect=connect, unreachable_errors=(AdminError,))
     assert [n.node for n in pic.nodes] == ["a", "b", "c", "d"]
     assert pic.failed == {"e": coords["e"]}
     assert all(c.closed for c in clients) and len(clients) == 4
@@ -180,4 +180,4 @@ async def test_crawl_live_overlay_with_fake_admin() -> None:
     links = {tuple(sorted(m)) for m in re.findall(r'data-a="([^"]+)" data-b="([^"]+)"', svg)}
     assert links == scipy_edges({n: coords[n] for n in "abcd"})
     with pytest.raises(VizError, match="cannot reach"):
-        await crawl_overlay(info["e"].listen, request_timeout=1.5, connect=connect)
+        await crawl_overlay(info["e"].listen, request_timeout=1.5, connect=connect, unreachable_errors=(AdminError,))

@@ -6,7 +6,7 @@ converge to the Delaunay triangulation of the live coordinates (checked through 
 It keeps no event-loop-bound state between calls, so one cluster can serve tests running on different loops.
 
 Brokers speak TLS unless the cluster is insecure: a development CA and one broker certificate per node
-(CN = node id) are created under ``state_dir/certs`` (broker/certs.py), and `credentials(name)` issues
+(CN = node id) are created under ``state_dir/certs`` (net/certs.py), and `credentials(name)` issues
 client certificates for tools and tests.  `tls=None` means TLS unless SEDAX_INSECURE is set.
 """
 
@@ -28,9 +28,9 @@ from typing import Any, Final, Self
 
 import numpy as np
 
-from broker import certs
 from client.admin import AdminClient, AdminError
-from client.credentials import ENV_INSECURE, Credentials, parse_bool
+from net import certs
+from net.credentials import ENV_INSECURE, Credentials, parse_bool
 from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
 from overlay.protocol import Status
 

@@ -1,4 +1,4 @@
-"""`sedax certs`: a development CA and certificates for brokers and clients, bearer tokens (broker/certs.py).
+"""`sedax certs`: a development CA and certificates for brokers and clients, bearer tokens (net/certs.py).
 
     sedax certs init  --dir DIR                                   # DIR/ca.pem, DIR/ca.key
     sedax certs issue --dir DIR --name n0 --role broker [--host H]  # DIR/n0.pem, DIR/n0.key
@@ -18,7 +18,7 @@ EXIT_USAGE: Final = 2
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from broker import certs
+    from net import certs
 
     try:
         if args.action == "init":

@@ -37,7 +37,7 @@ from overlay.candidates import triples_for
 from overlay.dynamics import exponential_sizes, growth_rates, moved_load_rate, topic_sizes
 from overlay.geometry import UNIT_SQUARE, FloatArray, IntArray, delaunay_neighbours, polygon_area, voronoi_cells
 from overlay.load import LEVELS
-from overlay.sim.world import SimNetwork
+from sim.world import SimNetwork
 
 # Share of large topics in the heterogeneous load model (Sec. VII-A): 20% of load 4, 80% of load 1/4.
 HETEROGENEOUS_LARGE_SHARE: Final = 0.2

@@ -16,12 +16,12 @@ from typing import Any, Final
 
 import numpy as np
 
-from client.cli_pubsub import EXIT_FAILED, EXIT_USAGE, _err, add_broker_flag, brokers_arg
+from cli.pubsub import EXIT_FAILED, EXIT_USAGE, _err, add_broker_flag, brokers_arg
 from client.client import Client, ClientError, PublishAck
-from client.credentials import Credentials
+from net.credentials import Credentials
 from overlay.pubsub import MESSAGE_OVERHEAD
-from overlay.sim.experiments import LoadModel, static_topic_loads
 from overlay.topics import BadTopic, validate_topic
+from sim.experiments import LoadModel, static_topic_loads
 
 DEFAULT_PAYLOAD: Final = 1024
 

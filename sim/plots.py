@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from overlay.geometry import FloatArray
-from overlay.sim.experiments import averaged_ccdf
+from sim.experiments import averaged_ccdf
 
 
 def _pyplot() -> Any:

@@ -27,7 +27,7 @@ def _say(text: str) -> None:
 
 async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics: int, insecure: bool = False) -> int:
     """Run the demo; returns the exit code."""
-    from broker.cluster import LocalCluster
+    from cli.cluster import LocalCluster
 
     names = [f"grid/feeder-{i}/voltage" for i in range(topics)]
     _say(f"starting {nodes} brokers on 127.0.0.1 (resilience level {resilience}) ...")

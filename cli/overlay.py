@@ -1,6 +1,6 @@
 """Overlay subcommands of the `sedax` CLI: broker, status, route, cluster.
 
-`client/cli.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
+`cli/main.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
 Exit code 2 means a usage problem the message explains (bad coordinate, unreachable broker).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from client.admin import AdminClient, AdminError, RequestFailed, route_json, status_json
-from client.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
+from net.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
 
 EXIT_USAGE: Final = 2
 DEFAULT_STATE_DIR: Final = ".sedax-cluster"
@@ -120,8 +120,8 @@ def _read_coords(path: str) -> list[tuple[float, float]]:
 
 
 async def _cluster_up(args: argparse.Namespace) -> int:
-    from broker.certs import CertError
-    from broker.cluster import ClusterError, LocalCluster
+    from cli.cluster import ClusterError, LocalCluster
+    from net.certs import CertError
 
     coords = _read_coords(args.coords) if args.coords else None
     n = args.nodes if args.nodes is not None else (len(coords) if coords else 0)
@@ -170,7 +170,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
 def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         return asyncio.run(_cluster_up(args))
-    from broker.cluster import STATE_FILE, stop_pids
+    from cli.cluster import STATE_FILE, stop_pids
 
     path = Path(args.state_dir) / STATE_FILE
     try:
@@ -235,7 +235,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point (`python -m client.cli_overlay ...`) until `sedax` wires these in."""
+    """Stand-alone entry point (`python -m cli.overlay ...`) until `sedax` wires these in."""
     parser = argparse.ArgumentParser(prog="sedax")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Final, Generic, TypeVar
 
 from overlay.balance import DEFAULT_HOPS, DEFAULT_QUERIES, BalanceMode, BalanceParams, Goal, Selection
-from overlay.sim.experiments import (
+from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES, JsonlWriter
+from sim.experiments import (
     GrowthConfig,
     GrowthRun,
     LoadModel,
@@ -37,7 +38,7 @@ from overlay.sim.experiments import (
     summarise_growth,
     summarise_static,
 )
-from overlay.sim.simlog import DEFAULT_KEEP, DEFAULT_MAX_BYTES, JsonlWriter, move_record, snapshot_records
+from sim.simlog import move_record, snapshot_records
 
 R = TypeVar("R")
 C = TypeVar("C")
@@ -264,7 +265,7 @@ def _run_static_cmd(args: argparse.Namespace) -> int:
     if args.log_dir is not None:
         _log_static(args, runs, seeds)
     if args.plot is not None:
-        from overlay.sim.plots import plot_ccdf
+        from sim.plots import plot_ccdf
 
         rel = relative_loads([r.loads for r in runs], [r.norm for r in runs])
         title = f"{args.nodes} nodes x {args.topics_per_node} {args.loads} topics, balance {args.balance}"
@@ -292,7 +293,7 @@ def _run_growth_cmd(args: argparse.Namespace) -> int:
     if args.log_dir is not None:
         _log_growth(args, runs, seeds, cfg)
     if args.plot is not None:
-        from overlay.sim.plots import plot_growth
+        from sim.plots import plot_growth
 
         mv = summary["moved"]
         assert isinstance(mv, dict)
@@ -405,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m overlay.sim.cli sim ...` is `sedax sim ...`, with the same handling of a closed stdout
-    from client.cli import main as sedax
+    # `python -m cli.sim sim ...` is `sedax sim ...`, with the same handling of a closed stdout
+    from cli.main import main as sedax
 
     sys.exit(sedax())

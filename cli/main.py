@@ -1,7 +1,7 @@
 """The `sedax` command: one entry point, one subcommand per job.
 
-Subcommands live beside what they drive (`client/cli_overlay.py`, `client/cli_pubsub.py`, `overlay/sim/cli.py`,
-`client/cli_analysis.py`, `client/cli_certs.py`, `client/demo.py`); this module only assembles them, so
+Subcommands live beside what they drive (`cli/overlay.py`, `cli/pubsub.py`, `cli/sim.py`,
+`cli/analysis.py`, `cli/certs.py`, `cli/demo.py`); this module only assembles them, so
 `sedax --help` stays cheap.
 """
 
@@ -14,7 +14,11 @@ import select
 import sys
 from collections.abc import Sequence
 
-from client import cli_analysis, cli_certs, cli_overlay, cli_pubsub, demo
+from cli import analysis as cli_analysis
+from cli import certs as cli_certs
+from cli import demo
+from cli import overlay as cli_overlay
+from cli import pubsub as cli_pubsub
 
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
 # `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
@@ -39,8 +43,8 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
     cli_overlay.register(sub)
     cli_pubsub.register(sub)
     if not light:
-        from client import cli_balance
-        from overlay.sim import cli as sim_cli
+        from cli import balance as cli_balance
+        from cli import sim as sim_cli
 
         cli_balance.register(sub)
         sim_cli.register(sub)

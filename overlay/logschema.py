@@ -1,23 +1,19 @@
-"""Records of the exported-metrics log schema 1 (docs/logs.md) and the rotating JSON-lines writer.
+"""The exported-metrics log schema 1 (docs/logs.md): record builders and the rotating JSON-lines writer.
 
-The simulator writes what a broker cluster writes, in topic units, so `sedax analyze` reads both: one
-`snapshot` per node per step and one `event` per delegation.  The brokers (broker/eventlog.py) build their
-records with `base_record`/`event_record` and write them with `JsonlWriter`, so the layout and the rotation
-have one home.  Record builders are pure; `JsonlWriter` is the only code here that touches files.
+Brokers (broker/eventlog.py) and the simulator (sim/simlog.py) write the same records, and `sedax analyze`
+(analysis/) reads both, so the layout and the rotation have one home here, below all three.  The record
+builders are pure; `JsonlWriter` is the one piece of overlay/ that touches files: a plain synchronous
+append-and-rotate with no sockets, no event loop and no clock, shared because a second copy in broker/ and sim/
+would drift.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:  # annotations only: the brokers import this module without the simulator
-    from overlay.geometry import FloatArray
-    from overlay.sim.experiments import MoveRecord, Overlay
+from typing import Final
 
 SCHEMA: Final = 1
 # docs/logs.md: rotate at 64 MiB and keep 5 files by default, the same limits the brokers use.
@@ -61,42 +57,6 @@ def event_record(
         }
     )
     return rec
-
-
-def snapshot_records(
-    run: str, step: int, ts: float, overlay: Overlay, loads: FloatArray, counters: FloatArray | None = None
-) -> Iterator[Record]:
-    """One `snapshot` record per node: loads is (3, nodes) in topic units; counters the moved load so far."""
-    for v in range(len(overlay.points)):
-        rec = base_record("snapshot", run, "sim", ts, step, str(v))
-        rec.update(
-            {
-                "coord": [float(overlay.points[v, 0]), float(overlay.points[v, 1])],
-                "loads": {"L1": float(loads[0, v]), "L2": float(loads[1, v]), "L3": float(loads[2, v])},
-                "unit": "topic",
-                "cell_area": float(overlay.cell_area[v]),
-                "neighbours": [str(w) for w in overlay.neighbours[v]],
-            }
-        )
-        if counters is not None:
-            rec["counters"] = {"moved_load": float(counters[v])}
-        yield rec
-
-
-def move_record(run: str, ts: float, mv: MoveRecord) -> Record:
-    """The `event` record of one delegation (Alg. 1) or move (Alg. 2); its load feeds V_ML, eq. (13)."""
-    return event_record(
-        run,
-        "sim",
-        ts,
-        max(mv.step, 0),
-        str(mv.node),
-        mv.kind,
-        topic=f"t{mv.topic}",
-        load=mv.load,
-        frm=mv.source,
-        to=mv.target,
-    )
 
 
 class JsonlWriter:

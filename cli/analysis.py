@@ -1,10 +1,10 @@
 """Analysis subcommands of the `sedax` CLI: `analyze` (PySpark job over metrics logs) and `viz` (overlay picture).
 
-`client/cli.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
+`cli/main.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
 Exit code 2 means a usage problem the message explains (missing log directory, no logs, bad output name).
 PySpark, numpy and matplotlib are imported inside the handlers, so `sedax --help` stays cheap.
 
-Also runnable on its own: `python -m client.cli_analysis analyze LOG_DIR --out DIR`.
+Also runnable on its own: `python -m cli.analysis analyze LOG_DIR --out DIR`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def _cmd_viz(args: argparse.Namespace) -> int:
                 return _fail(f"log directory not found: {', '.join(missing)}")
             pic = picture_from_logs(args.log_dir)
         else:
-            pic = picture_from_broker(args.broker, timeout=args.timeout)
+            from client.admin import AdminClient, AdminError
+
+            pic = picture_from_broker(args.broker, AdminClient.connect, (AdminError,), timeout=args.timeout)
         path = render(pic, out, args.level)
     except VizError as exc:
         return _fail(str(exc))

@@ -17,7 +17,7 @@ import time
 from typing import Any, Final
 
 from client.client import Client, ClientError, ConnectError, PublishAck, ReceivedMessage, RequestFailed
-from client.credentials import add_credential_flags, credentials_from_args
+from net.credentials import add_credential_flags, credentials_from_args
 from overlay.topics import BadTopic, validate_topic
 
 EXIT_FAILED: Final = 1
