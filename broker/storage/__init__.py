@@ -1,0 +1,103 @@
+"""A broker's data directory: one disk log per topic it holds (broker/storage/disklog.py), recovered at start.
+
+`DiskStore` owns `<data-dir>/topics/`: it reads every topic directory back at start (`recover`), creates the
+log of a topic the broker starts to hold (`open_log`), syncs the written logs on the INTERVAL policy's beat
+(`sync_due`) and closes them all on shutdown.  The on-disk format and what each write policy promises are in
+docs/storage.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from broker.storage.disklog import (
+    DEFAULT_SEGMENT_BYTES,
+    DiskLog,
+    FsyncMode,
+    FsyncPolicy,
+    Recovered,
+    RecoveryReport,
+    StorageError,
+    StorageFull,
+    TopicMeta,
+    recover,
+    topic_dirname,
+)
+
+__all__ = [
+    "DiskLog",
+    "DiskStore",
+    "FsyncMode",
+    "FsyncPolicy",
+    "Recovered",
+    "RecoveryReport",
+    "StorageError",
+    "StorageFull",
+    "TopicMeta",
+]
+
+
+class DiskStore:
+    """The topic logs of one data directory."""
+
+    def __init__(self, data_dir: Path, policy: FsyncPolicy, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        self.data_dir = data_dir
+        self.policy = policy
+        self.segment_bytes = segment_bytes
+        self.topics_dir = data_dir / "topics"
+        self.topics_dir.mkdir(parents=True, exist_ok=True)
+        self._logs: dict[str, DiskLog] = {}
+        self._last_sync = 0.0
+
+    def recover(self) -> tuple[list[Recovered], RecoveryReport]:
+        """Read every topic directory back; the logs stay open for appending.  Unreadable ones are reported."""
+        report = RecoveryReport()
+        found: list[Recovered] = []
+        for d in sorted(p for p in self.topics_dir.iterdir() if p.is_dir()):
+            try:
+                rec, log = recover(d, self.policy, self.segment_bytes)
+            except StorageError:
+                report.unreadable.append(d.name)
+                continue
+            if d.name != topic_dirname(rec.meta.name) or rec.meta.name in self._logs:
+                log.close()
+                report.unreadable.append(d.name)
+                continue
+            self._logs[rec.meta.name] = log
+            found.append(rec)
+            report.topics += 1
+            report.records += len(rec.rows)
+            report.bytes += log.size
+            report.damaged_stretches += rec.damaged_stretches
+            report.damaged_bytes += rec.damaged_bytes
+            report.torn_bytes += rec.torn_bytes
+        return found, report
+
+    def open_log(self, meta: TopicMeta) -> DiskLog:
+        """The log of a topic (created empty if the broker did not hold it yet)."""
+        log = self._logs.get(meta.name)
+        if log is None:
+            log = self._logs[meta.name] = DiskLog(
+                self.topics_dir / topic_dirname(meta.name), meta, self.policy, self.segment_bytes
+            )
+        return log
+
+    def forget(self, name: str) -> None:
+        """Delete a topic's files (handed over or dropped)."""
+        log = self._logs.pop(name, None)
+        if log is not None:
+            log.destroy()
+
+    def sync_due(self, now: float) -> None:
+        """On the INTERVAL policy, force every written log to the disk once per interval."""
+        if self.policy.mode is not FsyncMode.INTERVAL or now - self._last_sync < self.policy.interval:
+            return
+        self._last_sync = now
+        for log in self._logs.values():
+            log.sync()
+
+    def close(self) -> None:
+        """Write, sync and close every log (graceful shutdown)."""
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()

@@ -1,0 +1,422 @@
+"""The disk log of one topic: append-only segment files, a write policy, retention by whole segments, recovery.
+
+Layout (docs/storage.md): `<data-dir>/topics/<sha256(topic)[:32]>/` holds `meta.json` (the topic's name and
+coordinates), segment files `000000000001.seg`, `000000000002.seg`, .. of frames (broker/storage/frames.py),
+and `dedup.msgpack`, the last sequence number of every publisher, written whenever retention deletes a segment
+(the records that carried that state go with it).
+
+Writes go straight to the file descriptor (no user-space buffer), so a crashed or SIGKILLed process loses
+nothing it wrote; the policy only decides when the kernel is told to put it on the disk (`FsyncPolicy`).
+The in-memory log (broker/store.py TopicLog) stays the one that serves reads: the disk log is its journal,
+read back only by recovery.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import msgpack
+
+from broker.storage.frames import Row, encode_into, scan
+
+SEGMENT_SUFFIX: Final = ".seg"
+# A topic's data rolls into a new segment past this size, so retention frees space in steps of at most this.
+DEFAULT_SEGMENT_BYTES: Final = 8 << 20
+
+
+class StorageError(Exception):
+    """Base of disk-store errors."""
+
+
+class StorageFull(StorageError):
+    """The data directory has no room for more records; publishes are refused until space is freed."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(
+            f"no space left in {directory}: free disk space or lower --retention-bytes/--retention-seconds; "
+            "publishes are refused (storage_full) until then, stored data is still served"
+        )
+        self.directory = directory
+
+
+class FsyncMode(enum.Enum):
+    """When a written record is forced to the disk (docs/storage.md says what an ACK means under each)."""
+
+    ALWAYS = "always"  # every record synced on its own before the broker goes on
+    BATCH = "batch"  # the records of one loop turn synced together, before any of them is acknowledged
+    INTERVAL = "interval"  # written at once, synced every interval: an OS crash loses at most the interval
+    NEVER = "never"  # written at once, synced when the kernel chooses
+
+
+@dataclass(frozen=True, slots=True)
+class FsyncPolicy:
+    """A write policy: `always`, `batch`, `interval:MS` or `never`."""
+
+    mode: FsyncMode = FsyncMode.BATCH
+    interval: float = 0.0  # seconds, INTERVAL only
+
+    @classmethod
+    def parse(cls, text: str) -> FsyncPolicy:
+        """The policy named by text; ValueError names the accepted forms."""
+        name, _, arg = text.strip().partition(":")
+        try:
+            mode = FsyncMode(name)
+        except ValueError:
+            raise ValueError(f"--fsync must be always, batch, interval:MS or never, got {text!r}") from None
+        if mode is FsyncMode.INTERVAL:
+            try:
+                ms = float(arg)
+            except ValueError:
+                raise ValueError(f"--fsync interval needs milliseconds, as in interval:200, got {text!r}") from None
+            if not (math.isfinite(ms) and ms > 0):
+                raise ValueError(f"--fsync interval must be a positive number of milliseconds, got {text!r}")
+            return cls(mode, ms / 1000.0)
+        if arg:
+            raise ValueError(f"--fsync {name} takes no argument, got {text!r}")
+        return cls(mode)
+
+    def __str__(self) -> str:
+        if self.mode is FsyncMode.INTERVAL:
+            return f"interval:{self.interval * 1000:g}"
+        return str(self.mode.value)
+
+
+def topic_dirname(name: str) -> str:
+    """The directory of a topic below `<data-dir>/topics/`: topic names may hold '/' and any character."""
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class _Segment:
+    number: int
+    path: Path
+    size: int = 0
+    max_ts: float = -math.inf
+
+
+def _segment_path(directory: Path, number: int) -> Path:
+    return directory / f"{number:012d}{SEGMENT_SUFFIX}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace path's content with data so that a crash leaves either the old or the new file, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass(frozen=True, slots=True)
+class TopicMeta:
+    """What a topic's directory says about the topic besides its records."""
+
+    name: str
+    coord: tuple[float, float]  # C(t) when the data was written
+    home: tuple[float, float]  # h(t)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"name": self.name, "coord": list(self.coord), "home": list(self.home)}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> TopicMeta:
+        obj = json.loads(data)
+        return cls(str(obj["name"]), _pair(obj["coord"]), _pair(obj["home"]))
+
+
+def _pair(v: object) -> tuple[float, float]:
+    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int | float) for x in v)):
+        raise ValueError(f"a coordinate must be [x, y], got {v!r}")
+    return (float(v[0]), float(v[1]))
+
+
+@dataclass(slots=True)
+class Recovered:
+    """One topic read back from disk by `recover`, and what recovery found on the way."""
+
+    meta: TopicMeta
+    rows: list[Row]  # by timestamp, each (publisher, seq) once
+    last_seq: dict[str, int]
+    last_seen: dict[str, float]
+    segments: int = 0
+    damaged_bytes: int = 0  # skipped stretches in the middle of segments (reported; the rest is served)
+    damaged_stretches: int = 0
+    torn_bytes: int = 0  # an unfinished append at the end of the newest segment, truncated
+
+
+class DiskLog:
+    """The segment files of one topic (see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        meta: TopicMeta,
+        policy: FsyncPolicy,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        *,
+        existing: Iterable[_Segment] = (),
+    ) -> None:
+        self.directory = directory
+        self.meta = meta
+        self.policy = policy
+        self.segment_bytes = segment_bytes
+        self._segments: list[_Segment] = sorted(existing, key=lambda s: s.number)
+        self._pending = bytearray()
+        self._pending_max_ts = -math.inf
+        self._dirty = False  # written since the last sync
+        self._fd = -1
+        directory.mkdir(parents=True, exist_ok=True)
+        meta_path = directory / "meta.json"
+        if not meta_path.exists() or TopicMeta.from_json(meta_path.read_bytes()) != meta:
+            write_atomic(meta_path, meta.to_json())
+        if not self._segments:
+            self._segments.append(_Segment(1, _segment_path(directory, 1)))
+        self._open_active()
+
+    def _open_active(self) -> None:
+        active = self._segments[-1]
+        self._fd = os.open(active.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        active.size = os.fstat(self._fd).st_size
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk in this topic's segments (frames, not the load model's record sizes)."""
+        return sum(s.size for s in self._segments)
+
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)
+
+    def stage(self, row: Row) -> None:
+        """Take a record for the next `persist` (ALWAYS: write and sync it now)."""
+        encode_into(self._pending, row)
+        if row[0] > self._pending_max_ts:
+            self._pending_max_ts = row[0]
+        if self.policy.mode is FsyncMode.ALWAYS:
+            self.persist()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def persist(self) -> None:
+        """Write what was staged, synced as the policy says; StorageFull leaves the file as it was."""
+        if not self._pending:
+            return
+        active = self._segments[-1]
+        data = self._pending
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(self._fd, memoryview(data)[written:])
+        except OSError as exc:
+            # Cut back to the last whole record: a half-written frame would read as a torn tail anyway, but an
+            # append after it would then sit behind damage.
+            os.ftruncate(self._fd, active.size)
+            self._pending = bytearray()
+            self._pending_max_ts = -math.inf
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(self.directory) from exc
+            raise
+        active.size += len(data)
+        active.max_ts = max(active.max_ts, self._pending_max_ts)
+        self._pending = bytearray()
+        self._pending_max_ts = -math.inf
+        self._dirty = True
+        if self.policy.mode in (FsyncMode.ALWAYS, FsyncMode.BATCH):
+            self.sync()
+        if active.size >= self.segment_bytes:
+            self._roll()
+
+    def discard_pending(self) -> None:
+        """Forget what was staged and not yet written (the caller rolled those records back)."""
+        self._pending = bytearray()
+        self._pending_max_ts = -math.inf
+
+    def sync(self) -> None:
+        """Force what was written to the disk (INTERVAL's timer; ALWAYS and BATCH after each write)."""
+        if self._dirty:
+            os.fdatasync(self._fd)
+            self._dirty = False
+
+    def _roll(self) -> None:
+        self.sync()
+        os.close(self._fd)
+        nxt = self._segments[-1].number + 1
+        self._segments.append(_Segment(nxt, _segment_path(self.directory, nxt)))
+        self._open_active()
+        _fsync_dir(self.directory)
+
+    def expire(self, oldest_kept_ts: float | None, dedup: Mapping[str, tuple[int, float]]) -> int:
+        """Delete segments holding only records older than oldest_kept_ts (None: nothing is kept).
+
+        The dedup state (publisher -> (last seq, last seen)) is written first: it outlives the records.
+        Returns the bytes deleted.
+        """
+        cut = math.inf if oldest_kept_ts is None else oldest_kept_ts
+        old = [s for s in self._segments[:-1] if s.max_ts < cut]
+        active = self._segments[-1]
+        whole = oldest_kept_ts is None and active.size > 0 and not self._pending
+        if not old and not whole:
+            return 0
+        self.write_dedup(dedup)
+        freed = 0
+        for s in old:
+            freed += s.size
+            s.path.unlink(missing_ok=True)
+            self._segments.remove(s)
+        if whole:
+            freed += active.size
+            self._restart()
+        return freed
+
+    def _restart(self) -> None:
+        """Drop every segment and start a fresh one."""
+        os.close(self._fd)
+        nxt = self._segments[-1].number + 1
+        for s in self._segments:
+            s.path.unlink(missing_ok=True)
+        self._segments = [_Segment(nxt, _segment_path(self.directory, nxt))]
+        self._open_active()
+        _fsync_dir(self.directory)
+
+    def rewrite(self, rows: Iterable[Row], dedup: Mapping[str, tuple[int, float]]) -> None:
+        """Replace the whole history (a full copy from the primary replaces what this replica had)."""
+        self.discard_pending()
+        self.write_dedup(dedup)
+        self._restart()
+        for row in rows:
+            encode_into(self._pending, row)
+            self._pending_max_ts = max(self._pending_max_ts, row[0])
+        self.persist()
+
+    def write_dedup(self, dedup: Mapping[str, tuple[int, float]]) -> None:
+        """Record every publisher's last sequence number (and when it was last seen)."""
+        write_atomic(self.directory / "dedup.msgpack", msgpack.packb({p: list(v) for p, v in dedup.items()}))
+
+    def close(self) -> None:
+        """Write what is staged, sync, and close the file."""
+        if self._fd < 0:
+            return
+        try:
+            self.persist()
+            self.sync()
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def destroy(self) -> None:
+        """Delete the topic's files (it was handed over, or is no longer this broker's to keep)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for p in self.directory.iterdir():
+            p.unlink(missing_ok=True)
+        self.directory.rmdir()
+
+
+def recover(
+    directory: Path, policy: FsyncPolicy, segment_bytes: int = DEFAULT_SEGMENT_BYTES
+) -> tuple[Recovered, DiskLog]:
+    """Read a topic's directory back: records by timestamp, dedup state, damage and torn tails.
+
+    A torn tail of the newest segment is truncated; damaged stretches are skipped and counted.  Raises
+    StorageError if the directory has no readable meta.json (it is not a topic directory).
+    """
+    try:
+        meta = TopicMeta.from_json((directory / "meta.json").read_bytes())
+    except (OSError, ValueError, KeyError) as exc:
+        raise StorageError(f"{directory} is not a readable topic directory: {exc}") from exc
+    segs = sorted(
+        (_Segment(int(p.stem), p) for p in directory.glob(f"*{SEGMENT_SUFFIX}") if p.stem.isdigit()),
+        key=lambda s: s.number,
+    )
+    rec = Recovered(meta, [], {}, {})
+    dedup_path = directory / "dedup.msgpack"
+    if dedup_path.exists():
+        try:
+            for pub, (seq, seen) in msgpack.unpackb(dedup_path.read_bytes(), raw=False).items():
+                rec.last_seq[str(pub)] = int(seq)
+                rec.last_seen[str(pub)] = float(seen)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            rec.damaged_stretches += 1  # the snapshot is rebuilt from the records below; nothing else is lost
+    keys: set[tuple[str, int]] = set()
+    rows: list[Row] = []
+    for i, seg in enumerate(segs):
+        buf = seg.path.read_bytes()
+        result = scan(buf)
+        for d in result.damaged:
+            rec.damaged_stretches += 1
+            rec.damaged_bytes += d.end - d.start
+        seg.size = len(buf)
+        if result.torn_at is not None:
+            if i == len(segs) - 1:
+                rec.torn_bytes += len(buf) - result.torn_at
+                os.truncate(seg.path, result.torn_at)
+                seg.size = result.torn_at
+            else:
+                rec.damaged_stretches += 1
+                rec.damaged_bytes += len(buf) - result.torn_at
+        for row in result.rows:
+            key = (row[1], row[2])
+            if key in keys:
+                continue
+            keys.add(key)
+            rows.append(row)
+            if row[0] > seg.max_ts:
+                seg.max_ts = row[0]
+    rows.sort(key=lambda r: r[0])
+    for ts, pub, seq, _ in rows:
+        if seq > rec.last_seq.get(pub, -1):
+            rec.last_seq[pub] = seq
+        if ts > rec.last_seen.get(pub, -math.inf):
+            rec.last_seen[pub] = ts
+    rec.rows = rows
+    rec.segments = len(segs)
+    return rec, DiskLog(directory, meta, policy, segment_bytes, existing=segs)
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """What a broker found in its data directory at start (logged, shown in status and the event log)."""
+
+    topics: int = 0
+    records: int = 0
+    bytes: int = 0
+    damaged_stretches: int = 0
+    damaged_bytes: int = 0
+    torn_bytes: int = 0
+    unreadable: list[str] = field(default_factory=list)  # directories that are not topic directories
+
+    def __str__(self) -> str:
+        text = f"recovered {self.topics} topics, {self.records} records, {self.bytes} bytes"
+        if self.torn_bytes:
+            text += f"; truncated {self.torn_bytes} bytes of unfinished appends"
+        if self.damaged_stretches:
+            text += f"; skipped {self.damaged_stretches} damaged stretches ({self.damaged_bytes} bytes)"
+        if self.unreadable:
+            text += f"; ignored {len(self.unreadable)} unreadable directories: {', '.join(self.unreadable[:5])}"
+        return text

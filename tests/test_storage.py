@@ -1,0 +1,213 @@
+"""The disk log (broker/storage): frames, write policies, segments and retention, recovery, crashes, a full disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageFull, TopicMeta
+from broker.storage.frames import HEADER, encode, scan
+
+ROOT = Path(__file__).resolve().parent.parent
+WRITER = Path(__file__).with_name("storage_writer.py")
+META = TopicMeta("grid/feeder-1/voltage", (0.25, 0.75), (0.5, 0.5))
+
+
+def _rows(n: int, start: int = 0, pub: str = "pub-1") -> list[tuple[float, str, int, bytes]]:
+    return [(100.0 + i, pub, i, f"m{i}".encode()) for i in range(start, start + n)]
+
+
+# ---- frames ------------------------------------------------------------------------------------------------
+
+
+def test_frames_round_trip_and_damage_in_the_middle_is_skipped() -> None:
+    rows = _rows(5)
+    frames = [encode(r) for r in rows]
+    buf = bytearray(b"".join(frames))
+    assert scan(bytes(buf)).rows == rows
+    # Flip one payload byte of the third record: its CRC fails, the records around it are still read.
+    third = sum(len(f) for f in frames[:2])
+    buf[third + len(frames[2]) - 1] ^= 0xFF
+    result = scan(bytes(buf))
+    assert result.rows == rows[:2] + rows[3:]
+    assert len(result.damaged) == 1
+    assert (result.damaged[0].start, result.damaged[0].end) == (third, third + len(frames[2]))
+    assert result.torn_at is None
+
+
+def test_a_torn_tail_is_told_apart_from_damage() -> None:
+    rows = _rows(3)
+    whole = b"".join(encode(r) for r in rows)
+    cut = whole + encode((200.0, "pub-1", 3, b"unfinished"))[: HEADER.size + 2]
+    result = scan(cut)
+    assert result.rows == rows
+    assert result.torn_at == len(whole) == result.valid_end
+    assert result.damaged == []
+
+
+def test_garbage_that_is_not_a_frame_is_never_a_record() -> None:
+    junk = os.urandom(4096).replace(b"\xa5\x5a", b"\x00\x00")
+    assert scan(junk).rows == []
+
+
+# ---- policies ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "interval"),
+    [("always", FsyncMode.ALWAYS, 0.0), ("batch", FsyncMode.BATCH, 0.0), ("never", FsyncMode.NEVER, 0.0),
+     ("interval:200", FsyncMode.INTERVAL, 0.2), ("interval:2.5", FsyncMode.INTERVAL, 0.0025)],
+)  # fmt: skip
+def test_policy_parses(text: str, mode: FsyncMode, interval: float) -> None:
+    policy = FsyncPolicy.parse(text)
+    assert (policy.mode, policy.interval) == (mode, interval)
+    assert FsyncPolicy.parse(str(policy)) == policy
+
+
+@pytest.mark.parametrize("text", ["sometimes", "interval", "interval:", "interval:-5", "interval:nan", "batch:3", ""])
+def test_bad_policy_names_the_accepted_forms(text: str) -> None:
+    with pytest.raises(ValueError, match="--fsync"):
+        FsyncPolicy.parse(text)
+
+
+# ---- the disk log ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["always", "batch", "interval:50", "never"])
+def test_records_come_back_after_a_restart(tmp_path: Path, policy: str) -> None:
+    store = DiskStore(tmp_path, FsyncPolicy.parse(policy))
+    log = store.open_log(META)
+    for r in _rows(30):
+        log.stage(r)
+    log.persist()
+    store.sync_due(time.time())
+    store.close()
+    found, report = DiskStore(tmp_path, FsyncPolicy.parse(policy)).recover()
+    assert [f.meta for f in found] == [META]
+    assert found[0].rows == _rows(30)
+    assert found[0].last_seq == {"pub-1": 29}
+    assert (report.topics, report.records, report.torn_bytes, report.damaged_stretches) == (1, 30, 0, 0)
+
+
+def test_retention_deletes_whole_segments_and_dedup_state_outlives_them(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, FsyncPolicy.parse("batch"), segment_bytes=256)
+    log = store.open_log(META)
+    for r in _rows(40):
+        log.stage(r)
+        log.persist()
+    segments = log.segment_count
+    assert segments > 3
+    # Everything before ts 130 has expired from memory: the segments holding only such records go.
+    freed = log.expire(130.0, {"pub-1": (39, 139.0)})
+    assert freed > 0 and log.segment_count < segments
+    store.close()
+    found, _ = DiskStore(tmp_path, FsyncPolicy.parse("batch"), segment_bytes=256).recover()
+    kept = found[0].rows
+    assert kept == _rows(40)[-len(kept) :] and kept[0][0] <= 130.0
+    # Nothing left: the log starts over, and the publisher's last seq is still known (a re-send is a duplicate).
+    store2 = DiskStore(tmp_path, FsyncPolicy.parse("batch"), segment_bytes=256)
+    found, _ = store2.recover()
+    log2 = store2.open_log(META)
+    log2.expire(None, {"pub-1": (39, 139.0)})
+    store2.close()
+    found, _ = DiskStore(tmp_path, FsyncPolicy.parse("batch")).recover()
+    assert found[0].rows == [] and found[0].last_seq == {"pub-1": 39}
+
+
+def test_rewrite_replaces_the_history(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, FsyncPolicy.parse("batch"))
+    log = store.open_log(META)
+    for r in _rows(10):
+        log.stage(r)
+    log.persist()
+    log.rewrite(_rows(5, start=20, pub="pub-2"), {"pub-1": (9, 109.0), "pub-2": (24, 124.0)})
+    store.close()
+    found, _ = DiskStore(tmp_path, FsyncPolicy.parse("batch")).recover()
+    assert found[0].rows == _rows(5, start=20, pub="pub-2")
+    assert found[0].last_seq == {"pub-1": 9, "pub-2": 24}
+
+
+def test_a_damaged_record_in_the_middle_is_reported_and_the_rest_served(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, FsyncPolicy.parse("batch"))
+    log = store.open_log(META)
+    for r in _rows(20):
+        log.stage(r)
+    log.persist()
+    store.close()
+    (seg,) = sorted((tmp_path / "topics").glob("*/*.seg"))
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    seg.write_bytes(bytes(data))
+    found, report = DiskStore(tmp_path, FsyncPolicy.parse("batch")).recover()
+    assert report.damaged_stretches == 1 and report.damaged_bytes > 0
+    assert len(found[0].rows) == 19  # exactly the damaged record is missing
+    assert "damaged" in str(report)
+
+
+def test_an_unreadable_directory_is_reported_not_fatal(tmp_path: Path) -> None:
+    (tmp_path / "topics" / "not-a-topic").mkdir(parents=True)
+    found, report = DiskStore(tmp_path, FsyncPolicy.parse("batch")).recover()
+    assert found == [] and report.unreadable == ["not-a-topic"]
+
+
+# ---- crashes and a full disk -------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.parametrize("policy", ["always", "batch", "interval:100", "never"])
+def test_sigkill_during_a_write_stream_loses_no_persisted_record(tmp_path: Path, policy: str) -> None:
+    acked = 0
+    with subprocess.Popen(
+        [sys.executable, str(WRITER), str(tmp_path), policy, "stream"], stdout=subprocess.PIPE, text=True, env=_env()
+    ) as proc:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        try:
+            while acked < 3000 and time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                assert line.startswith("acked "), line
+                acked = int(line.split()[1])
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert acked >= 3000
+    found, report = DiskStore(tmp_path, FsyncPolicy.parse(policy), segment_bytes=64 * 1024).recover()
+    (topic,) = found
+    seqs = [r[2] for r in topic.rows]
+    # Every batch the writer saw persisted is there, in order, once; an unfinished append was truncated.
+    assert seqs[:acked] == list(range(acked))
+    assert len(seqs) == len(set(seqs))
+    assert report.damaged_stretches == 0
+
+
+def test_a_full_disk_refuses_writes_and_keeps_what_is_stored(tmp_path: Path) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to mount a private tmpfs")
+    data = tmp_path / "small"
+    data.mkdir()
+    # A 512 KiB tmpfs in a private mount namespace (a user namespace where we are not root): a real full disk.
+    script = f"mount -t tmpfs -o size=512k tmpfs {data} && exec {sys.executable} {WRITER} {data} batch fill"
+    res = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=_env(), timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    full, recovered = res.stdout.splitlines()
+    written = int(full.split()[1])
+    assert written > 1000 and "no space left" in full and "storage_full" in full
+    assert recovered.split()[1] == str(written)  # every persisted record reads back; the failed batch is gone
+    assert "damaged" not in recovered
+
+
+def test_storage_full_is_a_storage_error_with_the_fix(tmp_path: Path) -> None:
+    exc = StorageFull(tmp_path)
+    assert "free disk space" in str(exc) and str(tmp_path) in str(exc)
