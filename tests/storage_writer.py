@@ -1,8 +1,8 @@
 """A disk-log writer process for tests/test_storage.py: appends batches and says which are persisted.
 
-    python tests/storage_writer.py DIR POLICY stream      print "acked N" after each persisted batch, forever
-    python tests/storage_writer.py DIR POLICY fill        write until the disk is full, then read back:
-                                                          print "full N" and "recovered M"
+python tests/storage_writer.py DIR POLICY stream      print "acked N" after each persisted batch, forever
+python tests/storage_writer.py DIR POLICY fill        write until the disk is full, then read back:
+                                                      print "full N" and "recovered M"
 """
 
 from __future__ import annotations
