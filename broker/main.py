@@ -61,6 +61,15 @@ async def serve(config: BrokerConfig) -> int:
         print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
         await broker.shutdown()
         return EXIT_CONFIG
+    except OSError as exc:  # the listening socket: a busy port, an address this host does not have
+        print(
+            f"sedax broker: error: cannot listen on {config.listen}: {exc.strerror or exc}; choose another "
+            "--listen HOST:PORT (port 0 lets the system pick one) or stop the process that holds it",
+            file=sys.stderr,
+            flush=True,
+        )
+        await broker.shutdown()
+        return EXIT_CONFIG
     join = asyncio.ensure_future(broker.join()) if config.join else None
     if join is not None:
         stopper = asyncio.ensure_future(stop.wait())

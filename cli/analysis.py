@@ -48,6 +48,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         )
     except AnalysisInputError as exc:
         return _fail(str(exc))
+    if summary.records == 0:
+        print(
+            f"sedax: error: no valid records in {', '.join(args.log_dirs)} ({summary.bad_total} lines skipped as "
+            "not of the metrics-log schema, docs/logs.md): point it at the --log-dir of brokers or of `sedax sim`",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"analysed {summary.records} records ({summary.snapshots} snapshots, {summary.events} events) "
         f"of {len(summary.runs)} runs; skipped {summary.bad_total} bad lines; "

@@ -10,13 +10,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import time
 from typing import Any, Final
 
 import numpy as np
 
-from cli.pubsub import EXIT_FAILED, EXIT_USAGE, _err, add_broker_flag, brokers_arg
+from cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_broker_flag,
+    brokers,
+    coordinate,
+    credentials,
+    fail,
+    positive_int,
+    rate,
+    seconds,
+)
 from client.client import Client, ClientError, PublishAck
 from net.credentials import Credentials
 from overlay.pubsub import MESSAGE_OVERHEAD
@@ -33,12 +44,12 @@ def topic_sizes(model: LoadModel, n: int, unit_bytes: int, seed: int) -> list[in
 
 
 async def run_load(
-    brokers: list[str],
+    addrs: list[str],
     n_topics: int,
     model: LoadModel,
     unit_bytes: int,
     seed: int,
-    rate: float | None,
+    msg_rate: float | None,
     prefix: str,
     payload_bytes: int,
     wait: float,
@@ -49,10 +60,10 @@ async def run_load(
     `credentials` default to the environment (SEDAX_CA, ... SEDAX_INSECURE).
     """
     sizes = topic_sizes(model, n_topics, unit_bytes, seed)
-    interval = 1.0 / rate if rate else 0.0
+    interval = 1.0 / msg_rate if msg_rate else 0.0
     started = time.monotonic()
     messages = 0
-    async with Client(brokers, request_timeout=wait, credentials=credentials) as c:
+    async with Client(addrs, request_timeout=wait, credentials=credentials) as c:
         for i, size in enumerate(sizes):
             topic = f"{prefix}/{i:04d}"
             futures: list[asyncio.Future[PublishAck]] = []
@@ -80,18 +91,15 @@ async def run_load(
 
 def _cmd_load(args: argparse.Namespace) -> int:
     try:
-        brokers = brokers_arg(args.broker)
+        addrs = brokers(args)
         validate_topic(f"{args.prefix}/0000")
-        if args.topics < 1 or args.unit_bytes < 1 or args.payload_bytes < 1:
-            raise ValueError("--topics, --unit-bytes and --payload-bytes must be at least 1")
-        if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
-            raise ValueError("--rate must be a positive number of messages per second")
-    except (ValueError, BadTopic) as exc:
-        return _err(str(exc), EXIT_USAGE)
+        creds = credentials(args)
+    except (UsageError, BadTopic) as exc:
+        return fail(str(exc), EXIT_USAGE)
     try:
         out = asyncio.run(
             run_load(
-                brokers,
+                addrs,
                 args.topics,
                 LoadModel(args.sizes),
                 args.unit_bytes,
@@ -100,62 +108,52 @@ def _cmd_load(args: argparse.Namespace) -> int:
                 args.prefix,
                 args.payload_bytes,
                 args.timeout,
+                creds,
             )
         )
-    except (ClientError, TimeoutError) as exc:
-        return _err(f"load failed: {exc}", EXIT_FAILED)
+    except (ClientError, TimeoutError, OSError) as exc:
+        return fail(f"load failed: {exc or f'not acknowledged within {args.timeout} s'}", EXIT_FAILED)
     if not args.json:
         out.pop("sizes")
     print(json.dumps(out))
     return 0
 
 
-def _coord_arg(text: str) -> tuple[float, float]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"a coordinate is X,Y, got {text!r}")
-    try:
-        x, y = float(parts[0]), float(parts[1])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a coordinate is two numbers X,Y, got {text!r}") from None
-    if not (math.isfinite(x) and math.isfinite(y)):
-        raise argparse.ArgumentTypeError(f"coordinate components must be finite, got {text!r}")
-    return (x, y)
-
-
-async def _move(brokers: list[str], topic: str, to: tuple[float, float], wait: float) -> None:
-    async with Client(brokers, request_timeout=wait) as c:
+async def _move(addrs: list[str], topic: str, to: tuple[float, float], wait: float, creds: Credentials) -> None:
+    async with Client(addrs, request_timeout=wait, credentials=creds) as c:
         await c.move(topic, to)
 
 
 def _cmd_move(args: argparse.Namespace) -> int:
     try:
-        brokers = brokers_arg(args.broker)
+        addrs = brokers(args)
         validate_topic(args.topic)
-    except (ValueError, BadTopic) as exc:
-        return _err(str(exc), EXIT_USAGE)
+        creds = credentials(args)
+    except (UsageError, BadTopic) as exc:
+        return fail(str(exc), EXIT_USAGE)
     try:
-        asyncio.run(_move(brokers, args.topic, args.to, args.timeout))
-    except (ClientError, TimeoutError) as exc:
-        return _err(f"move failed: {exc}", EXIT_FAILED)
+        asyncio.run(_move(addrs, args.topic, args.to, args.timeout, creds))
+    except (ClientError, TimeoutError, OSError) as exc:
+        return fail(f"move failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
     print(f"moved {args.topic} to {args.to[0]},{args.to[1]}")
     return 0
 
 
-async def _plan(brokers: list[str], all_topics: bool, wait: float) -> list[dict[str, Any]]:
-    async with Client(brokers, request_timeout=wait) as c:
+async def _plan(addrs: list[str], all_topics: bool, wait: float, creds: Credentials) -> list[dict[str, Any]]:
+    async with Client(addrs, request_timeout=wait, credentials=creds) as c:
         return await c.balance_plan(all_topics)
 
 
 def _cmd_balance(args: argparse.Namespace) -> int:
     try:
-        brokers = brokers_arg(args.broker)
-    except ValueError as exc:
-        return _err(str(exc), EXIT_USAGE)
+        addrs = brokers(args)
+        creds = credentials(args)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_USAGE)
     try:
-        plans = asyncio.run(_plan(brokers, args.all, args.timeout))
-    except (ClientError, TimeoutError) as exc:
-        return _err(f"dry run failed: {exc}", EXIT_FAILED)
+        plans = asyncio.run(_plan(addrs, args.all, args.timeout, creds))
+    except (ClientError, TimeoutError, OSError) as exc:
+        return fail(f"dry run failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
     if args.json:
         print(json.dumps(plans))
         return 0
@@ -177,28 +175,41 @@ def register(subparsers: Any) -> None:
     """Add the load, move and balance subcommands."""
     p = subparsers.add_parser("load", help="create N topics and fill them to the paper's size distribution")
     add_broker_flag(p)
-    p.add_argument("--topics", type=int, required=True, help="number of topics")
-    p.add_argument("--sizes", choices=[m.value for m in LoadModel], default="heterogeneous")
-    p.add_argument("--unit-bytes", dest="unit_bytes", type=int, default=10_000, help="bytes of one load unit")
-    p.add_argument("--payload-bytes", dest="payload_bytes", type=int, default=DEFAULT_PAYLOAD)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--rate", type=float, help="messages per second (default: as fast as acknowledged)")
+    p.add_argument("--topics", type=positive_int, required=True, help="number of topics")
+    p.add_argument(
+        "--sizes",
+        choices=[m.value for m in LoadModel],
+        default="heterogeneous",
+        help="topic size distribution of the paper's Sec. VII-A (default heterogeneous)",
+    )
+    p.add_argument(
+        "--unit-bytes", dest="unit_bytes", type=positive_int, default=10_000, help="bytes of one load unit (10000)"
+    )
+    p.add_argument(
+        "--payload-bytes",
+        dest="payload_bytes",
+        type=positive_int,
+        default=DEFAULT_PAYLOAD,
+        help=f"payload bytes per message ({DEFAULT_PAYLOAD})",
+    )
+    p.add_argument("--seed", type=int, default=1, help="seed of the topic sizes (1)")
+    p.add_argument("--rate", type=rate, help="messages per second (default: as fast as acknowledged)")
     p.add_argument("--prefix", default="load", help="topic names are PREFIX/0000, PREFIX/0001, ...")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait for each topic's ACKs (60)")
     p.add_argument("--json", action="store_true", help="also print every topic's target size")
     p.set_defaults(func=_cmd_load)
 
     p = subparsers.add_parser("move", help="move a topic to another coordinate now (delegation)")
-    p.add_argument("topic", metavar="TOPIC")
-    p.add_argument("to", metavar="X,Y", type=_coord_arg)
+    p.add_argument("topic", metavar="TOPIC", help="topic name, e.g. grid/feeder-1/voltage")
+    p.add_argument("to", metavar="X,Y", type=coordinate, help="the topic's new coordinate C(t)")
     add_broker_flag(p)
-    p.add_argument("--timeout", type=float, default=15.0)
+    p.add_argument("--timeout", type=seconds, default=15.0, help="seconds to wait for the hand-over (15)")
     p.set_defaults(func=_cmd_move)
 
     p = subparsers.add_parser("balance", help="dry run: what the access broker's balancer would move, and why")
     add_broker_flag(p)
     p.add_argument("--dry-run", action="store_true", default=True, help="(the only mode: nothing moves)")
     p.add_argument("--all", action="store_true", help="every topic, not just the smallest (Alg. 2)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--json", action="store_true", help="print the plans as one JSON list")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the plan (30)")
     p.set_defaults(func=_cmd_balance)

@@ -50,7 +50,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "certs", help="create a development CA, broker and client certificates, or tokens (needs openssl)"
     )
-    p.add_argument("action", choices=("init", "issue", "token"))
+    p.add_argument(
+        "action", choices=("init", "issue", "token"), help="init: a new CA; issue: a certificate; token: a client token"
+    )
     p.add_argument("--dir", required=True, help="certificate directory (created 0700)")
     p.add_argument("--name", help="issue/token: the identity (a broker's node id, a client's ACL name)")
     p.add_argument("--role", choices=("broker", "client"), help="issue: what the certificate may do")

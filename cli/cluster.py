@@ -274,6 +274,14 @@ class LocalCluster:
             code = await self.wait_exit(bp, grace)
         return code
 
+    def abort(self) -> None:
+        """SIGKILL every broker started so far and reap it (an interrupted start: nothing is worth keeping)."""
+        for bp in self.nodes:
+            if bp.alive:
+                bp.proc.kill()
+        for bp in self.nodes:
+            bp.proc.wait()
+
     async def close(self) -> None:
         """Stop every broker: SIGTERM all, SIGKILL the ones still running after the grace period."""
         running = [bp for bp in self.nodes if bp.alive]

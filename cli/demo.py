@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from cli.args import positive_int
 from client.client import Client, PublishAck
 
 
@@ -124,8 +125,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="start a local cluster, publish and subscribe through it, then stop")
     p.add_argument("--nodes", type=int, default=9, help="broker processes (default 9)")
     p.add_argument("--seed", type=int, default=1, help="seed of the broker coordinates")
-    p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2)
-    p.add_argument("--messages", type=int, default=200)
-    p.add_argument("--topics", type=int, default=4)
+    p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2, help="resilience level (2)")
+    p.add_argument("--messages", type=positive_int, default=200, help="messages to stream (200)")
+    p.add_argument("--topics", type=positive_int, default=4, help="topics to spread them over (4)")
     p.add_argument("--insecure", action="store_true", help="plain TCP instead of TLS (default: $SEDAX_INSECURE)")
     p.set_defaults(func=_cmd)

@@ -33,10 +33,13 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
         description="SeDAX: a geo-addressed publish/subscribe broker overlay with topic delegation and "
         "distributed load balancing.",
     )
+    parser.add_argument("--version", action="version", version=f"sedax {_version()}")
     parser.add_argument(
         "--log-level",
+        type=_log_level,
         default=os.environ.get("SEDAX_LOG_LEVEL", "WARNING"),
-        help="stderr log level of client commands (brokers log at INFO; default WARNING)",
+        help="stderr log level of client commands: DEBUG, INFO, WARNING or ERROR (brokers log at INFO; "
+        "default WARNING or $SEDAX_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.register(sub)
@@ -53,6 +56,25 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sedax")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _command(argv: Sequence[str]) -> str | None:
     """The subcommand named in argv, or None (no command, or only help asked for)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -66,12 +88,21 @@ def _command(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `sedax` with argv (default: the process arguments); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    env_level = os.environ.get("SEDAX_LOG_LEVEL")
+    if env_level is not None and env_level.strip().upper() not in LOG_LEVELS:
+        print(
+            f"sedax: error: SEDAX_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {env_level!r}", file=sys.stderr
+        )
+        return 2
     parser = build_parser(light=_command(argv) in LIGHT_COMMANDS)
     args = parser.parse_args(argv)
     if args.command != "broker":
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         code: int = args.func(args)
+    except KeyboardInterrupt:
+        print("sedax: interrupted", file=sys.stderr)
+        return 128 + 2  # what a shell reports for a tool ended by SIGINT
     except BrokenPipeError:
         try:
             gone = closed_pipe(sys.stdout.fileno())
@@ -83,6 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout now points at /dev/null so that the interpreter's last flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # what a shell reports for a tool ended by SIGPIPE
+    except Exception as exc:
+        if args.log_level == "DEBUG":
+            raise
+        print(
+            f"sedax: error: {args.command} failed unexpectedly: {type(exc).__name__}: {exc} "
+            "(this is a bug in sedax: please report it with the output of --log-level DEBUG)",
+            file=sys.stderr,
+        )
+        return 1
     return code
 
 

@@ -1,7 +1,7 @@
 """Overlay subcommands of the `sedax` CLI: broker, status, route, cluster.
 
 `cli/main.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
-Exit code 2 means a usage problem the message explains (bad coordinate, unreachable broker).
+Exit codes: 0 success; 1 the overlay refused or did not answer, or a file could not be read; 2 usage errors.
 """
 
 from __future__ import annotations
@@ -9,37 +9,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import shlex
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_broker_flag,
+    brokers,
+    coordinate,
+    credentials,
+    fail,
+    parse_xy,
+    positive_int,
+    seconds,
+)
 from client.admin import AdminClient, AdminError, RequestFailed, route_json, status_json
-from net.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
+from net.credentials import Credentials
 
-EXIT_USAGE: Final = 2
 DEFAULT_STATE_DIR: Final = ".sedax-cluster"
 
 
-def _fail(msg: str) -> int:
-    print(f"sedax: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def _parse_xy(text: str) -> tuple[float, float]:
-    # Kept free of overlay.geometry (and so of scipy): the broker checks the coordinate against its space.
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise ValueError(f"coordinate must be written X,Y, got {text!r}")
-    try:
-        x, y = float(parts[0]), float(parts[1])
-    except ValueError:
-        raise ValueError(f"coordinate must be two numbers X,Y, got {text!r}") from None
-    if not (math.isfinite(x) and math.isfinite(y)):
-        raise ValueError(f"coordinate must be finite, got {text!r}")
-    return (x, y)
+async def _first_answer(addrs: list[str], limit: float, creds: Credentials) -> AdminClient:
+    """An admin connection to the first broker of addrs that answers (BrokerUnavailable names the last error)."""
+    last: AdminError | None = None
+    for addr in addrs:
+        try:
+            return await AdminClient.connect(addr, timeout=limit, credentials=creds)
+        except AdminError as exc:
+            last = exc
+    assert last is not None  # addrs is never empty (cli.args.brokers)
+    raise last
 
 
 # ------------------------------------------------------------------------------------------------ broker
@@ -52,23 +54,28 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as exc:
-        return _fail(str(exc))
+        return fail(str(exc), EXIT_USAGE)
     return run(config)
 
 
 # ------------------------------------------------------------------------------------------------ status
 
 
-async def _status(addr: str, limit: float, creds: Credentials) -> dict[str, Any]:
-    async with await AdminClient.connect(addr, timeout=limit, credentials=creds) as c:
+async def _status(addrs: list[str], limit: float, creds: Credentials) -> dict[str, Any]:
+    async with await _first_answer(addrs, limit, creds) as c:
         return status_json(await c.status())
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     try:
-        st = asyncio.run(_status(args.broker, args.timeout, credentials_from_args(args)))
-    except (AdminError, CredentialsError) as exc:
-        return _fail(str(exc))
+        addrs = brokers(args)
+        creds = credentials(args)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    try:
+        st = asyncio.run(_status(addrs, args.timeout, creds))
+    except AdminError as exc:
+        return fail(str(exc), EXIT_FAILED)
     if args.json:
         print(json.dumps(st))
         return 0
@@ -76,35 +83,41 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"neighbours ({len(st['neighbours'])}):")
     for n in st["neighbours"]:
         print(f"  {n['id']:<16} ({n['coord'][0]:.6f}, {n['coord'][1]:.6f})  {n['listen']}")
-    print(f"topics: {len(st['topics'])}  loads: {st['loads']}")
+    loads = "  ".join(f"{k} {v}" for k, v in sorted(st["loads"].items()))
+    print(f"loads (bytes): {loads}")
+    print(f"topics ({len(st['topics'])}):")
+    for t in sorted(st["topics"], key=lambda t: t["topic"]):
+        print(f"  {t['topic']:<40} {t['role']:<10} {t['size']:>12} B")
     return 0
 
 
 # ------------------------------------------------------------------------------------------------- route
 
 
-async def _route(addr: str, target: tuple[float, float], limit: float, creds: Credentials) -> dict[str, Any]:
-    async with await AdminClient.connect(addr, timeout=limit, credentials=creds) as c:
+async def _route(addrs: list[str], target: tuple[float, float], limit: float, creds: Credentials) -> dict[str, Any]:
+    async with await _first_answer(addrs, limit, creds) as c:
         return route_json(await c.route(target))
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
     try:
-        target = _parse_xy(args.coord)
-        creds = credentials_from_args(args)
-    except ValueError as exc:
-        return _fail(str(exc))
+        addrs = brokers(args)
+        creds = credentials(args)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    target = args.coord
     try:
-        r = asyncio.run(_route(args.broker, target, args.timeout, creds))
+        r = asyncio.run(_route(addrs, target, args.timeout, creds))
     except RequestFailed as exc:
-        return _fail(f"broker refused the probe: {exc}")
+        return fail(f"broker refused the probe: {exc}", EXIT_FAILED)
     except AdminError as exc:
-        return _fail(str(exc))
+        return fail(str(exc), EXIT_FAILED)
     if args.json:
         print(json.dumps(r))
         return 0
     node = r["node"]
-    print(f"({target[0]}, {target[1]}) -> {node['id']} at {node['listen']} in {r['hops']} hops")
+    hops = r["hops"]
+    print(f"({target[0]}, {target[1]}) -> {node['id']} at {node['listen']} in {hops} hop{'' if hops == 1 else 's'}")
     print("path: " + " -> ".join(p["id"] for p in r["path"]))
     return 0
 
@@ -112,24 +125,54 @@ def _cmd_route(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------- cluster
 
 
-def _read_coords(path: str) -> list[tuple[float, float]]:
-    text = Path(path).read_text()
+class CoordsFileError(ValueError):
+    """A --coords file cannot be read or holds something other than coordinates."""
+
+
+def read_coords(path: str) -> list[tuple[float, float]]:
+    """Coordinates from a file of X,Y lines (# comments) or a JSON list of [x, y] pairs; CoordsFileError if bad."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CoordsFileError(f"cannot read --coords {path}: {exc}") from None
     if text.lstrip().startswith("["):
-        return [(float(c[0]), float(c[1])) for c in json.loads(text)]
-    return [_parse_xy(line.strip()) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        try:
+            pairs = json.loads(text)
+        except ValueError as exc:
+            raise CoordsFileError(f"--coords {path} is not valid JSON: {exc}") from None
+        if not isinstance(pairs, list) or not all(isinstance(c, list) and len(c) == 2 for c in pairs):
+            raise CoordsFileError(f"--coords {path}: a JSON file must be a list of [x, y] pairs")
+        items = [(i, f"{c[0]},{c[1]}") for i, c in enumerate(pairs, 1)]
+    else:
+        lines = enumerate(text.splitlines(), 1)
+        items = [(i, ln.strip()) for i, ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    coords: list[tuple[float, float]] = []
+    for i, item in items:
+        try:
+            coords.append(parse_xy(item))
+        except ValueError as exc:
+            raise CoordsFileError(f"--coords {path}, entry {i}: {exc}") from None
+    if not coords:
+        raise CoordsFileError(f"--coords {path} holds no coordinates (one X,Y per line, or a JSON list of pairs)")
+    return coords
 
 
 async def _cluster_up(args: argparse.Namespace) -> int:
     from cli.cluster import ClusterError, LocalCluster
     from net.certs import CertError
 
-    coords = _read_coords(args.coords) if args.coords else None
+    try:
+        coords = read_coords(args.coords) if args.coords else None
+    except CoordsFileError as exc:
+        return fail(str(exc), EXIT_FAILED)
     n = args.nodes if args.nodes is not None else (len(coords) if coords else 0)
     if n < 1:
-        return _fail("give --nodes N (>= 1) or --coords FILE")
+        return fail("give --nodes N (>= 1) or --coords FILE", EXIT_USAGE)
     state_dir = Path(args.state_dir)
     if (state_dir / "cluster.json").exists():
-        return _fail(f"{state_dir}/cluster.json exists: run `sedax cluster down --state-dir {state_dir}` first")
+        return fail(
+            f"{state_dir}/cluster.json exists: run `sedax cluster down --state-dir {state_dir}` first", EXIT_FAILED
+        )
     extra = shlex.split(args.broker_args) if args.broker_args else []
     try:
         cluster = LocalCluster(
@@ -144,14 +187,19 @@ async def _cluster_up(args: argparse.Namespace) -> int:
         )
         creds = cluster.credentials("client")
     except CertError as exc:
-        return _fail(f"cannot create the cluster's certificates: {exc}")
+        return fail(f"cannot create the cluster's certificates: {exc}", EXIT_FAILED)
     try:
         await cluster.start()
         took = await cluster.wait_converged(args.timeout)
+        path = cluster.write_state()
     except (ClusterError, AdminError) as exc:
         await cluster.close()
-        return _fail(f"cluster did not come up: {exc}")
-    path = cluster.write_state()
+        return fail(f"cluster did not come up: {exc}", EXIT_FAILED)
+    except BaseException:
+        # Ctrl-C (the task is cancelled) or anything unforeseen before the state file exists: `cluster down`
+        # could not find these brokers, so none may outlive this command.
+        cluster.abort()
+        raise
     print(f"{n} brokers up, Delaunay overlay converged in {took:.2f} s")
     for bp in cluster.nodes:
         print(f"  {bp.node_id:<6} pid {bp.pid:<8} {bp.listen:<22} ({bp.coord[0]:.4f}, {bp.coord[1]:.4f})")
@@ -177,7 +225,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         state = json.loads(path.read_text())
         pids = [int(n["pid"]) for n in state["nodes"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return _fail(f"no readable cluster state at {path}: {exc}")
+        return fail(f"no readable cluster state at {path}: {exc}", EXIT_FAILED)
     result = stop_pids(pids, grace=args.grace)
     for pid, what in result.items():
         print(f"pid {pid}: {what}")
@@ -197,29 +245,27 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_broker)
 
     p = subparsers.add_parser("status", help="show a broker's coordinate, neighbours, topics and loads")
-    p.add_argument("--broker", required=True, metavar="HOST:PORT", help="broker to ask")
+    add_broker_flag(p, what="broker to ask (the first that answers)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    add_credential_flags(p)
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds (default 5)")
     p.set_defaults(func=_cmd_status)
 
     p = subparsers.add_parser("route", help="probe the overlay route to the broker closest to X,Y")
-    p.add_argument("coord", metavar="X,Y", help="target coordinate")
-    p.add_argument("--broker", required=True, metavar="HOST:PORT", help="broker the probe starts from")
+    p.add_argument("coord", metavar="X,Y", type=coordinate, help="target coordinate")
+    add_broker_flag(p, what="broker the probe starts from (the first that answers)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    add_credential_flags(p)
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds (default 5)")
     p.set_defaults(func=_cmd_route)
 
     p = subparsers.add_parser("cluster", help="start or stop a local cluster of broker processes")
-    p.add_argument("action", choices=("up", "down"))
-    p.add_argument("--nodes", type=int, help="number of brokers (up)")
+    p.add_argument("action", choices=("up", "down"), help="up: start brokers and wait for the overlay; down: stop them")
+    p.add_argument("--nodes", type=positive_int, help="number of brokers (up)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random coordinates (up)")
     p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2, help="resilience level (up)")
     p.add_argument("--coords", help="file of X,Y lines or a JSON list of pairs (up)")
     p.add_argument("--state-dir", dest="state_dir", default=DEFAULT_STATE_DIR, help="logs and state file")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for convergence (up)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
+    p.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait for convergence (up)")
+    p.add_argument("--grace", type=seconds, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
     p.add_argument(
         "--broker-args",
         dest="broker_args",
@@ -232,17 +278,3 @@ def register(subparsers: Any) -> None:
         help="plain TCP (up; default: TLS with a development CA in STATE_DIR/certs, or as $SEDAX_INSECURE says)",
     )
     p.set_defaults(func=_cmd_cluster)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point (`python -m cli.overlay ...`) until `sedax` wires these in."""
-    parser = argparse.ArgumentParser(prog="sedax")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

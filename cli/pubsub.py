@@ -11,42 +11,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
-from typing import Any, Final
+from collections.abc import Iterator
+from typing import Any
 
+from cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_broker_flag,
+    brokers,
+    credentials,
+    fail,
+    positive_int,
+    rate,
+    seconds,
+    timestamp,
+)
 from client.client import Client, ClientError, ConnectError, PublishAck, ReceivedMessage, RequestFailed
-from net.credentials import add_credential_flags, credentials_from_args
+from overlay.pubsub import MAX_PAYLOAD_SIZE
 from overlay.topics import BadTopic, validate_topic
 
-EXIT_FAILED: Final = 1
-EXIT_USAGE: Final = 2
+
+class PayloadTooLarge(ValueError):
+    """A stdin line is longer than a message may be."""
 
 
-def _err(msg: str, code: int) -> int:
-    print(f"sedax: error: {msg}", file=sys.stderr)
-    return code
-
-
-def brokers_arg(values: list[str] | None) -> list[str]:
-    """The broker list from --broker flags (repeatable, comma-separated) or SEDAX_BROKERS."""
-    raw = values or [os.environ.get("SEDAX_BROKERS", "")]
-    out = [a.strip() for v in raw for a in v.split(",") if a.strip()]
-    if not out:
-        raise ValueError("give --broker HOST:PORT (or set SEDAX_BROKERS)")
-    return out
-
-
-def add_broker_flag(p: argparse.ArgumentParser) -> None:
-    """The shared --broker flag and the credential flags (--ca, --cert, --key, --token, --insecure)."""
-    p.add_argument(
-        "--broker",
-        action="append",
-        metavar="HOST:PORT",
-        help="access broker; repeat or comma-separate for fail-over (default: $SEDAX_BROKERS)",
-    )
-    add_credential_flags(p)
+def _stdin_payloads() -> Iterator[bytes]:
+    # Bytes, not text: a payload is whatever the line holds (a non-UTF-8 byte is data, not an error).
+    for i, line in enumerate(sys.stdin.buffer, 1):
+        payload = line.rstrip(b"\n")
+        if len(payload) > MAX_PAYLOAD_SIZE:
+            raise PayloadTooLarge(
+                f"stdin line {i} is {len(payload)} bytes, over the {MAX_PAYLOAD_SIZE} bytes a message may carry: "
+                "split it into several messages"
+            )
+        yield payload
 
 
 # --------------------------------------------------------------------------------------------------- pub
@@ -56,7 +57,7 @@ async def _pub(args: argparse.Namespace, brokers: list[str]) -> int:
     if args.message is not None:
         lines: Any = (args.message for _ in range(args.count if args.count is not None else 1))
     else:
-        lines = (line.rstrip("\n") for line in sys.stdin)
+        lines = _stdin_payloads()
     interval = 1.0 / args.rate if args.rate else 0.0
     futures: list[asyncio.Future[PublishAck]] = []
     async with Client(brokers, request_timeout=args.timeout, credentials=args.credentials) as c:
@@ -73,12 +74,12 @@ async def _pub(args: argparse.Namespace, brokers: list[str]) -> int:
             async with asyncio.timeout(args.timeout):
                 results = await asyncio.gather(*futures, return_exceptions=True)
         except TimeoutError:
-            return _err(
+            return fail(
                 f"{c.unacknowledged} of {len(futures)} messages not acknowledged within {args.timeout}s", EXIT_FAILED
             )
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        return _err(f"{len(failed)} of {len(results)} messages refused: {failed[0]}", EXIT_FAILED)
+        return fail(f"{len(failed)} of {len(results)} messages refused: {failed[0]}", EXIT_FAILED)
     if args.verbose:
         print(f"published {len(results)} message(s) to {args.topic}", file=sys.stderr)
     return 0
@@ -86,21 +87,21 @@ async def _pub(args: argparse.Namespace, brokers: list[str]) -> int:
 
 def _cmd_pub(args: argparse.Namespace) -> int:
     try:
-        brokers = brokers_arg(args.broker)
+        addrs = brokers(args)
         validate_topic(args.topic)
-        args.credentials = credentials_from_args(args)
-        if args.rate is not None and args.rate <= 0:
-            raise ValueError("--rate must be positive")
-        if args.count is not None and args.count < 0:
-            raise ValueError("--count must not be negative")
-    except (ValueError, BadTopic) as exc:
-        return _err(str(exc), EXIT_USAGE)
+        args.credentials = credentials(args)
+        if args.message is not None and len(args.message.encode()) > MAX_PAYLOAD_SIZE:
+            raise UsageError(f"MESSAGE is over the {MAX_PAYLOAD_SIZE} bytes a message may carry")
+    except (UsageError, BadTopic) as exc:
+        return fail(str(exc), EXIT_USAGE)
     try:
-        return asyncio.run(_pub(args, brokers))
+        return asyncio.run(_pub(args, addrs))
+    except PayloadTooLarge as exc:
+        return fail(str(exc), EXIT_FAILED)
     except ConnectError as exc:
-        return _err(str(exc), EXIT_FAILED)
-    except (ClientError, TimeoutError) as exc:
-        return _err(f"publish failed: {exc}", EXIT_FAILED)
+        return fail(str(exc), EXIT_FAILED)
+    except (ClientError, TimeoutError, OSError) as exc:
+        return fail(f"publish failed: {exc or type(exc).__name__}", EXIT_FAILED)
 
 
 # --------------------------------------------------------------------------------------------------- sub
@@ -139,29 +140,27 @@ async def _sub(args: argparse.Namespace, brokers: list[str]) -> int:
                         break
         except TimeoutError:
             if args.count is not None:
-                return _err(f"timed out after {got} of {args.count} messages", EXIT_FAILED)
+                return fail(f"timed out after {got} of {args.count} messages", EXIT_FAILED)
         if sub.gaps:
-            return _err(f"{sub.gaps} message(s) were lost with a failed broker (resilience level 1)", EXIT_FAILED)
+            return fail(f"{sub.gaps} message(s) were lost with a failed broker (resilience level 1)", EXIT_FAILED)
     return 0
 
 
 def _cmd_sub(args: argparse.Namespace) -> int:
     try:
-        brokers = brokers_arg(args.broker)
+        addrs = brokers(args)
         validate_topic(args.topic)
-        args.credentials = credentials_from_args(args)
-        if args.count is not None and args.count < 1:
-            raise ValueError("--count must be at least 1")
-    except (ValueError, BadTopic) as exc:
-        return _err(str(exc), EXIT_USAGE)
+        args.credentials = credentials(args)
+    except (UsageError, BadTopic) as exc:
+        return fail(str(exc), EXIT_USAGE)
     try:
-        return asyncio.run(_sub(args, brokers))
+        return asyncio.run(_sub(args, addrs))
     except KeyboardInterrupt:
         return 0
     except RequestFailed as exc:
-        return _err(f"subscribe refused: {exc}", EXIT_FAILED)
-    except (ClientError, TimeoutError) as exc:
-        return _err(str(exc) or type(exc).__name__, EXIT_FAILED)
+        return fail(f"subscribe refused: {exc}", EXIT_FAILED)
+    except (ClientError, TimeoutError, OSError) as exc:
+        return fail(str(exc) or type(exc).__name__, EXIT_FAILED)
 
 
 # ------------------------------------------------------------------------------------------------ locate
@@ -191,15 +190,15 @@ async def _locate(args: argparse.Namespace, brokers: list[str]) -> dict[str, Any
 
 def _cmd_locate(args: argparse.Namespace) -> int:
     try:
-        brokers = brokers_arg(args.broker)
+        addrs = brokers(args)
         validate_topic(args.topic)
-        args.credentials = credentials_from_args(args)
-    except (ValueError, BadTopic) as exc:
-        return _err(str(exc), EXIT_USAGE)
+        args.credentials = credentials(args)
+    except (UsageError, BadTopic) as exc:
+        return fail(str(exc), EXIT_USAGE)
     try:
-        out = asyncio.run(_locate(args, brokers))
-    except (ClientError, TimeoutError) as exc:
-        return _err(f"locate failed: {exc}", EXIT_FAILED)
+        out = asyncio.run(_locate(args, addrs))
+    except (ClientError, TimeoutError, OSError) as exc:
+        return fail(f"locate failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
     if args.json:
         print(json.dumps(out))
     else:
@@ -217,28 +216,30 @@ def _cmd_locate(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add the pub, sub and locate subcommands."""
     p = subparsers.add_parser("pub", help="publish messages (MESSAGE, or one per stdin line)")
-    p.add_argument("topic", metavar="TOPIC")
+    p.add_argument("topic", metavar="TOPIC", help="topic name, e.g. grid/feeder-1/voltage")
     p.add_argument("message", metavar="MESSAGE", nargs="?", help="the payload; without it, one message per stdin line")
     add_broker_flag(p)
-    p.add_argument("--rate", type=float, help="messages per second (default: as fast as acknowledged)")
-    p.add_argument("--count", type=int, help="with MESSAGE: send it N times; from stdin: at most N lines")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for acknowledgements (30)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--rate", type=rate, help="messages per second (default: as fast as acknowledged)")
+    p.add_argument("--count", type=positive_int, help="with MESSAGE: send it N times; from stdin: at most N lines")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for acknowledgements (30)")
+    p.add_argument("-v", "--verbose", action="store_true", help="say on stderr what was published")
     p.set_defaults(func=_cmd_pub)
 
     p = subparsers.add_parser("sub", help="subscribe and print messages")
-    p.add_argument("topic", metavar="TOPIC")
+    p.add_argument("topic", metavar="TOPIC", help="topic name, e.g. grid/feeder-1/voltage")
     add_broker_flag(p)
-    p.add_argument("--count", type=int, help="exit after N messages")
-    p.add_argument("--timeout", type=float, help="exit after S seconds (non-zero if --count was not reached)")
-    p.add_argument("--since", type=float, help="first replay stored messages newer than this timestamp")
+    p.add_argument("--count", type=positive_int, help="exit after N messages")
+    p.add_argument("--timeout", type=seconds, help="exit after S seconds (non-zero if --count was not reached)")
+    p.add_argument(
+        "--since", type=timestamp, help="first replay stored messages newer than this Unix timestamp (0: all)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per message")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="say on stderr where the subscription went")
     p.set_defaults(func=_cmd_sub)
 
     p = subparsers.add_parser("locate", help="where a topic lives: coordinates, holders, delegate list")
-    p.add_argument("topic", metavar="TOPIC")
+    p.add_argument("topic", metavar="TOPIC", help="topic name, e.g. grid/feeder-1/voltage")
     add_broker_flag(p)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer (5)")
     p.set_defaults(func=_cmd_locate)

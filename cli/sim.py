@@ -130,7 +130,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     Each experiment parser sets `func`, a callable taking the parsed namespace and returning the exit code.
     """
     sim = subparsers.add_parser("sim", help="simulate SeDAX load balancing (paper Sec. VII and VIII)")
-    exps = sim.add_subparsers(dest="experiment", required=True, metavar="{static,growth}")
+    exps = sim.add_subparsers(
+        dest="experiment", required=True, metavar="{static,growth}", help="static: Tables I-IV; growth: Fig. 6, Table V"
+    )
 
     st = exps.add_parser("static", help="static topic loads: Tables I-IV, Figs. 4/5")
     _common(st, nodes=100, per_node=100)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cli.overlay", *args],
+        [sys.executable, "-m", "cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -55,20 +55,22 @@ async def test_route_json(cluster3: LocalCluster) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "match"),
+    ("args", "code", "match"),
     [
-        (("route", "0.5", "--broker", "{addr}"), "coordinate must be written X,Y"),
-        (("route", "x,y", "--broker", "{addr}"), "two numbers"),
-        (("route", "2,2", "--broker", "{addr}"), "coordinate_outside_space"),
-        (("route", "0.5,0.5", "--broker", "127.0.0.1:1"), "cannot reach broker"),
-        (("status", "--broker", "127.0.0.1:1"), "cannot reach broker"),
-        (("status", "--broker", "nohost"), "HOST:PORT"),
+        (("route", "0.5", "--broker", "{addr}"), 2, "coordinate is written X,Y"),
+        (("route", "x,y", "--broker", "{addr}"), 2, "two numbers"),
+        (("route", "2,2", "--broker", "{addr}"), 1, "coordinate_outside_space"),
+        (("route", "0.5,0.5", "--broker", "127.0.0.1:1"), 1, "cannot reach broker"),
+        (("status", "--broker", "127.0.0.1:1"), 1, "cannot reach broker"),
+        (("status", "--broker", "nohost"), 2, "HOST:PORT"),
     ],
 )
-async def test_clear_errors_exit_2(cluster3: LocalCluster, args: tuple[str, ...], match: str) -> None:
+async def test_clear_errors(cluster3: LocalCluster, args: tuple[str, ...], code: int, match: str) -> None:
+    """Usage errors exit 2, a broker that refuses or cannot be reached 1; one line each."""
     res = await asyncio.to_thread(_cli, *(a.format(addr=cluster3.nodes[0].listen) for a in args))
-    assert res.returncode == 2
-    assert match in res.stderr and res.stderr.startswith("sedax: error:")
+    assert res.returncode == code, res.stderr
+    assert match in res.stderr and "Traceback" not in res.stderr
+    assert [ln for ln in res.stderr.splitlines() if "error:" in ln] == [res.stderr.splitlines()[-1]]
 
 
 def _alive(pid: int) -> bool:
@@ -93,7 +95,7 @@ async def test_cluster_up_and_down(tmp_path: Path) -> None:
         st = await asyncio.to_thread(_cli, "status", "--broker", info["nodes"][0]["listen"], "--json")
         assert st.returncode == 0
         again = await asyncio.to_thread(_cli, "cluster", "up", "--nodes", "2", "--state-dir", str(state))
-        assert again.returncode == 2 and "cluster down" in again.stderr
+        assert again.returncode == 1 and "cluster down" in again.stderr
     finally:
         down = await asyncio.to_thread(_cli, "cluster", "down", "--state-dir", str(state))
     assert down.returncode == 0, down.stderr

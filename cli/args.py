@@ -1,0 +1,157 @@
+"""The argument pieces every `sedax` subcommand shares: broker addresses, credentials, numbers, coordinates.
+
+One home for them, so `--broker`, `--timeout` and the credential flags mean the same on every subcommand and a
+bad value is an argparse usage error (exit 2, one line naming the fix) before anything connects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Final, NoReturn
+
+from net.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
+
+EXIT_FAILED: Final = 1  # the overlay refused or did not answer, or a file could not be read
+EXIT_USAGE: Final = 2  # the command line is wrong; the message says how to write it
+ENV_BROKERS: Final = "SEDAX_BROKERS"
+
+
+class UsageError(ValueError):
+    """A value on the command line (or in the environment it stands for) is wrong; exit 2."""
+
+
+def fail(msg: str, code: int = EXIT_FAILED) -> int:
+    """Print one `sedax: error:` line and return the exit code."""
+    print(f"sedax: error: {msg}", file=sys.stderr)
+    return code
+
+
+def die(msg: str, code: int) -> NoReturn:
+    """fail() and exit at once (for errors found outside a subcommand's own flow)."""
+    raise SystemExit(fail(msg, code))
+
+
+def address(text: str) -> str:
+    """HOST:PORT with a port in 1..65535 (argparse type)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"a broker address is HOST:PORT, as in 127.0.0.1:7000; got {text!r}")
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the port of {text!r} must be a number 1-65535") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"the port of {text!r} must be 1-65535")
+    return f"{host}:{number}"
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds as a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def timestamp(text: str) -> float:
+    """A Unix timestamp >= 0, as printed by `sedax sub --json` (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a Unix timestamp (seconds), got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a Unix timestamp >= 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def rate(text: str) -> float:
+    """Messages per second: positive and finite (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected messages per second, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive rate, got {text!r}")
+    return value
+
+
+# Coordinates outside this box cannot be in any space a broker accepts; refusing them here gives a clear
+# message instead of a route that goes nowhere.
+COORD_LIMIT: Final = 1e6
+
+
+def parse_xy(text: str) -> tuple[float, float]:
+    """X,Y as two finite numbers (kept free of overlay.geometry, and so of scipy); ValueError if not."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"a coordinate is written X,Y, as in 0.5,0.25; got {text!r}")
+    try:
+        x, y = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(f"a coordinate is two numbers X,Y, as in 0.5,0.25; got {text!r}") from None
+    if not (math.isfinite(x) and math.isfinite(y)) or max(abs(x), abs(y)) > COORD_LIMIT:
+        raise ValueError(f"a coordinate must be two finite numbers within ±{COORD_LIMIT:g}, got {text!r}")
+    return (x, y)
+
+
+def coordinate(text: str) -> tuple[float, float]:
+    """X,Y (argparse type)."""
+    try:
+        return parse_xy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_broker_flag(p: argparse.ArgumentParser, *, what: str = "access broker") -> None:
+    """--broker HOST:PORT (repeatable, comma-separated; default $SEDAX_BROKERS) and the credential flags."""
+    p.add_argument(
+        "--broker",
+        action="append",
+        metavar="HOST:PORT",
+        help=f"{what}; repeat or comma-separate for fail-over (default: ${ENV_BROKERS})",
+    )
+    add_credential_flags(p)
+
+
+def brokers(args: argparse.Namespace) -> list[str]:
+    """The broker list from --broker (repeatable, comma-separated) or $SEDAX_BROKERS; UsageError if none/bad."""
+    raw = args.broker or [os.environ.get(ENV_BROKERS, "")]
+    out: list[str] = []
+    for item in (a.strip() for v in raw for a in v.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(address(item))
+        except argparse.ArgumentTypeError as exc:
+            source = "--broker" if args.broker else f"${ENV_BROKERS}"
+            raise UsageError(f"{source}: {exc}") from None
+    if not out:
+        raise UsageError(f"give --broker HOST:PORT (or set {ENV_BROKERS})")
+    return out
+
+
+def credentials(args: argparse.Namespace) -> Credentials:
+    """The credentials of the flags over the environment, with their files loaded now (UsageError if unusable)."""
+    try:
+        creds = credentials_from_args(args)
+        creds.ssl_context()  # loads and checks the CA, certificate and key: a bad file is a usage error
+    except CredentialsError as exc:
+        raise UsageError(str(exc)) from None
+    return creds

@@ -1,0 +1,234 @@
+"""Bad input to `sedax` ends in one line that names the problem and the fix: exit 2 for usage, 1 for runtime.
+
+Never a traceback.  Most cases run `cli.main.main` in this process (fast); the ones that need a process of
+their own (stdin, signals, a busy port) run the `sedax` command.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cli.main import main
+
+SEDAX = str(Path(sys.executable).with_name("sedax"))
+DEAD = "127.0.0.1:1"  # nothing listens on port 1: connection refused at once
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors, --help, --version
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def _one_line_error(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (["pub", "t", "hi", "--broker", "127.0.0.1"], 2, "HOST:PORT"),
+        (["pub", "t", "hi", "--broker", "127.0.0.1:99999"], 2, "1-65535"),
+        (["sub", "t", "--broker", "127.0.0.1:x"], 2, "port"),
+        (["locate", "t", "--broker", ":7000"], 2, "HOST:PORT"),
+        (["move", "t", "0.5,0.5", "--broker", "127.0.0.1"], 2, "HOST:PORT"),
+        (["balance", "--broker", "127.0.0.1:0"], 2, "1-65535"),
+        (["load", "--topics", "2", "--broker", "host"], 2, "HOST:PORT"),
+        (["status", "--broker", "127.0.0.1"], 2, "HOST:PORT"),
+        (["route", "0.5,0.5", "--broker", "127.0.0.1:70000"], 2, "1-65535"),
+        (["sub", "t", "--since", "nan", "--broker", DEAD], 2, "timestamp"),
+        (["sub", "t", "--since", "-1", "--broker", DEAD], 2, "timestamp"),
+        (["route", "1e13,0", "--broker", DEAD], 2, "finite numbers within"),
+        (["route", "0.5", "--broker", DEAD], 2, "X,Y"),
+        (["move", "t", "inf,0", "--broker", DEAD], 2, "finite"),
+        (["--log-level", "foo", "status", "--broker", DEAD], 2, "log level"),
+        (["locate", "t", "--timeout", "0", "--broker", DEAD], 2, "positive number of seconds"),
+        (["pub", "t", "hi", "--timeout", "-1", "--broker", DEAD], 2, "positive number of seconds"),
+        (["pub", "t", "hi", "--timeout", "nan", "--broker", DEAD], 2, "positive number of seconds"),
+        (["pub", "t", "hi", "--rate", "0", "--broker", DEAD], 2, "positive rate"),
+        (["sub", "t", "--count", "0", "--broker", DEAD], 2, ">= 1"),
+        (["status", "--timeout", "nan", "--broker", DEAD], 2, "seconds"),
+        (["pub", "t", "hi", "--broker", DEAD, "--ca", "/nonexistent"], 2, "--ca"),
+        (["locate", "t", "--broker", DEAD, "--ca", "/etc/hostname"], 2, "CA certificate"),
+        (["route", "0.5,0.5", "--broker", DEAD, "--ca", "/nonexistent"], 2, "CA certificate"),
+        (["balance", "--broker", DEAD, "--ca", "/nonexistent"], 2, "CA certificate"),
+        (["move", "t", "0.5,0.5", "--broker", DEAD, "--cert", "/x.pem"], 2, "--cert and --key"),
+        (["pub", "t", "hi", "--broker", DEAD], 1, "no broker reachable"),
+        (["sub", "t", "--broker", DEAD], 1, "no broker reachable"),
+        (["locate", "t", "--broker", DEAD], 1, "no broker reachable"),
+        (["move", "t", "0.5,0.5", "--broker", DEAD], 1, "no broker reachable"),
+        (["balance", "--broker", DEAD], 1, "no broker reachable"),
+        (["status", "--broker", DEAD], 1, "cannot reach broker"),
+        (["route", "0.5,0.5", "--broker", DEAD], 1, "cannot reach broker"),
+        (["status", "--broker", f"{DEAD},127.0.0.1:2"], 1, "127.0.0.1:2"),
+        (["cluster", "up", "--coords", "/nonexistent"], 1, "cannot read --coords"),
+        (["cluster", "down", "--state-dir", "/nonexistent"], 1, "no readable cluster state"),
+    ],
+)
+def test_bad_input_is_one_line_with_the_right_exit_code(
+    argv: list[str], code: int, says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "--ca" in argv or "--cert" in argv:
+        monkeypatch.delenv("SEDAX_INSECURE")  # the suite's plain-TCP default (conftest.py) would clash with TLS files
+    got, err = _run(argv, capsys)
+    line = _one_line_error(err)
+    assert got == code, err
+    assert says in line, line
+
+
+def test_a_garbage_coords_file_is_named_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for text, says in [("0.1,0.2\nnot a pair\n", "entry 2"), ("[1, 2]", "list of [x, y] pairs"), ("", "no coord")]:
+        f = tmp_path / "coords.txt"
+        f.write_text(text)
+        got, err = _run(["cluster", "up", "--coords", str(f), "--state-dir", str(tmp_path / "s")], capsys)
+        assert got == 1 and says in _one_line_error(err), err
+
+
+def test_status_and_route_take_the_broker_list_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SEDAX_BROKERS", f"{DEAD},127.0.0.1:2")
+    for argv in (["status"], ["route", "0.5,0.5"]):
+        got, err = _run(argv, capsys)
+        assert got == 1 and "127.0.0.1:2" in _one_line_error(err)  # both were tried, the last error is shown
+    monkeypatch.setenv("SEDAX_BROKERS", "nonsense")
+    got, err = _run(["status"], capsys)
+    assert got == 2 and "$SEDAX_BROKERS" in _one_line_error(err)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("sedax ")
+
+
+def test_every_option_has_help_text() -> None:
+    from cli.main import build_parser
+
+    parser = build_parser()
+    missing = []
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():  # type: ignore[union-attr]
+        for a in p._actions:
+            if a.help is None and a.dest != "help":
+                missing.append(f"{name} {'/'.join(a.option_strings) or a.dest}")
+    assert missing == []
+
+
+# ---- in a process of its own --------------------------------------------------------------------------------
+
+
+def _sedax(args: list[str], stdin: bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [SEDAX, *args], input=stdin.decode("latin-1") if stdin else None, capture_output=True, text=True,
+        timeout=timeout, check=False, encoding="latin-1",
+    )  # fmt: skip
+
+
+def test_a_stdin_line_over_the_payload_limit(tmp_path: Path) -> None:
+    res = _sedax(["pub", "t", "--broker", DEAD], stdin=b"x" * (2 << 20) + b"\n")
+    # The connection is refused before the line is read, or the line is refused: either way, one line, exit 1.
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_busy_port_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = _sedax(["broker", "--listen", f"127.0.0.1:{port}", "--coord", "0.5,0.5", "--insecure"])
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert "cannot listen on" in res.stderr and "--listen" in res.stderr
+
+
+def _brokers_marked(mark: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (
+                f"SEDAX_TEST_MARK={mark}".encode() in (d / "environ").read_bytes()
+                and b"-m\x00broker" in (d / "cmdline").read_bytes()
+            ):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_ctrl_c_during_cluster_up_leaves_no_broker_running(tmp_path: Path, seed: int) -> None:
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "SEDAX_TEST_MARK": mark}
+    extra = random.Random(seed).uniform(0.0, 1.0)  # after the first broker started: during later starts or convergence
+    with subprocess.Popen(
+        [SEDAX, "cluster", "up", "--nodes", "12", "--insecure", "--state-dir", str(tmp_path / "c")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not _brokers_marked(mark) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _brokers_marked(mark), "no broker started"
+        deadline = time.monotonic() + extra
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        interrupted = proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    if interrupted and proc.returncode != 0:
+        assert proc.returncode == 130 and "interrupted" in err, err
+    else:  # it finished before the signal: the brokers run and `cluster down` finds them
+        down = _sedax(["cluster", "down", "--state-dir", str(tmp_path / "c")])
+        assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while _brokers_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _brokers_marked(mark) == []
+
+
+# ---- random argument vectors --------------------------------------------------------------------------------
+
+TOKENS = st.sampled_from(
+    ["--broker", DEAD, "127.0.0.1", ":1", "--timeout", "0", "-1", "nan", "inf", "1e309", "--since", "--count",
+     "--rate", "--json", "--ca", "/nonexistent", "--cert", "--key", "--token", "x", "--insecure", "t", "a/b",
+     "", " ", "0.5,0.5", "1e13,0", ",", "--all", "--topics", "--prefix", "#", "+", "\x00", "é", "--help-me"]
+)  # fmt: skip
+COMMANDS = ["pub", "sub", "locate", "status", "route", "move", "balance", "load", "topics-nope", "cluster"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(command=st.sampled_from(COMMANDS), rest=st.lists(TOKENS, max_size=7))
+def test_random_arguments_never_end_in_a_traceback(command: str, rest: list[str]) -> None:
+    argv = [command, *rest]
+    if command == "cluster":
+        argv = ["cluster", "down", "--state-dir", "/nonexistent", *rest]
+    if command in ("sub",):
+        argv += ["--timeout", "0.5"]  # never wait on a subscription
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    assert code in (0, 1, 2)
