@@ -2,21 +2,20 @@
 
 The drawing works on `OverlayPicture`, a plain data structure, so every source is a thin adapter: the log
 directory adapter (`picture_from_logs`, the last snapshot step of the newest run) and the live adapter
-(`crawl_overlay`, STATUS of every broker reachable from one, via `client.admin`).  SVG is written by hand
-(deterministic: sorted nodes, fixed number formatting) so a test can check it draws every broker and every
-link; PNG goes through matplotlib's Agg canvas.
+(`picture_from_statuses`, the STATUS of every broker reachable from one, crawled by client/crawl.py).  SVG is
+written by hand (deterministic: sorted nodes, fixed number formatting) so a test can check it draws every broker
+and every link; PNG goes through matplotlib's Agg canvas.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
@@ -37,11 +36,6 @@ RAMP: Final = (
     (0.75, (94, 201, 98)),
     (1.0, (253, 231, 37)),
 )
-
-
-# Live crawl: brokers asked at once, and a bound on the crawl so a huge overlay cannot run away.
-CRAWL_PARALLEL: Final = 16
-MAX_CRAWL: Final = 10_000
 
 
 class VizError(ValueError):
@@ -212,78 +206,13 @@ def picture_from_logs(log_dirs: Sequence[str]) -> OverlayPicture:
     return OverlayPicture(nodes=tuple(nodes), moves=arrows, failed=failed, title=f"run {run}, step {last_step[run]}")
 
 
-class _StatusSource(Protocol):
-    """What the live adapter needs from an admin connection (the CLI passes client.admin.AdminClient's).
+def picture_from_statuses(statuses: Mapping[str, Any], unreachable: Mapping[str, Coord], title: str) -> OverlayPicture:
+    """The live adapter: a picture of the STATUS answers of a crawl (client/crawl.py, run by the CLI).
 
     analysis/ never imports the client or the broker (the layering contract in pyproject.toml): the command
-    line hands the crawl its connection factory and the errors that mean "this broker is unreachable"."""
-
-    async def status(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
-
-
-Connect = Callable[..., Awaitable[_StatusSource]]
-
-
-async def crawl_overlay(
-    address: str,
-    *,
-    connect: Connect,
-    unreachable_errors: tuple[type[BaseException], ...] = (),
-    request_timeout: float = 5.0,
-    max_brokers: int = MAX_CRAWL,
-) -> OverlayPicture:
-    """Crawl a live overlay from one broker: ask it for STATUS, then its neighbours, breadth first.
-
-    Neighbours that a reachable broker reports but that cannot be reached themselves are drawn as failed.
-    STATUS carries no topic move history, so a live picture has no move arrows.
-
-    Args:
-        address: HOST:PORT of any broker.
-        connect: the admin client factory (`client.admin.AdminClient.connect` from the CLI).
-        unreachable_errors: what connect or status raise for a broker that cannot be reached, besides
-            OSError and TimeoutError.
-        request_timeout: seconds for each connect and request.
-        max_brokers: stop crawling after this many brokers.
-
-    Raises:
-        VizError: the first broker cannot be reached.
+    line crawls and hands the answers over.  Reported brokers that did not answer are drawn as failed; STATUS
+    carries no topic move history, so a live picture has no move arrows.
     """
-    unreachable_types: tuple[type[BaseException], ...] = (OSError, TimeoutError, *unreachable_errors)
-    sem = asyncio.Semaphore(CRAWL_PARALLEL)
-
-    async def fetch(addr: str) -> Any:
-        async with sem:
-            client = await connect(addr, timeout=request_timeout)
-            try:
-                return await client.status()
-            finally:
-                await client.aclose()
-
-    statuses: dict[str, Any] = {}
-    reported: dict[str, Coord] = {}
-    unreachable: set[str] = set()
-    asked = {address}
-    frontier: list[tuple[str | None, str]] = [(None, address)]
-    while frontier and len(statuses) < max_brokers:
-        results = await asyncio.gather(*(fetch(addr) for _, addr in frontier), return_exceptions=True)
-        nxt: list[tuple[str | None, str]] = []
-        for (node_id, addr), res in zip(frontier, results, strict=True):
-            if isinstance(res, unreachable_types):
-                if node_id is None:
-                    raise VizError(f"cannot reach broker at {addr}: {res}")
-                unreachable.add(node_id)
-                continue
-            if isinstance(res, BaseException):
-                raise res
-            statuses[res.node.id] = res
-            for nb in res.neighbours:
-                reported.setdefault(nb.id, (float(nb.coord[0]), float(nb.coord[1])))
-                if nb.listen not in asked and nb.id not in statuses:
-                    asked.add(nb.listen)
-                    nxt.append((nb.id, nb.listen))
-        frontier = nxt
     nodes = tuple(
         VizNode(
             node=nid,
@@ -293,17 +222,8 @@ async def crawl_overlay(
         )
         for nid, st in sorted(statuses.items())
     )
-    failed = {nid: reported[nid] for nid in sorted(unreachable - statuses.keys())}
-    return OverlayPicture(nodes=nodes, failed=failed, title=f"live overlay via {address}")
-
-
-def picture_from_broker(
-    address: str, connect: Connect, unreachable_errors: tuple[type[BaseException], ...] = (), *, timeout: float = 5.0
-) -> OverlayPicture:
-    """The live adapter: `crawl_overlay` run on its own event loop (for the CLI)."""
-    return asyncio.run(
-        crawl_overlay(address, connect=connect, unreachable_errors=unreachable_errors, request_timeout=timeout)
-    )
+    failed = {nid: unreachable[nid] for nid in sorted(unreachable) if nid not in statuses}
+    return OverlayPicture(nodes=nodes, failed=failed, title=title)
 
 
 # ---- drawing --------------------------------------------------------------------------------------------

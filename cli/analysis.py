@@ -10,10 +10,14 @@ Also runnable on its own: `python -m cli.analysis analyze LOG_DIR --out DIR`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
+
+from cli.args import EXIT_FAILED, UsageError, address, credentials, seconds
+from net.credentials import add_credential_flags
 
 EXIT_USAGE: Final = 2
 LEVELS: Final = ("L1", "L2", "L3")
@@ -67,7 +71,7 @@ def _cmd_viz(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() not in (".svg", ".png"):
         return _fail(f"--out must end in .svg or .png, got {out.name!r}")
-    from analysis.viz import VizError, picture_from_broker, picture_from_logs, render
+    from analysis.viz import VizError, picture_from_logs, picture_from_statuses, render
 
     try:
         if args.log_dir is not None:
@@ -76,9 +80,19 @@ def _cmd_viz(args: argparse.Namespace) -> int:
                 return _fail(f"log directory not found: {', '.join(missing)}")
             pic = picture_from_logs(args.log_dir)
         else:
-            from client.admin import AdminClient, AdminError
+            from client.admin import AdminError
+            from client.crawl import crawl
 
-            pic = picture_from_broker(args.broker, AdminClient.connect, (AdminError,), timeout=args.timeout)
+            try:
+                creds = credentials(args)
+            except UsageError as exc:
+                return _fail(str(exc))
+            try:
+                found = asyncio.run(crawl(args.broker, credentials=creds, timeout=args.timeout))
+            except AdminError as exc:
+                print(f"sedax: error: {exc}", file=sys.stderr)
+                return EXIT_FAILED
+            pic = picture_from_statuses(found.statuses, found.unreachable, f"live overlay via {args.broker}")
         path = render(pic, out, args.level)
     except VizError as exc:
         return _fail(str(exc))
@@ -117,13 +131,16 @@ def register(subparsers: Any) -> None:
         "load of --level, topics' home-to-delegate arrows and failed brokers, as SVG or PNG.",
     )
     src = v.add_mutually_exclusive_group(required=True)
-    src.add_argument("--broker", metavar="HOST:PORT", help="any live broker; the overlay is crawled from it")
+    src.add_argument(
+        "--broker", type=address, metavar="HOST:PORT", help="any live broker; the overlay is crawled from it"
+    )
     src.add_argument(
         "--log-dir", action="append", metavar="DIR", help="metrics logs (last step of the newest run); repeatable"
     )
     v.add_argument("--out", required=True, metavar="FILE", help="output file, .svg or .png")
     v.add_argument("--level", choices=LEVELS, default="L1", help="load level shading the cells (default L1)")
-    v.add_argument("--timeout", type=float, default=5.0, help="seconds per broker request (--broker; default 5)")
+    v.add_argument("--timeout", type=seconds, default=5.0, help="seconds per broker request (--broker; default 5)")
+    add_credential_flags(v)
     v.set_defaults(func=_cmd_viz)
 
 

@@ -19,11 +19,12 @@ from cli import certs as cli_certs
 from cli import demo
 from cli import overlay as cli_overlay
 from cli import pubsub as cli_pubsub
+from cli import topics as cli_topics
 
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
 # `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
 # container health check and `sedax pub`/`sub` start in a fraction of the time.
-LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster"})
+LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster", "topics"})
 
 
 def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
@@ -45,6 +46,7 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
     demo.register(sub)
     cli_overlay.register(sub)
     cli_pubsub.register(sub)
+    cli_topics.register(sub)
     if not light:
         from cli import balance as cli_balance
         from cli import sim as sim_cli

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli.cluster import LocalCluster
+from client.client import Client
 from overlay.geometry import closest
 
 pytestmark = pytest.mark.slow
@@ -102,3 +103,27 @@ async def test_cluster_up_and_down(tmp_path: Path) -> None:
     assert down.stdout.count("stopped") == 4
     assert not any(_alive(p) for p in pids)
     assert not (state / "cluster.json").exists()
+
+
+async def test_topics_lists_every_topic_with_its_holders(cluster3: LocalCluster) -> None:
+    await cluster3.wait_converged(10.0)
+    names = [f"grid/topics-cli/{i}" for i in range(4)]
+    addrs = [bp.listen for bp in cluster3.nodes]
+    async with Client(addrs, credentials=cluster3.credentials()) as c:
+        for i, t in enumerate(names):
+            for k in range(i + 1):
+                await c.publish(t, f"v{k}")
+        async with c.subscribe(names[0]):
+            res = await asyncio.to_thread(_cli, "topics", "--broker", addrs[2], "--json")
+            assert res.returncode == 0, res.stderr
+            rows = {r["topic"]: r for r in json.loads(res.stdout)}
+            text = await asyncio.to_thread(_cli, "topics", "--broker", f"127.0.0.1:1,{addrs[1]}")
+    assert set(names) <= set(rows)
+    ids = {bp.node_id: bp.coord for bp in cluster3.nodes}
+    for i, t in enumerate(names):
+        r = rows[t]
+        primary, secondary = closest(ids, tuple(r["coord"]), 2)
+        assert r["holders"]["primary"] == [primary] and r["holders"]["secondary"] == [secondary]
+        assert r["bytes"] > 0 and r["subscribers"] == (1 if i == 0 else 0)
+    assert rows[names[3]]["bytes"] > rows[names[0]]["bytes"]
+    assert text.returncode == 0 and all(t in text.stdout for t in names)

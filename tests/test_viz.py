@@ -1,9 +1,11 @@
-"""`sedax viz`: the picture built from logs and from a (fake) live overlay, as SVG and PNG."""
+"""`sedax viz`: the picture built from logs and from a live overlay (real brokers), as SVG and PNG."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +17,15 @@ from analysis.viz import (
     OverlayPicture,
     VizError,
     VizNode,
-    crawl_overlay,
     draw_svg,
     picture_from_logs,
+    picture_from_statuses,
     render,
 )
 from cli import analysis as cli_analysis
-from client.admin import AdminError, BrokerUnavailable
-from overlay.protocol import NodeInfo, Status
+from cli.cluster import LocalCluster
+from client.admin import BrokerUnavailable
+from client.crawl import crawl
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -127,57 +130,30 @@ def test_cli_viz(logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert cli_analysis.main(["viz", "--log-dir", str(logs), "--out", str(tmp_path / "v.gif")]) == 2
     assert ".svg or .png" in capsys.readouterr().err
     # Nothing listens on port 1: the live path fails with a clear message, not a traceback.
-    assert cli_analysis.main(["viz", "--broker", "127.0.0.1:1", "--out", str(out), "--timeout", "2"]) == 2
+    assert cli_analysis.main(["viz", "--broker", "127.0.0.1:1", "--out", str(out), "--timeout", "2"]) == 1
     assert "cannot reach broker" in capsys.readouterr().err
 
 
-class FakeAdmin:
-    """Stands in for client.admin.AdminClient: answers STATUS from a table, or is unreachable."""
-
-    def __init__(self, status: Status) -> None:
-        self._status = status
-        self.closed = False
-
-    async def status(self) -> Status:
-        return self._status
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-async def test_crawl_live_overlay_with_fake_admin() -> None:
-    coords = {"a": (0.1, 0.1), "b": (0.9, 0.1), "c": (0.5, 0.9), "d": (0.5, 0.4), "e": (0.95, 0.95)}
-    info = {n: NodeInfo(n, c, f"127.0.0.1:{7000 + i}") for i, (n, c) in enumerate(sorted(coords.items()))}
-    nbrs = {"a": "bcd", "b": "acde", "c": "abde", "d": "abc", "e": "bc"}
-    down = {"e"}  # reported by b and c but unreachable: drawn as failed
-    by_addr = {
-        info[n].listen: Status(
-            corr=1,
-            node=info[n],
-            neighbours=tuple(info[m] for m in nbrs[n]),
-            desired=(),
-            topics=(),
-            loads={"L1": 10 * (i + 1), "L2": 20, "L3": 30},
-            counters={},
-            resilience=1,
-        )
-        for i, n in enumerate(sorted(coords))
-    }
-    clients: list[FakeAdmin] = []
-
-    async def connect(addr: str, *, timeout: float) -> FakeAdmin:  # noqa: ASYNC109 - AdminClient.connect's signature
-        assert timeout == 1.5
-        if by_addr[addr].node.id in down:
-            raise BrokerUnavailable(f"cannot reach broker at {addr}")
-        clients.append(FakeAdmin(by_addr[addr]))
-        return clients[-1]
-
-    pic = await crawl_overlay(info["a"].listen, request_timeout=1.5, connect=connect, unreachable_errors=(AdminError,))
-    assert [n.node for n in pic.nodes] == ["a", "b", "c", "d"]
-    assert pic.failed == {"e": coords["e"]}
-    assert all(c.closed for c in clients) and len(clients) == 4
-    svg = draw_svg(pic, "L1")
-    links = {tuple(sorted(m)) for m in re.findall(r'data-a="([^"]+)" data-b="([^"]+)"', svg)}
-    assert links == scipy_edges({n: coords[n] for n in "abcd"})
-    with pytest.raises(VizError, match="cannot reach"):
-        await crawl_overlay(info["e"].listen, request_timeout=1.5, connect=connect, unreachable_errors=(AdminError,))
+async def test_crawl_a_live_overlay_with_a_hung_broker(tmp_path: Path) -> None:
+    coords = [(0.1, 0.1), (0.9, 0.1), (0.5, 0.9), (0.5, 0.4), (0.95, 0.95)]
+    # Slow failure detection (50 s): the hung broker stays in its neighbours' reports while the crawl runs.
+    slow = ("--heartbeat-interval", "5", "--heartbeat-misses", "10")
+    async with LocalCluster(5, coords=coords, state_dir=tmp_path / "c", broker_args=slow) as cluster:
+        await cluster.wait_converged(20.0)
+        creds = cluster.credentials()
+        hung = cluster.nodes[4]
+        os.kill(hung.pid, signal.SIGSTOP)
+        try:
+            found = await crawl(cluster.nodes[0].listen, credentials=creds, timeout=1.5)
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        live = {bp.node_id: bp.coord for bp in cluster.nodes[:4]}
+        assert set(found.statuses) == set(live)
+        assert found.unreachable == {hung.node_id: coords[4]}
+        pic = picture_from_statuses(found.statuses, found.unreachable, "t")
+        assert [n.node for n in pic.nodes] == sorted(live) and pic.failed == {hung.node_id: coords[4]}
+        svg = draw_svg(pic, "L1")
+        links = {tuple(sorted(m)) for m in re.findall(r'data-a="([^"]+)" data-b="([^"]+)"', svg)}
+        assert links == scipy_edges(live)
+    with pytest.raises(BrokerUnavailable, match="cannot reach"):
+        await crawl("127.0.0.1:1", credentials=creds, timeout=1.5)

@@ -1,0 +1,106 @@
+"""`sedax topics`: every topic of the cluster with its coordinate, holders, stored bytes and subscribers.
+
+The overlay is crawled from one broker (client/crawl.py: STATUS of every broker reachable from it); each
+broker's STATUS lists the topics it holds and its role for each (primary, secondary, tertiary, delegate, home).
+Each topic is then located once (LOCATE, answered by its primary) for its coordinate and subscriber count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from cli.args import EXIT_FAILED, EXIT_USAGE, UsageError, add_broker_flag, brokers, credentials, fail, seconds
+from client.admin import AdminError
+from client.client import Client, ClientError
+from client.crawl import crawl
+from net.credentials import Credentials
+
+# LOCATE requests in flight at once.
+LOCATE_PARALLEL = 32
+
+
+async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> list[dict[str, Any]]:  # noqa: ASYNC109
+    """One dict per topic (sorted by name): name, coord, home, holders by role, bytes, subscribers."""
+    found = None
+    last: AdminError | None = None
+    for addr in addrs:  # the first broker that answers is the crawl's start
+        try:
+            found = await crawl(addr, credentials=creds, timeout=timeout)
+            break
+        except AdminError as exc:
+            last = exc
+    if found is None:
+        assert last is not None
+        raise last
+    holders: dict[str, dict[str, list[str]]] = {}
+    sizes: dict[str, int] = {}
+    for nid, st in sorted(found.statuses.items()):
+        for h in st.held:
+            holders.setdefault(h.topic, {}).setdefault(h.role, []).append(nid)
+            if h.role in ("primary", "delegate"):
+                sizes[h.topic] = max(sizes.get(h.topic, 0), h.size)
+    sem = asyncio.Semaphore(LOCATE_PARALLEL)
+    out: list[dict[str, Any]] = []
+    async with Client(addrs, request_timeout=timeout, reconnect=False, credentials=creds) as c:
+
+        async def one(topic: str) -> dict[str, Any]:
+            async with sem:
+                try:
+                    loc = await c.locate(topic)
+                except (ClientError, TimeoutError) as exc:  # a topic in hand-over or whose holder just failed
+                    return {"topic": topic, "error": str(exc) or type(exc).__name__}
+            return {
+                "topic": topic,
+                "coord": list(loc.coord),
+                "home": list(loc.home),
+                "delegated": loc.coord != loc.home,
+                "bytes": loc.size,
+                "subscribers": loc.subscribers,
+            }
+
+        located = await asyncio.gather(*(one(t) for t in sorted(holders)))
+    for row in located:
+        topic = row["topic"]
+        row.setdefault("bytes", sizes.get(topic, 0))
+        row["holders"] = {role: ids for role, ids in sorted(holders[topic].items())}
+        out.append(row)
+    return out
+
+
+def _cmd_topics(args: argparse.Namespace) -> int:
+    try:
+        addrs = brokers(args)
+        creds = credentials(args)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    try:
+        rows = asyncio.run(list_topics(addrs, creds, args.timeout))
+    except (AdminError, ClientError, OSError, TimeoutError) as exc:
+        return fail(str(exc) or type(exc).__name__, EXIT_FAILED)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print("no topics")
+        return 0
+    print(f"{'TOPIC':<36} {'COORD':<17} {'PRIMARY':<10} {'SECONDARY':<10} {'BYTES':>12} {'SUBS':>5}")
+    for r in rows:
+        coord = f"{r['coord'][0]:.4f},{r['coord'][1]:.4f}" if "coord" in r else "?"
+        h = r["holders"]
+        primary = ",".join(h.get("primary", []) or h.get("delegate", [])) or "-"
+        secondary = ",".join(h.get("secondary", [])) or "-"
+        subs = r.get("subscribers", "?")
+        print(f"{r['topic']:<36} {coord:<17} {primary:<10} {secondary:<10} {r['bytes']:>12} {subs:>5}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the `topics` subcommand."""
+    p = subparsers.add_parser("topics", help="list every topic of the cluster with its holders")
+    add_broker_flag(p, what="any broker of the cluster (the overlay is crawled from the first that answers)")
+    p.add_argument("--json", action="store_true", help="print one JSON list")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds per broker request (5)")
+    p.set_defaults(func=_cmd_topics)
