@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -170,14 +170,21 @@ class LocalCluster:
         p = self.space.uniform(self._rng, 1)[0]
         return (float(p[0]), float(p[1]))
 
-    async def start(self) -> None:
-        """Start the first broker, then the others in batches, each joining through running ones."""
+    async def start(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Start the first broker, then the others in batches, each joining through running ones.
+
+        progress(started, n) is called after each batch (`sedax cluster up` prints it).
+        """
         if self.n <= 0:
             return
         await self.add()
         while len(self.nodes) < self.n:
+            if progress is not None:
+                progress(len(self.nodes), self.n)
             batch = min(START_BATCH, self.n - len(self.nodes))
             await asyncio.gather(*(self.add() for _ in range(batch)))
+        if progress is not None:
+            progress(len(self.nodes), self.n)
 
     def _join_addresses(self) -> list[str]:
         ready = [bp.listen for bp in self.nodes if bp.listen and bp.alive]

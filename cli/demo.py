@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
+import tempfile
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from cli.args import positive_int
-from client.client import Client, PublishAck
+from cli.args import EXIT_FAILED, fail, positive_int
+from client.client import Client, ClientError, PublishAck
+
+if TYPE_CHECKING:  # cli.cluster imports numpy: `sedax --help` and the light commands must not pay for it
+    from cli.cluster import LocalCluster
 
 
 def _say(text: str) -> None:
@@ -33,9 +37,26 @@ async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics
     names = [f"grid/feeder-{i}/voltage" for i in range(topics)]
     _say(f"starting {nodes} brokers on 127.0.0.1 (resilience level {resilience}) ...")
     balancing = ("--balance", "combined", "--goal", "L3", "--selection", "bestlocal", "--balance-interval", "2")
-    async with LocalCluster(
-        n=nodes, seed=seed, resilience=resilience, broker_args=balancing, tls=False if insecure else None
-    ) as cluster:
+    # The brokers' logs and the development CA (with its private key) live only as long as the demo.
+    with tempfile.TemporaryDirectory(prefix="sedax-demo-") as state:
+        return await _demo(
+            LocalCluster(
+                n=nodes,
+                seed=seed,
+                resilience=resilience,
+                broker_args=balancing,
+                tls=False if insecure else None,
+                state_dir=Path(state),
+            ),
+            names,
+            messages,
+            resilience,
+        )
+
+
+async def _demo(cluster: LocalCluster, names: list[str], messages: int, resilience: int) -> int:
+    topics = len(names)
+    async with cluster:
         took = await cluster.wait_converged()
         _say(f"overlay converged to the Delaunay triangulation in {took:.2f} s")
         if cluster.tls:
@@ -114,16 +135,18 @@ async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    if args.nodes < 1 or args.messages < 1 or args.topics < 1:
-        print("sedax: error: --nodes, --messages and --topics must be at least 1", file=sys.stderr)
-        return 2
-    return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics, args.insecure))
+    from cli.cluster import ClusterError
+
+    try:
+        return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics, args.insecure))
+    except (ClusterError, ClientError, TimeoutError, OSError) as exc:
+        return fail(f"the demo failed: {exc or type(exc).__name__}", EXIT_FAILED)
 
 
 def register(subparsers: Any) -> None:
     """Add the demo subcommand."""
     p = subparsers.add_parser("demo", help="start a local cluster, publish and subscribe through it, then stop")
-    p.add_argument("--nodes", type=int, default=9, help="broker processes (default 9)")
+    p.add_argument("--nodes", type=positive_int, default=9, help="broker processes (default 9)")
     p.add_argument("--seed", type=int, default=1, help="seed of the broker coordinates")
     p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2, help="resilience level (2)")
     p.add_argument("--messages", type=positive_int, default=200, help="messages to stream (200)")

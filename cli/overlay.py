@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, Final
 
@@ -157,6 +158,10 @@ def read_coords(path: str) -> list[tuple[float, float]]:
     return coords
 
 
+def _progress(started: int, n: int) -> None:
+    print(f"started {started}/{n} brokers", file=sys.stderr, flush=True)
+
+
 async def _cluster_up(args: argparse.Namespace) -> int:
     from cli.cluster import ClusterError, LocalCluster
     from net.certs import CertError
@@ -189,7 +194,9 @@ async def _cluster_up(args: argparse.Namespace) -> int:
     except CertError as exc:
         return fail(f"cannot create the cluster's certificates: {exc}", EXIT_FAILED)
     try:
-        await cluster.start()
+        await cluster.start(_progress)
+        print(f"waiting for the overlay to become the Delaunay triangulation (at most {args.timeout:g} s) ...",
+              file=sys.stderr, flush=True)  # fmt: skip
         took = await cluster.wait_converged(args.timeout)
         path = cluster.write_state()
     except (ClusterError, AdminError) as exc:
