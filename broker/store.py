@@ -2,17 +2,24 @@
 
 The stored bytes of a topic are its load L_T(t) (Sec. IV-C1), measured in bytes, so the load model of
 `overlay.load` sees what the broker really holds.  Clocks are passed in: the store never reads time itself.
+
+With a data directory (broker/storage), every topic log has a disk journal: what `append`/`merge` store is
+staged for it, `persist()` writes (and syncs, as the write policy says) before anything of it is acknowledged
+or confirmed, and a write that fails for lack of space rolls the staged records back out of memory too, so
+memory never holds an acknowledgeable record the disk does not.  Reads are always served from memory.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
+from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageFull, TopicMeta
 from overlay.pubsub import Record, record_size
 
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
@@ -72,6 +79,50 @@ class TopicLog:
     last_seen: dict[str, float] = field(default_factory=dict)  # publisher -> when it last published
     subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     # After the last message expired the topic is still known (subscribers, dedup state) but weighs nothing.
+    journal: DiskLog | None = None  # the disk log, with a data directory
+    # Staged for the journal since the last persist(), and each publisher's last seq before the first of them:
+    # what a failed write takes back out of memory.
+    _staged: list[_Row] = field(default_factory=list)
+    _staged_prev: dict[str, int] = field(default_factory=dict)
+
+    def _stage(self, row: _Row) -> None:
+        assert self.journal is not None
+        self._staged.append(row)
+        self._staged_prev.setdefault(row[1], self.last_seq.get(row[1], -1))
+        self.journal.stage(row)
+
+    def persist(self) -> None:
+        """Write what was stored since the last call to the journal (a no-op without one).
+
+        Raises StorageFull after taking the records it could not write back out of memory (and the publishers'
+        dedup state back to before them): they were never acknowledged and must not be served.
+        """
+        if self.journal is None or not self._staged:
+            return
+        try:
+            self.journal.persist()
+        except StorageFull as exc:
+            self._roll_back()
+            raise exc from None
+        self._staged.clear()
+        self._staged_prev.clear()
+
+    def _roll_back(self) -> None:
+        lost = {(r[1], r[2]) for r in self._staged}
+        kept = deque(r for r in self.rows if (r[1], r[2]) not in lost)
+        self.size -= sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
+        self.rows = kept
+        for pub, prev in self._staged_prev.items():
+            if prev < 0:
+                self.last_seq.pop(pub, None)
+            else:
+                self.last_seq[pub] = prev
+        self._staged.clear()
+        self._staged_prev.clear()
+
+    def dedup_state(self) -> dict[str, tuple[int, float]]:
+        """publisher -> (last seq, last seen): what the journal keeps beside the records."""
+        return {p: (s, self.last_seen.get(p, 0.0)) for p, s in self.last_seq.items()}
 
     def is_duplicate(self, publisher: str, seq: int) -> bool:
         """True if (publisher, seq) was stored already (re-sends after a failover are dropped here)."""
@@ -81,10 +132,15 @@ class TopicLog:
         """Store msg unless it is a duplicate; returns whether it was stored.  Expires what it pushes out."""
         if self.is_duplicate(msg.publisher, msg.seq):
             return False
-        self.rows.append(tuple(msg))  # type: ignore[arg-type]  # a Record's fields are a _Row
+        row: _Row = tuple(msg)  # type: ignore[assignment]  # a Record's fields are a _Row
+        if self.journal is not None:
+            self._stage(row)
+        self.rows.append(row)
         self.size += record_size(msg.publisher, msg.payload)
         self.last_seq[msg.publisher] = msg.seq
         self.last_seen[msg.publisher] = now
+        if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
+            self.persist()  # every record on the disk before the broker goes on (StorageFull: rolled back)
         self.expire(now)
         return True
 
@@ -105,6 +161,8 @@ class TopicLog:
             for p in stale:
                 del self.last_seen[p]
                 self.last_seq.pop(p, None)
+        if freed and self.journal is not None:
+            self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
         return freed
 
     def since(self, ts: float, limit: int | None = None) -> list[StoredMessage]:
@@ -128,6 +186,10 @@ class TopicLog:
         """Forget the stored messages (a full copy replaces them); dedup state stays."""
         self.rows.clear()
         self.size = 0
+        if self.journal is not None:
+            self._staged.clear()
+            self._staged_prev.clear()
+            self.journal.rewrite((), self.dedup_state())
 
     def merge(self, msgs: Iterable[StoredMessage], now: float) -> int:
         """Add replicated or handed-over messages (any order, duplicates ignored); returns how many were new."""
@@ -137,6 +199,9 @@ class TopicLog:
         if any(new[i].ts > new[i + 1].ts for i in range(len(new) - 1)):
             new.sort(key=_ts)
         rows: list[_Row] = [tuple(m) for m in new]  # type: ignore[misc]  # a Record's fields are a _Row
+        if self.journal is not None:
+            for row in rows:
+                self._stage(row)
         if not self.rows or new[0].ts > self.rows[-1][0]:
             # The common case (a replica receiving the primary's next batch): append, no re-sort of history.
             self.rows.extend(rows)
@@ -148,6 +213,8 @@ class TopicLog:
             if m.seq > self.last_seq.get(m.publisher, -1):
                 self.last_seq[m.publisher] = m.seq
                 self.last_seen[m.publisher] = now
+        if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
+            self.persist()
         self.expire(now)
         return len(new)
 
@@ -172,10 +239,11 @@ class _TsView:
 
 
 class TopicStore:
-    """All topics a broker holds, whatever its role for each."""
+    """All topics a broker holds, whatever its role for each (with `disk`, each with its disk journal)."""
 
-    def __init__(self, retention: Retention | None = None) -> None:
+    def __init__(self, retention: Retention | None = None, disk: DiskStore | None = None) -> None:
         self.retention = retention or Retention()
+        self.disk = disk
         self._topics: dict[str, TopicLog] = {}
 
     def __contains__(self, name: object) -> bool:
@@ -196,16 +264,52 @@ class TopicStore:
             )
         return log
 
-    def ensure(self, name: str) -> TopicLog:
-        """The topic's log, created empty if new."""
+    def ensure(
+        self, name: str, coord: tuple[float, float] = (0.0, 0.0), home: tuple[float, float] = (0.0, 0.0)
+    ) -> TopicLog:
+        """The topic's log, created empty if new (its journal records coord and home for recovery)."""
         log = self._topics.get(name)
         if log is None:
-            log = self._topics[name] = TopicLog(name, self.retention)
+            journal = None if self.disk is None else self.disk.open_log(TopicMeta(name, coord, home))
+            log = self._topics[name] = TopicLog(name, self.retention, journal=journal)
         return log
 
     def drop(self, name: str) -> TopicLog | None:
-        """Forget a topic (handed over, or no longer ours); returns what was dropped."""
-        return self._topics.pop(name, None)
+        """Forget a topic (handed over, or no longer ours), its journal too; returns what was dropped."""
+        log = self._topics.pop(name, None)
+        if log is not None and self.disk is not None:
+            self.disk.forget(name)
+        return log
+
+    def recover(self, now: float) -> tuple[list[TopicMeta], RecoveryReport]:
+        """Load every topic of the data directory (none without one); returns their metas and what was found.
+
+        Retention applies at once: a broker that was down longer than the retention starts without the
+        expired records (their dedup state stays).
+        """
+        if self.disk is None:
+            return [], RecoveryReport()
+        found, report = self.disk.recover()
+        metas = []
+        for rec in found:
+            log = TopicLog(rec.meta.name, self.retention, journal=self.disk.open_log(rec.meta))
+            log.rows = deque(rec.rows)
+            log.size = sum(record_size(r[1], r[3]) for r in rec.rows)
+            log.last_seq = dict(rec.last_seq)
+            log.last_seen = dict(rec.last_seen)
+            log.expire(now)
+            self._topics[rec.meta.name] = log
+            metas.append(rec.meta)
+        return metas, report
+
+    def close(self) -> None:
+        """Write and close every journal (graceful shutdown)."""
+        if self.disk is not None:
+            for log in self._topics.values():
+                # A record that finds no room now was never acknowledged: it is rolled back, not an error here.
+                with contextlib.suppress(StorageFull):
+                    log.persist()
+            self.disk.close()
 
     def expire(self, now: float) -> int:
         """Apply retention to every topic; returns the bytes freed."""

@@ -14,6 +14,8 @@ import pytest
 
 from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageFull, TopicMeta
 from broker.storage.frames import HEADER, encode, scan
+from broker.store import Retention, TopicStore
+from overlay.pubsub import Record
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITER = Path(__file__).with_name("storage_writer.py")
@@ -211,3 +213,92 @@ def test_a_full_disk_refuses_writes_and_keeps_what_is_stored(tmp_path: Path) -> 
 def test_storage_full_is_a_storage_error_with_the_fix(tmp_path: Path) -> None:
     exc = StorageFull(tmp_path)
     assert "free disk space" in str(exc) and str(tmp_path) in str(exc)
+
+
+# ---- the topic store with its journals -------------------------------------------------------------------------
+
+
+def _store(tmp_path: Path, policy: str = "batch", retention: Retention | None = None) -> TopicStore:
+    return TopicStore(retention or Retention(None, None), DiskStore(tmp_path, FsyncPolicy.parse(policy)))
+
+
+@pytest.mark.parametrize("policy", ["always", "batch", "interval:20", "never"])
+def test_a_restarted_store_has_its_topics_and_dedup_state(tmp_path: Path, policy: str) -> None:
+    store = _store(tmp_path, policy)
+    a = store.ensure("grid/a", (0.1, 0.2), (0.3, 0.4))
+    b = store.ensure("grid/b", (0.5, 0.5), (0.5, 0.5))
+    for i in range(20):
+        a.append(Record(100.0 + i, "pub-1", i, b"a%d" % i), 100.0 + i)
+    b.merge([Record(200.0 + i, "pub-2", i, b"b") for i in range(5)], 205.0)
+    a.persist()
+    b.persist()
+    store.close()
+    again = _store(tmp_path, policy)
+    metas, report = again.recover(300.0)
+    assert sorted(m.name for m in metas) == ["grid/a", "grid/b"]
+    assert next(m for m in metas if m.name == "grid/a").coord == (0.1, 0.2)
+    assert report.records == 25
+    ra = again.get("grid/a")
+    assert ra.records() == a.records() and ra.size == a.size
+    assert ra.is_duplicate("pub-1", 19) and not ra.is_duplicate("pub-1", 20)
+    assert not ra.append(Record(400.0, "pub-1", 7, b"re-sent"), 400.0)  # a re-send after the restart: dropped
+    assert again.get("grid/b").last_seq == {"pub-2": 4}
+
+
+def test_retention_applies_on_disk_and_at_recovery(tmp_path: Path) -> None:
+    store = TopicStore(Retention(50.0, None), DiskStore(tmp_path, FsyncPolicy.parse("batch"), segment_bytes=200))
+    log = store.ensure("grid/a")
+    for i in range(40):
+        log.append(Record(1000.0 + i, "pub-1", i, b"x" * 20), 1000.0 + i)
+        log.persist()
+    assert len(log.rows) == 40
+    assert log.journal is not None
+    before = log.journal.segment_count
+    log.expire(1075.0)  # everything older than ts 1025 goes, in memory and in whole segments on disk
+    assert log.rows[0][0] == 1025.0 and log.journal.segment_count < before
+    store.close()
+    again = TopicStore(Retention(50.0, None), DiskStore(tmp_path, FsyncPolicy.parse("batch"), segment_bytes=200))
+    again.recover(1080.0)
+    rows = again.get("grid/a").rows
+    assert rows[0][0] == 1030.0 and rows[-1][0] == 1039.0  # retention applied at recovery, nothing more
+    assert again.get("grid/a").last_seq == {"pub-1": 39}
+
+
+def test_a_full_copy_replaces_the_journal(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    log = store.ensure("grid/a")
+    log.merge([Record(10.0 + i, "pub-1", i, b"old") for i in range(10)], 20.0)
+    log.persist()
+    log.clear()
+    log.merge([Record(50.0 + i, "pub-2", i, b"new") for i in range(3)], 60.0)
+    log.persist()
+    store.close()
+    again = _store(tmp_path)
+    again.recover(60.0)
+    assert [r.payload for r in again.get("grid/a").records()] == [b"new"] * 3
+    assert again.get("grid/a").last_seq == {"pub-1": 9, "pub-2": 2}
+
+
+def test_a_dropped_topic_leaves_no_files(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    store.ensure("grid/a").append(Record(1.0, "p", 0, b"x"), 1.0)
+    store.get("grid/a").persist()
+    store.drop("grid/a")
+    assert list((tmp_path / "topics").iterdir()) == []
+
+
+def test_a_full_disk_rolls_the_failed_records_out_of_memory(tmp_path: Path) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to mount a private tmpfs")
+    data = tmp_path / "small"
+    data.mkdir()
+    script = f"mount -t tmpfs -o size=512k tmpfs {data} && exec {sys.executable} {WRITER} {data} batch store-fill"
+    res = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=_env(), timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    full, recovered = res.stdout.splitlines()
+    _, persisted, in_memory, last, *_ = full.split()
+    # Memory holds exactly what the disk holds: the batch that found no room is gone from both.
+    assert int(persisted) > 1000 and int(in_memory) == int(persisted) and int(last) == int(persisted) - 1
+    assert recovered == f"recovered {persisted}"

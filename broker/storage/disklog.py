@@ -211,12 +211,10 @@ class DiskLog:
         return len(self._segments)
 
     def stage(self, row: Row) -> None:
-        """Take a record for the next `persist` (ALWAYS: write and sync it now)."""
+        """Take a record for the next `persist` (the owner persists at once under ALWAYS)."""
         encode_into(self._pending, row)
         if row[0] > self._pending_max_ts:
             self._pending_max_ts = row[0]
-        if self.policy.mode is FsyncMode.ALWAYS:
-            self.persist()
 
     @property
     def pending(self) -> bool:
