@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from broker.flags import add_broker_arguments
+from broker.storage import FsyncPolicy
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
 from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 from overlay.protocol import MAX_FRAME_SIZE, MAX_HOP_LIMIT, parse_address
@@ -55,6 +56,10 @@ class BrokerConfig:
             level 2 also on the second-closest, level 3 copies it to the third-closest after a failure.
         retention_seconds: how long a broker keeps published messages of a topic.
         retention_bytes: how many bytes per topic it keeps at most (oldest dropped first).
+        data_dir: directory of the topic store on disk (docs/storage.md); None keeps topics in memory only.
+        store: "auto" (on disk when data_dir is set), "disk" (data_dir required) or "memory" (never on disk).
+        fsync: when written records are forced to the disk: always, batch, interval:MS or never
+            (docs/storage.md says what an acknowledgement means under each).
         metrics: "host:port" for the Prometheus endpoint, or None.
         log_dir: directory for the exported metrics log (docs/logs.md), or None for no log.
         log_interval: seconds between the broker's snapshots in that log; snapshot `step` is the number of
@@ -122,6 +127,9 @@ class BrokerConfig:
     resilience: int = 2
     retention_seconds: float = 3600.0
     retention_bytes: int = 64 << 20
+    data_dir: str | None = None
+    store: str = "auto"
+    fsync: str = "interval:100"
     metrics: str | None = None
     log_dir: str | None = None
     log_interval: float = 5.0
@@ -185,6 +193,14 @@ class BrokerConfig:
             raise ConfigError(f"retention_seconds must be a positive number, got {self.retention_seconds}")
         if self.retention_bytes < 1:
             raise ConfigError(f"retention_bytes must be at least 1, got {self.retention_bytes}")
+        if self.store not in ("auto", "disk", "memory"):
+            raise ConfigError(f"store must be auto, disk or memory, got {self.store!r}")
+        if self.store == "disk" and self.data_dir is None:
+            raise ConfigError("store disk needs a data directory: pass --data-dir DIR (or set SEDAX_DATA_DIR)")
+        try:
+            FsyncPolicy.parse(self.fsync)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.heartbeat_misses < 1:
             raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
         for name in (
@@ -275,6 +291,15 @@ class BrokerConfig:
             )
         if not (math.isfinite(self.idle_timeout) and self.idle_timeout >= 0):
             raise ConfigError(f"idle_timeout must be >= 0 seconds (0 = never), got {self.idle_timeout}")
+
+    @property
+    def on_disk(self) -> bool:
+        """True if topics are kept in data_dir (docs/storage.md)."""
+        return self.data_dir is not None and self.store != "memory"
+
+    @property
+    def fsync_policy(self) -> FsyncPolicy:
+        return FsyncPolicy.parse(self.fsync)
 
     @property
     def tls(self) -> bool:
@@ -407,7 +432,18 @@ _FLOAT_FIELDS: Final = frozenset(
     }
 )
 _OPT_STR_FIELDS: Final = frozenset(
-    {"metrics", "log_dir", "node_id", "advertise", "tls_cert", "tls_key", "tls_ca", "tokens_file", "acl_file"}
+    {
+        "metrics",
+        "log_dir",
+        "node_id",
+        "advertise",
+        "tls_cert",
+        "tls_key",
+        "tls_ca",
+        "tokens_file",
+        "acl_file",
+        "data_dir",
+    }
 )
 FIELD_NAMES: Final = tuple(f.name for f in fields(BrokerConfig))
 
@@ -445,7 +481,18 @@ def _convert_one(name: str, value: object) -> object:
         return _to_opt_str(name, value)
     if name == "insecure":
         return _to_bool(name, value)
-    if name in ("listen", "log_level", "balance", "goal", "selection", "ties", "log_run", "slow_consumer_policy"):
+    if name in (
+        "listen",
+        "log_level",
+        "balance",
+        "goal",
+        "selection",
+        "ties",
+        "log_run",
+        "slow_consumer_policy",
+        "store",
+        "fsync",
+    ):
         return _to_str(name, value)
     raise ConfigError(f"unknown setting {name!r}; known: {', '.join(FIELD_NAMES)}")
 

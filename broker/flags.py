@@ -17,6 +17,19 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--retention-seconds", dest="retention_seconds", type=float, help="keep messages (3600)")
     parser.add_argument("--retention-bytes", dest="retention_bytes", type=int, help="per topic (64 MiB)")
+    st = parser.add_argument_group("storage (docs/storage.md)")
+    st.add_argument(
+        "--data-dir",
+        dest="data_dir",
+        metavar="DIR",
+        help="keep topics on disk here (env SEDAX_DATA_DIR; default: memory)",
+    )
+    st.add_argument("--store", choices=("auto", "disk", "memory"), help="auto: on disk when --data-dir is given (auto)")
+    st.add_argument(
+        "--fsync",
+        metavar="POLICY",
+        help="always | batch | interval:MS | never: when records are forced to the disk (interval:100)",
+    )
     parser.add_argument("--metrics", help="HOST:PORT for the Prometheus endpoint")
     parser.add_argument("--log-dir", dest="log_dir", help="directory for the metrics log (docs/logs.md)")
     parser.add_argument("--log-interval", dest="log_interval", type=float, help="seconds between snapshots (5.0)")
