@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
+from broker import defaults
 from broker.flags import add_broker_arguments
 from broker.storage import FsyncPolicy
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
@@ -124,9 +125,9 @@ class BrokerConfig:
     advertise: str | None = None
     join: tuple[str, ...] = ()
     node_id: str | None = None
-    resilience: int = 2
-    retention_seconds: float = 3600.0
-    retention_bytes: int = 64 << 20
+    resilience: int = defaults.RESILIENCE
+    retention_seconds: float = defaults.RETENTION_SECONDS
+    retention_bytes: int = defaults.RETENTION_BYTES
     data_dir: str | None = None
     store: str = "auto"
     fsync: str = "interval:100"
@@ -157,7 +158,7 @@ class BrokerConfig:
     max_move_bytes: int = 64 << 20
     balance_scan: int = 1
     ties: str = "random"
-    move_cooldown: float = 30.0
+    move_cooldown: float = defaults.MOVE_COOLDOWN
     load_report_interval: float = 1.0
     query_timeout: float = 1.0
     tls_cert: str | None = None

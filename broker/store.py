@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
+from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageFull, TopicMeta
 from overlay.pubsub import Record, record_size
 
@@ -39,8 +40,8 @@ class TopicNotFound(StoreError):
 class Retention:
     """How long and how much a broker keeps of every topic (oldest messages go first)."""
 
-    max_age: float | None = 3600.0  # seconds; None keeps messages until max_bytes pushes them out
-    max_bytes: int | None = 64 << 20  # per topic; None is no limit
+    max_age: float | None = defaults.RETENTION_SECONDS  # seconds; None: until max_bytes pushes them out
+    max_bytes: int | None = defaults.RETENTION_BYTES  # per topic; None is no limit
 
     def __post_init__(self) -> None:
         if self.max_age is not None and not self.max_age > 0:

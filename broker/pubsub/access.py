@@ -1,0 +1,175 @@
+"""The access role: the client sessions attached to this broker and their requests.
+
+A client request (SUBSCRIBE, PUBLISH, ...) is wrapped in a TOPIC_REQUEST and routed to the topic's
+coordinate C(t) (h(t) unless a redirect taught us otherwise); answers come back as TOPIC_REPLY routed to this
+broker's own coordinate and are handed to the sessions.  Requests for the same coordinate and session that
+arrive in one loop turn travel in one TOPIC_REQUEST.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from broker.pubsub.core import TopicTable, byte_chunks, control_frame, same
+from overlay.delegation import MoveTopic
+from overlay.geometry import Coord, geohash
+from overlay.protocol import Message, RemoteProtocolError, decode_message, encode_message
+from overlay.pubsub import (
+    MAX_PAYLOAD_SIZE,
+    Deliver,
+    Failed,
+    Fetch,
+    Locate,
+    Nack,
+    Publish,
+    Redirect,
+    SessionGone,
+    Subscribe,
+    TopicReply,
+    TopicRequest,
+    Unsubscribe,
+)
+from overlay.topics import BadTopic, validate_topic
+
+if TYPE_CHECKING:
+    from broker.pubsub.holder import HolderRole
+    from overlay.delegation import TopicMoved
+
+
+class AccessRole:
+    """Client sessions of this broker: requests out, answers in (see the module docstring)."""
+
+    def __init__(self, table: TopicTable) -> None:
+        self.t = table
+        self.holder: HolderRole  # wired by the engine
+        self.session_topics: dict[str, set[str]] = {}  # what each local session subscribed
+        self.coords: dict[str, Coord] = {}  # C(t) of topics, learned from redirects
+        # Who each local session authenticated as; sent along in TOPIC_REQUEST for the holder's ACL.
+        self.identities: dict[str, str] = {}
+        self._outgoing: dict[tuple[Coord, str], list[bytes]] = {}
+        self._valid_topics: set[str] = set()
+
+    def client_message(self, session: str, msg: Message) -> None:
+        """A message from a client attached to this broker."""
+        match msg:
+            case Publish():
+                if refusal := self.check_publish(msg):
+                    self.to_local(session, refusal)
+                    return
+            case Subscribe() | Unsubscribe() | Fetch() | Locate() | MoveTopic():
+                try:
+                    validate_topic(msg.topic)
+                except BadTopic as exc:
+                    self.to_local(session, Failed(msg.corr, msg.topic, "bad_topic", str(exc)))
+                    return
+                if isinstance(msg, MoveTopic) and not self.t.config.space.contains(msg.to):
+                    s = self.t.config.space
+                    text = (
+                        f"({msg.to[0]}, {msg.to[1]}) is outside the space [{s.xmin}, {s.xmax}] x [{s.ymin}, {s.ymax}]"
+                    )
+                    self.to_local(session, Failed(msg.corr, msg.topic, "bad_request", text))
+                    return
+                if isinstance(msg, Subscribe):
+                    topics = self.session_topics.setdefault(session, set())
+                    if msg.topic in topics:
+                        self.to_local(
+                            session,
+                            Failed(
+                                msg.corr,
+                                msg.topic,
+                                "already_subscribed",
+                                f"this session is already subscribed to {msg.topic!r}; unsubscribe first",
+                            ),
+                        )
+                        return
+                    topics.add(msg.topic)
+                elif isinstance(msg, Unsubscribe):
+                    self.session_topics.get(session, set()).discard(msg.topic)
+            case _:
+                raise RemoteProtocolError(f"{msg.op} is not a client request")
+        self.send_request(msg.topic, session, msg)
+
+    def check_publish(self, msg: Publish) -> Nack | None:
+        """The refusal of a malformed PUBLISH: the whole batch at its start, or at its first oversized payload."""
+        if msg.topic not in self._valid_topics:
+            try:
+                validate_topic(msg.topic)
+            except BadTopic as exc:
+                return Nack(msg.topic, msg.publisher, msg.seq, "bad_topic", str(exc))
+            if len(self._valid_topics) < 100_000:  # a cache, not a second topic table
+                self._valid_topics.add(msg.topic)
+        if (i := msg.oversized(MAX_PAYLOAD_SIZE)) is not None:
+            size = len(msg.payloads()[i])
+            text = f"payload of seq {msg.seq + i} is {size} bytes, over the limit of {MAX_PAYLOAD_SIZE}"
+            return Nack(msg.topic, msg.publisher, msg.seq + i, "too_large", text)
+        return None
+
+    def send_request(self, topic: str, session: str, msg: Message) -> None:
+        """Hand a request to the topic's primary: at once if that is this broker, else in this turn's batch."""
+        coord = self.coords.get(topic) or self.t.home(topic)
+        me = self.t.ov.me
+        r = self.t.replicas.get(topic)
+        if (r.rank == 1 and r.coord == coord) if r is not None else self.t.closest_id(coord) == me.id:
+            self.holder.handle_request(me, session, msg, coord, identity=self.identities.get(session, ""))  # 0 hops
+        else:
+            self._outgoing.setdefault((coord, session), []).append(encode_message(msg))
+            self.t.schedule()
+
+    def flush(self) -> None:
+        """Send this turn's requests, one TOPIC_REQUEST per coordinate and session (and frame-sized chunk)."""
+        out, self._outgoing = self._outgoing, {}
+        me = self.t.ov.me
+        for (coord, session), reqs in out.items():
+            for chunk in byte_chunks(reqs):
+                self.t.ov.route(
+                    coord,
+                    TopicRequest(me, session, tuple(chunk), dest=coord, identity=self.identities.get(session, "")),
+                )
+
+    def session_closed(self, session: str) -> None:
+        """A local client went away: end its subscriptions at the topics' primaries."""
+        for topic in self.session_topics.pop(session, set()):
+            self.send_request(topic, session, Unsubscribe(0, topic))
+        self.identities.pop(session, None)
+
+    def subscriptions(self, session: str) -> int:
+        """How many topics a local session is subscribed to."""
+        return len(self.session_topics.get(session, ()))
+
+    def to_local(self, session: str, msg: Message) -> None:
+        self.t.ov.to_session(session, control_frame(encode_message(msg)))
+
+    def reply_arrived(self, rep: TopicReply) -> None:
+        """TOPIC_REPLY: hand the answer to its sessions here."""
+        me = self.t.ov.me
+        if rep.access != me.id:
+            # The access broker the reply was for is gone and this broker is now closest to its coordinate.
+            self._sessions_gone(rep.sessions, rep.reply)
+            return
+        frame = control_frame(rep.reply)
+        missing = [s for s in rep.sessions if not self.t.ov.to_session(s, frame)]
+        if missing:
+            self._sessions_gone(missing, rep.reply)
+
+    def _sessions_gone(self, sessions: Iterable[str], reply: bytes) -> None:
+        try:
+            msg = decode_message(reply)
+        except RemoteProtocolError:
+            return
+        if isinstance(msg, Deliver):
+            coord = self.coords.get(msg.topic) or geohash(msg.topic)
+            for s in sessions:
+                self.t.ov.route(coord, SessionGone(msg.topic, self.t.ov.me.id, s))
+
+    def topic_moved_arrived(self, m: TopicMoved) -> None:
+        """TOPIC_MOVED: address the topic's later requests to its new coordinate and tell the sessions."""
+        if m.access != self.t.ov.me.id:
+            return
+        if same(m.coord, self.t.home(m.topic)):
+            self.coords.pop(m.topic, None)
+        elif len(self.coords) < 100_000 or m.topic in self.coords:
+            self.coords[m.topic] = m.coord
+        frame = control_frame(encode_message(Redirect(m.topic, m.coord)))
+        for s in m.sessions:
+            self.t.ov.to_session(s, frame)

@@ -1,0 +1,212 @@
+"""What every role of the pub/sub engine shares: settings, the port to the broker, and the topic table.
+
+The roles (access.py, holder.py, replication.py, moves.py, home.py, loads.py) each own one part of the
+protocol; they share one `TopicTable`: the replicas this broker holds, the store, the counters, correlation ids,
+and the helpers every role needs (ranking brokers around a coordinate, replying to an access broker, marking a
+topic for the end-of-turn flush).  No role reaches into another's fields; they call each other's methods.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from itertools import count
+from typing import Final, Protocol
+
+from broker.pubsub.replica import Replica, Stage, Transition
+from broker.pubsub.settings import SAME_COORD, PubSubConfig
+from broker.store import TopicStore
+from overlay.geometry import Coord, closest, distance, geohash
+from overlay.protocol import FrameKind, Message, NodeInfo, encode_message
+from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Deliver, Record, SubRef, TopicReply
+
+_CONTROL_PREFIX: Final = struct.Struct(">IB")
+
+
+def control_frame(body: bytes) -> bytes:
+    """A CONTROL frame around an already-encoded message (no decode/encode on the fan-out path)."""
+    return _CONTROL_PREFIX.pack(len(body) + 1, FrameKind.CONTROL) + body
+
+
+class Overlay(Protocol):
+    """What pub/sub needs from the broker around it."""
+
+    @property
+    def me(self) -> NodeInfo:
+        """This broker."""
+        ...
+
+    def view(self) -> Mapping[str, NodeInfo]:
+        """Every live broker this one knows (itself, its neighbours and theirs), by node id."""
+        ...
+
+    def route(self, dest: Coord, msg: Message) -> None:
+        """Send msg in a ROUTED frame toward dest (handled here if this broker is closest)."""
+        ...
+
+    def to_session(self, session: str, frame: bytes) -> bool:
+        """Send a frame to a local client session; False if there is no such session."""
+        ...
+
+    def now(self) -> float:
+        """Wall-clock seconds (message timestamps, retention)."""
+        ...
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run fn once the input at hand is processed (the next loop iteration), to batch its output."""
+        ...
+
+
+def same(a: Coord, b: Coord) -> bool:
+    """a and b are the same coordinate (SAME_COORD)."""
+    return distance(a, b) < SAME_COORD
+
+
+def no_event(kind: str, **fields: object) -> None:
+    """Events go nowhere unless the broker connects its metrics log."""
+
+
+def byte_chunks(items: list[bytes]) -> list[list[bytes]]:
+    """Split encoded requests into batches that fit a frame."""
+    out: list[list[bytes]] = [[]]
+    size = 0
+    for b in items:
+        if out[-1] and (len(out[-1]) >= MAX_BATCH or size + len(b) > MAX_BATCH_BYTES):
+            out.append([])
+            size = 0
+        out[-1].append(b)
+        size += len(b)
+    return out
+
+
+def chunks(records: list[Record]) -> list[list[Record]]:
+    """Split records into batches that fit a frame; always at least one (possibly empty) batch."""
+    out: list[list[Record]] = [[]]
+    size = 0
+    for r in records:
+        if out[-1] and (len(out[-1]) >= MAX_BATCH or size + len(r.payload) > MAX_BATCH_BYTES):
+            out.append([])
+            size = 0
+        out[-1].append(r)
+        size += len(r.payload)
+    return out
+
+
+class TopicTable:
+    """The state the roles share (see the module docstring)."""
+
+    def __init__(self, overlay: Overlay, config: PubSubConfig, store: TopicStore) -> None:
+        self.ov = overlay
+        self.config = config
+        self.store = store
+        self.replicas: dict[str, Replica] = {}
+        self._corr = count(1)
+        self._homes: dict[str, Coord] = {}
+        # Topics with new work, flushed once per batch of input (one replication, ACK and DELIVER frame carry
+        # everything that arrived together); the engine flushes them through `on_flush`.
+        self.dirty: dict[str, Replica] = {}
+        self._flush_scheduled = False
+        self.on_flush: Callable[[], None] = lambda: None
+        # Set by the engine: a reply for a session of this broker (the access role hands it to the session).
+        self.on_local_reply: Callable[[TopicReply], None] = lambda rep: None
+        self.counters: dict[str, int] = {
+            "published": 0,
+            "published_bytes": 0,
+            "delivered": 0,
+            "delivered_bytes": 0,
+            "acked": 0,
+            "duplicates": 0,
+            "takeovers": 0,
+            "handovers": 0,
+            "replicated_batches": 0,
+            "lost": 0,
+            "moves": 0,
+            "moved_bytes": 0,
+            "moves_aborted": 0,
+            "delegations": 0,
+            "forwarded_requests": 0,
+        }
+        # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
+        self.event: Callable[..., None] = no_event
+
+    def next_corr(self) -> int:
+        return next(self._corr)
+
+    def home(self, topic: str) -> Coord:
+        """h(t), cached (bounded)."""
+        c = self._homes.get(topic)
+        if c is None:
+            c = geohash(topic)
+            if len(self._homes) < 100_000:
+                self._homes[topic] = c
+        return c
+
+    def closest_id(self, coord: Coord, k: int = 1) -> str:
+        """The id of N_k(coord) among the brokers this one knows."""
+        return closest({nid: n.coord for nid, n in self.ov.view().items()}, coord, k)[k - 1]
+
+    def ranked(self, coord: Coord) -> list[NodeInfo]:
+        """N1, N2, N3 of coord (fewer if fewer brokers are known)."""
+        view = self.ov.view()
+        ids = closest({nid: n.coord for nid, n in view.items()}, coord, 3)
+        return [view[i] for i in ids]
+
+    def rank_of_me(self, coord: Coord) -> int:
+        """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""
+        me = self.ov.me.id
+        for i, n in enumerate(self.ranked(coord), start=1):
+            if n.id == me:
+                return i
+        return 0
+
+    def secondary(self, r: Replica) -> NodeInfo | None:
+        """The broker that must hold a copy of r (None at resilience 1 or alone)."""
+        ranked = self.ranked(r.coord)
+        return ranked[1] if len(ranked) > 1 and self.config.resilience >= 2 else None
+
+    def mark(self, r: Replica) -> None:
+        """r has new work for the end of this turn's input (replicate, acknowledge, deliver)."""
+        self.dirty[r.name] = r
+        self.schedule()
+
+    def schedule(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.ov.defer(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        self.on_flush()
+
+    def reply(self, access: NodeInfo, sessions: list[str], msg: Message) -> None:
+        """Answer sessions at an access broker (here, or routed there)."""
+        self.reply_bytes(access, sessions, encode_message(msg))
+
+    def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes) -> None:
+        if access.id == self.ov.me.id:
+            self.on_local_reply(TopicReply(access.id, tuple(sessions), body))
+        else:
+            self.ov.route(access.coord, TopicReply(access.id, tuple(sessions), body))
+
+    def drop(self, r: Replica) -> None:
+        """Forget r and its data (no longer this broker's to hold)."""
+        if self.replicas.get(r.name) is r:
+            del self.replicas[r.name]
+            self.store.drop(r.name)
+        if r.stage is not Stage.GONE:
+            r.enter(Transition.DROP)
+
+    def deliver_to(self, subs: Iterable[SubRef], topic: str, recs: list[Record]) -> None:
+        """Deliver records to subscribers, one DELIVER per access broker and chunk."""
+        groups: dict[str, tuple[NodeInfo, list[str]]] = {}
+        for s in subs:
+            groups.setdefault(s.access.id, (s.access, []))[1].append(s.session)
+        if not groups or not recs:
+            return
+        for batch in chunks(recs):
+            body = encode_message(Deliver(topic, tuple(batch)))
+            size = sum(len(r.payload) for r in batch)
+            for access, sessions in groups.values():
+                self.counters["delivered"] += len(sessions) * len(batch)
+                self.counters["delivered_bytes"] += len(sessions) * size
+                self.reply_bytes(access, sessions, body)

@@ -1,0 +1,204 @@
+"""The pub/sub engine of one broker: the roles wired together, one routing table, one tick.
+
+This package is I/O-free: the broker gives it an `Overlay` port (send, route, clock) and calls `tick()`.
+Each role owns one part of the protocol and sees the others only through their methods:
+
+    access.py       client sessions of this broker: requests out, answers in
+    holder.py       requests at the topic's holders: serve, publish, acknowledge and deliver
+    replication.py  copies at the secondary, pulls, take-over, re-ranking on view changes
+    moves.py        delegation of a topic to another coordinate (lease, hand-over, activate)
+    home.py         delegate lists, leases, placement of new topics (Alg. 1)
+    loads.py        what is held by role, and the load model's L1/L2/L3
+    replica.py      the per-topic record and its one transition table of stages
+
+`routed_handlers()` maps every routed message class pub/sub owns to its handler, so the broker's router
+dispatches by table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from broker.pubsub.access import AccessRole
+from broker.pubsub.core import Overlay, TopicTable
+from broker.pubsub.holder import HolderRole
+from broker.pubsub.home import HomeRole
+from broker.pubsub.loads import LoadRole
+from broker.pubsub.moves import MoveRole
+from broker.pubsub.replication import ReplicationRole
+from broker.pubsub.settings import PubSubConfig
+from broker.store import TopicStore
+from overlay.delegation import (
+    Activate,
+    DelegateUpdate,
+    DelegateUpdated,
+    Lease,
+    Leased,
+    NodeLoad,
+    Release,
+    TertiaryNote,
+    TopicMoved,
+)
+from overlay.geometry import Coord
+from overlay.protocol import Message, NodeInfo
+from overlay.pubsub import Delegation, Pull, Replicate, Replicated, SessionGone, TopicReply, TopicRequest
+
+Handler = Callable[[Any], None]
+
+
+class PubSub:
+    """The pub/sub layer of one broker (see the module docstring)."""
+
+    def __init__(self, overlay: Overlay, config: PubSubConfig | None = None, store: TopicStore | None = None) -> None:
+        self.config = config or PubSubConfig()
+        self.store = store if store is not None else TopicStore(self.config.retention)
+        t = self.table = TopicTable(overlay, self.config, self.store)
+        self.access = AccessRole(t)
+        self.holder = HolderRole(t)
+        self.replication = ReplicationRole(t)
+        self.moves = MoveRole(t)
+        self.home = HomeRole(t)
+        self.accounting = LoadRole(t, self.home)
+        # Explicit wiring: who calls whom.
+        self.access.holder = self.holder
+        self.holder.access, self.holder.replication = self.access, self.replication
+        self.holder.moves, self.holder.home = self.moves, self.home
+        self.replication.holder, self.replication.moves, self.replication.home = self.holder, self.moves, self.home
+        self.moves.holder, self.moves.replication, self.moves.home = self.holder, self.replication, self.home
+        self.home.holder = self.holder
+        t.on_flush = self._flush_turn
+        t.on_local_reply = self.access.reply_arrived
+        self._handlers: dict[type[Message], Handler] = {
+            TopicRequest: self.holder.topic_request_arrived,
+            TopicReply: self.access.reply_arrived,
+            Replicate: self.replication.replicate_arrived,
+            Replicated: self.replication.replicated_arrived,
+            Pull: self.replication.pull_arrived,
+            Lease: self.home.lease_arrived,
+            Leased: self.moves.leased_arrived,
+            Activate: self.moves.activate_arrived,
+            Release: self._release_arrived,
+            DelegateUpdate: self.home.delegate_update_arrived,
+            DelegateUpdated: self.home.delegate_updated_arrived,
+            TopicMoved: self.access.topic_moved_arrived,
+            TertiaryNote: self.accounting.tertiary_note_arrived,
+            SessionGone: self.holder.session_gone_arrived,
+        }
+
+    # ---- wiring the broker sets --------------------------------------------------------------------------
+    @property
+    def event(self) -> Callable[..., None]:
+        """Where events for the metrics log go (the broker sets it; docs/logs.md)."""
+        return self.table.event
+
+    @event.setter
+    def event(self, fn: Callable[..., None]) -> None:
+        self.table.event = fn
+
+    @property
+    def placer(self) -> Callable[[str, Callable[[Coord | None], None]], None] | None:
+        """Alg. 1 placement of new topics (the balancer sets it)."""
+        return self.home.placer
+
+    @placer.setter
+    def placer(self, fn: Callable[[str, Callable[[Coord | None], None]], None] | None) -> None:
+        self.home.placer = fn
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.table.counters
+
+    @property
+    def identities(self) -> dict[str, str]:
+        """Who each local session authenticated as (the broker fills it)."""
+        return self.access.identities
+
+    @property
+    def coords(self) -> dict[str, Coord]:
+        """C(t) of topics the access side learned from redirects."""
+        return self.access.coords
+
+    @property
+    def delegate_lists(self) -> dict[str, list[Delegation]]:
+        return self.home.delegate_lists
+
+    # ---- input -------------------------------------------------------------------------------------------
+    def client_message(self, session: str, msg: Message) -> None:
+        """A message from a client attached to this broker."""
+        self.access.client_message(session, msg)
+
+    def routed_handlers(self) -> Mapping[type[Message], Handler]:
+        """Routed message class -> handler, for every routed message pub/sub owns."""
+        return self._handlers
+
+    def routed(self, msg: Message) -> bool:
+        """A ROUTED message that reached this broker (closest to its destination); False if not pub/sub."""
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            return False
+        handler(msg)
+        return True
+
+    def session_closed(self, session: str) -> None:
+        """A local client went away: end its subscriptions at the topics' primaries."""
+        self.access.session_closed(session)
+
+    def subscriptions(self, session: str) -> int:
+        """How many topics a local session is subscribed to."""
+        return self.access.subscriptions(session)
+
+    def request_move(
+        self, topic: str, to: Coord, reply: tuple[NodeInfo, str, int] | None = None, force: bool = False
+    ) -> str | None:
+        """Start moving a topic this broker is the primary of (None once under way, else why not)."""
+        return self.moves.request_move(topic, to, reply, force)
+
+    def view_changed(self, failed: Collection[str] = ()) -> None:
+        """The broker's view of the overlay changed; failed names the brokers that died (not those that left
+        gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop."""
+        self.home.view_changed()
+        self.replication.view_changed(failed)
+
+    def tick(self) -> None:
+        """Timers: replication, pull and move time-outs, delegate-list re-sends, notes, retention."""
+        now = self.table.ov.now()
+        self.replication.tick(now)
+        self.moves.tick(now)
+        self.home.tick(now)
+        self.accounting.tick(now)
+        self.store.expire(now)
+
+    def _flush_turn(self) -> None:
+        """End of a turn's input: one TOPIC_REQUEST per coordinate and session, then each dirty topic."""
+        self.access.flush()
+        dirty, self.table.dirty = self.table.dirty, {}
+        for r in dirty.values():
+            self.replication.flush(r)
+
+    def _release_arrived(self, m: Release) -> None:
+        self.accounting.forget_note(m.topic)
+        self.moves.release_arrived(m)
+
+    # ---- status and loads --------------------------------------------------------------------------------
+    def topics(self) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) for every topic held (loads.py)."""
+        return self.accounting.topics()
+
+    def topic_coord(self, topic: str) -> Coord | None:
+        return self.accounting.topic_coord(topic)
+
+    def primary_topics(self) -> dict[str, int]:
+        return self.accounting.primary_topics()
+
+    def topic_triple(self, topic: str) -> tuple[str, str, str]:
+        return self.accounting.topic_triple(topic)
+
+    def load_record(self) -> NodeLoad:
+        return self.accounting.load_record()
+
+    def loads(self) -> dict[str, int]:
+        return self.accounting.loads()
+
+    def tertiary_notes(self) -> dict[str, tuple[NodeInfo, list[tuple[str, str, str]], list[float]]]:
+        return self.accounting.tertiary_notes()

@@ -1,0 +1,342 @@
+"""The holder role: requests that reach the broker closest to a topic's coordinate, and serving them.
+
+The broker closest to C(t) is the topic's primary (Sec. I-A).  It stores each message, has it copied to the
+secondary (replication.py), acknowledges once the copy is confirmed (`commit`) and then delivers it to the
+subscribers.  Requests for a topic whose replica is WAITING (a pull, a placement or a move under way) are
+queued on the replica and served when it is done.  Requests that reach a broker that is not the primary go
+where the topic lives: the home forwards to the delegate coordinate (Sec. III-B), a former primary to the new
+one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from broker.acl import refusal
+from broker.pubsub.core import TopicTable, same
+from broker.pubsub.replica import Replica, Stage, Waiting
+from broker.pubsub.settings import TS_EPSILON
+from overlay.delegation import MoveTopic, TopicMoved
+from overlay.geometry import Coord
+from overlay.protocol import Message, NodeInfo, RemoteProtocolError, decode_message, encode_message
+from overlay.pubsub import (
+    MAX_BATCH_BYTES,
+    Ack,
+    Delegation,
+    Done,
+    Failed,
+    Fetch,
+    Fetched,
+    Locate,
+    Located,
+    Nack,
+    Publish,
+    Record,
+    SessionGone,
+    SubRef,
+    Subscribe,
+    Subscribed,
+    TopicRequest,
+    Unsubscribe,
+)
+
+if TYPE_CHECKING:
+    from broker.pubsub.access import AccessRole
+    from broker.pubsub.home import HomeRole
+    from broker.pubsub.moves import MoveRole
+    from broker.pubsub.replication import ReplicationRole
+
+log = logging.getLogger("sedax.pubsub")
+
+
+class HolderRole:
+    """Requests at the topic's holders (see the module docstring)."""
+
+    def __init__(self, table: TopicTable) -> None:
+        self.t = table
+        # Wired by the engine.
+        self.access: AccessRole
+        self.replication: ReplicationRole
+        self.moves: MoveRole
+        self.home: HomeRole
+
+    def replica(self, topic: str, coord: Coord | None = None) -> Replica:
+        """The topic's replica here, made (HOLDING or SERVING by rank) if this broker held none."""
+        r = self.t.replicas.get(topic)
+        if r is None:
+            home = self.t.home(topic)
+            at = coord if coord is not None else home
+            dl = self.home.delegate_lists.get(topic)
+            log_ = self.t.store.ensure(topic, at, home)
+            r = Replica(topic, log_, at, home, list(dl) if dl else [Delegation(home, 0.0)])
+            r.rank = self.t.rank_of_me(r.coord)
+            r.settle()
+            self.t.replicas[topic] = r
+        return r
+
+    def topic_request_arrived(self, msg: TopicRequest) -> None:
+        """TOPIC_REQUEST: the requests it carries, one by one."""
+        for raw in msg.requests:
+            try:
+                inner = decode_message(raw)
+            except RemoteProtocolError as exc:
+                log.warning("dropping a topic request with a bad inner message: %s", exc)
+                continue
+            self.handle_request(msg.access, msg.session, inner, msg.dest, msg.via_home, msg.identity)
+
+    def handle_request(
+        self,
+        access: NodeInfo,
+        session: str,
+        req: Message,
+        dest: Coord | None = None,
+        via_home: bool = False,
+        identity: str = "",
+    ) -> None:
+        topic = getattr(req, "topic", None)
+        if not isinstance(topic, str):
+            log.warning("dropping a topic request without a topic: %s", req.op)
+            return
+        # The first holder enforces the ACL, whatever the access broker did; requests it forwards (home to
+        # delegate, old primary to new) travel between authenticated brokers and are not checked again.
+        acl = None if via_home else self.t.config.acl
+        if acl is not None and (denied := refusal(acl, identity, req, "holder")) is not None:
+            self.t.reply(access, [session], denied)
+            return
+        r = self.t.replicas.get(topic)
+        if r is not None and r.waits:
+            r.queued.append((access, session, req))  # served once the hand-over, pull or placement is done
+            return
+        if r is not None and r.rank == 1:
+            if dest is not None and not same(dest, r.coord):
+                self.redirect(access, [session], topic, r.coord)
+            self.serve(r, access, session, req)
+            return
+        home = self.t.home(topic)
+        me_home = self.t.closest_id(home) == self.t.ov.me.id
+        dl = self.home.delegate_lists.get(topic)
+        if me_home and dl and not same(dl[-1].coord, home) and self.t.closest_id(dl[-1].coord) != self.t.ov.me.id:
+            # Sec. III-B: the home forwards to the delegate coordinate C(t) and the client learns it.
+            self.forward_request(access, session, req, dl[-1].coord, via_home=True)
+            return
+        fwd = self.moves.forwarded_to(topic)
+        if fwd is not None:
+            self.forward_request(access, session, req, fwd, via_home=True)
+            return
+        if not me_home and not via_home and dest is not None and not same(dest, home):
+            # Addressed to a delegate coordinate whose holders are gone or never were: the home knows.
+            self.forward_request(access, session, req, home, via_home=False, identity=identity)
+            return
+        at = dest if (via_home and dest is not None and not me_home) else home
+        r = self.replica(topic, at)
+        if self.replication.start_pull(r, takeover=False):
+            r.queued.append((access, session, req))  # served once the previous holders answered
+            return
+        if isinstance(req, (Publish, Subscribe)) and self.home.maybe_place(r):
+            r.queued.append((access, session, req))  # a new topic: Alg. 1 decides where it lives first
+            return
+        self.serve(r, access, session, req)
+
+    def forward_request(
+        self, access: NodeInfo, session: str, req: Message, coord: Coord, *, via_home: bool, identity: str = ""
+    ) -> None:
+        self.t.counters["forwarded_requests"] += 1
+        msg = TopicRequest(access, session, (encode_message(req),), via_home=via_home, dest=coord, identity=identity)
+        self.t.ov.route(coord, msg)
+        if via_home:
+            self.redirect(access, [session], getattr(req, "topic", ""), coord)
+
+    def redirect(self, access: NodeInfo, sessions: list[str], topic: str, coord: Coord) -> None:
+        msg = TopicMoved(access.id, tuple(sessions), topic, coord)
+        if access.id == self.t.ov.me.id:
+            self.access.topic_moved_arrived(msg)
+        else:
+            self.t.ov.route(access.coord, msg)
+
+    def release_queue(self, r: Replica) -> None:
+        """Serve (or pass on) the requests that waited while r was WAITING."""
+        queued, r.queued = r.queued, []
+        for access, session, req in queued:
+            if self.t.replicas.get(r.name) is r and r.rank == 1 and not r.waits:
+                self.serve(r, access, session, req)
+            else:
+                self.handle_request(access, session, req, r.coord, True)
+
+    def serve(self, r: Replica, access: NodeInfo, session: str, req: Message) -> None:
+        match req:
+            case Publish():
+                self._publish(r, access, session, req)
+            case Subscribe():
+                key = (access.id, session)
+                r.subscribers[key] = SubRef(access, session)
+                r.meta_dirty = True
+                if req.since is not None:
+                    self.t.deliver_to([SubRef(access, session)], r.name, list(r.log.since(req.since)))
+                self.t.reply(access, [session], Subscribed(req.corr, r.name, r.coord))
+                self.t.mark(r)
+            case Unsubscribe():
+                if r.subscribers.pop((access.id, session), None) is None:
+                    if req.corr:
+                        self.t.reply(
+                            access,
+                            [session],
+                            Failed(req.corr, r.name, "not_subscribed", f"not subscribed to {r.name!r}"),
+                        )
+                    return
+                r.meta_dirty = True
+                if req.corr:
+                    self.t.reply(access, [session], Done(req.corr))
+                self.t.mark(r)
+            case Fetch():
+                if not r.log.rows and not r.log.last_seq and not r.subscribers:
+                    self.forget_if_empty(r)
+                    self.t.reply(
+                        access,
+                        [session],
+                        Failed(req.corr, r.name, "unknown_topic", f"no broker holds messages of {r.name!r}"),
+                    )
+                    return
+                recs = r.log.since(req.since, req.limit + 1)
+                more = len(recs) > req.limit
+                out: list[Record] = []
+                size = 0
+                for m in recs[: req.limit]:
+                    size += len(m.payload)
+                    if out and size > MAX_BATCH_BYTES:
+                        more = True
+                        break
+                    out.append(m)
+                self.t.reply(access, [session], Fetched(req.corr, r.name, tuple(out), more))
+            case MoveTopic():
+                self.moves.request_move(r.name, req.to, reply=(access, session, req.corr), force=True)
+            case Locate():
+                ranked = self.t.ranked(r.coord)
+                self.t.reply(
+                    access,
+                    [session],
+                    Located(
+                        req.corr,
+                        r.name,
+                        r.home,
+                        r.coord,
+                        ranked[0],
+                        ranked[1] if len(ranked) > 1 else None,
+                        ranked[2] if len(ranked) > 2 and self.t.config.resilience >= 3 else None,
+                        tuple(self.home.delegate_lists.get(r.name) or r.delegates),
+                        r.log.size,
+                        len(r.subscribers),
+                    ),
+                )
+                self.forget_if_empty(r)
+            case _:
+                log.warning("dropping unexpected topic request %s", req.op)
+
+    def forget_if_empty(self, r: Replica) -> None:
+        # A FETCH or LOCATE of a topic nobody published to must not create state that lingers.
+        if not r.log.rows and not r.log.last_seq and not r.subscribers and not r.waiting:
+            self.t.drop(r)
+
+    def session_gone_arrived(self, m: SessionGone) -> None:
+        """SESSION_GONE: an access broker lost a subscriber's session; stop delivering to it."""
+        r = self.t.replicas.get(m.topic)
+        if r is not None and r.subscribers.pop((m.access, m.session), None) is not None:
+            r.meta_dirty = True
+            self.t.mark(r)
+
+    # ---- publishing ------------------------------------------------------------------------------------
+    def _publish(self, r: Replica, access: NodeInfo, session: str, p: Publish) -> None:
+        # A local client's publish was checked on arrival (client_message); one from another access broker
+        # is checked here, once.
+        if access.id != self.t.ov.me.id and (refusal_ := self.access.check_publish(p)):
+            self.t.reply(access, [session], refusal_)
+            return
+        seq = p.seq
+        for payload in p.payloads():
+            if not self._publish_one(r, access, session, p.publisher, seq, payload, p.base):
+                break  # out of order: the publisher re-sends from the expected number, the rest with it
+            seq += 1
+
+    def _publish_one(
+        self, r: Replica, access: NodeInfo, session: str, publisher: str, seq: int, payload: bytes, base: int
+    ) -> bool:
+        """Store one message (or re-acknowledge a duplicate); False if it is out of order."""
+        last = r.log.last_seq.get(publisher, -1)
+        if seq <= last:
+            # A re-send (its acknowledgement was lost, or it is still on its way to the replica).
+            self.t.counters["duplicates"] += 1
+            first = r.first_waiting.get(publisher)
+            if first is None or seq < first:
+                self.t.reply(access, [session], Ack(r.name, publisher, seq, 0.0))  # stored and safe already
+                return True
+            key = (access.id, session, publisher)
+            if r.waiter_max.get(key, -1) < seq:  # a new asker (e.g. after a reconnect): answer with the batch
+                self._wait(r, Record(r.last_ts, publisher, seq, b""), access, session)
+            return True
+        if seq > last + 1 and base > last + 1:
+            # The publisher had [last + 1, base) acknowledged, yet this broker never got them: they were lost
+            # with a failed broker (resilience level 1, or more failures than the level survives).  Count and
+            # log the loss, then continue the sequence after it so subscribers see the gap.
+            lost = base - last - 1
+            self.t.counters["lost"] += lost
+            log.warning(
+                "topic %s: %d acknowledged message(s) of publisher %s before seq %d are lost", r.name, lost,
+                publisher, base,
+            )  # fmt: skip
+            last = base - 1
+            r.log.last_seq[publisher] = last
+        if seq > last + 1:
+            # Earlier messages are still on their way or were dropped in a failover: the publisher has them.
+            self.t.reply(
+                access,
+                [session],
+                Nack(r.name, publisher, seq, "out_of_order", f"expected seq {last + 1} first", last + 1),
+            )
+            return False
+        now = self.t.ov.now()
+        ts = max(now, r.last_ts + TS_EPSILON)
+        r.last_ts = ts
+        rec = Record(ts, publisher, seq, payload)
+        r.log.append(rec, now)
+        self.t.counters["published"] += 1
+        self.t.counters["published_bytes"] += len(payload)
+        self._wait(r, rec, access, session)
+        r.undelivered.append(rec)
+        r.outbox.append(rec)
+        self.t.mark(r)
+        return True
+
+    @staticmethod
+    def _wait(r: Replica, rec: Record, access: NodeInfo, session: str) -> None:
+        r.waiting.append(Waiting(rec, access, session))
+        r.first_waiting.setdefault(rec.publisher, rec.seq)
+        key = (access.id, session, rec.publisher)
+        r.waiter_max[key] = max(r.waiter_max.get(key, -1), rec.seq)
+
+    def commit(self, r: Replica, upto: float) -> None:
+        """Messages stored up to timestamp upto are safe: acknowledge them, then deliver in order."""
+        if r.stage in (Stage.RECEIVING, Stage.HANDING_OVER):
+            return  # a hand-over in progress: one node acknowledges and delivers, the one that ends up primary
+        done = [w for w in r.waiting if w.record.ts <= upto]
+        if not done:
+            return
+        r.waiting = [w for w in r.waiting if w.record.ts > upto]
+        r.first_waiting.clear()
+        r.waiter_max.clear()
+        for w in r.waiting:
+            r.first_waiting.setdefault(w.record.publisher, w.record.seq)
+            key = (w.access.id, w.session, w.record.publisher)
+            r.waiter_max[key] = max(r.waiter_max.get(key, -1), w.record.seq)
+        upto = max(w.record.ts for w in done)
+        # ACK is cumulative per publisher: one answers everything a session published in this batch.
+        last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}
+        for w in done:
+            key = (w.access.id, w.session, w.record.publisher)
+            if key not in last or w.record.seq > last[key][1].seq:
+                last[key] = (w, w.record)
+        for w, rec in last.values():
+            self.t.reply(w.access, [w.session], Ack(r.name, rec.publisher, rec.seq, rec.ts))
+        self.t.counters["acked"] += len(done)
+        deliver = [x for x in r.undelivered if x.ts <= upto]
+        r.undelivered = [x for x in r.undelivered if x.ts > upto]
+        self.t.deliver_to(r.subscribers.values(), r.name, deliver)

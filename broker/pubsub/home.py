@@ -1,0 +1,157 @@
+"""The home role: delegate lists, leases for moves, and the placement of new topics (Sec. III-A, VI-A).
+
+The broker closest to h(t) is the topic's home.  It keeps the timestamped delegate list (synchronised with the
+home's secondary), serialises moves with one lease per topic and a cool-down, and places a topic nobody used
+yet with Alg. 1 (the balancer's `placer`) while the first requests wait (PLACING).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from broker.pubsub.core import TopicTable, same
+from broker.pubsub.replica import Replica, Stage, Transition
+from overlay.delegation import DelegateUpdate, DelegateUpdated, Lease, Leased
+from overlay.geometry import Coord
+from overlay.pubsub import Delegation
+
+if TYPE_CHECKING:
+    from broker.pubsub.holder import HolderRole
+
+
+class HomeRole:
+    """Delegate lists, leases and placement (see the module docstring)."""
+
+    def __init__(self, table: TopicTable) -> None:
+        self.t = table
+        self.holder: HolderRole  # wired by the engine
+        # Delegate lists of topics whose home this broker is (or the home's secondary).
+        self.delegate_lists: dict[str, list[Delegation]] = {}
+        self._last_move: dict[str, float] = {}  # when each topic last moved (cool-down)
+        self._leases: dict[str, tuple[float, str]] = {}  # topic -> (expiry, leaseholder id)
+        self._unconfirmed: dict[int, tuple[str, tuple[Delegation, ...], float]] = {}  # corr -> (topic, list, sent)
+        # Set by the broker's balancer: Alg. 1 placement of a new topic (topic, done callback with the chosen
+        # coordinate or None).
+        self.placer: Callable[[str, Callable[[Coord | None], None]], None] | None = None
+
+    # ---- leases ------------------------------------------------------------------------------------------
+    def grant(self, topic: str, frm: Coord, to: Coord, who: str, force: bool) -> tuple[bool, str]:
+        """The home's serialisation of moves: one lease per topic, the topic where the home believes it is."""
+        now = self.t.ov.now()
+        dl = self.delegate_lists.get(topic)
+        cur = dl[-1].coord if dl else self.t.home(topic)
+        if not same(cur, frm):
+            return False, f"the home has {topic!r} at ({cur[0]}, {cur[1]}), not at ({frm[0]}, {frm[1]})"
+        lease = self._leases.get(topic)
+        if lease is not None and lease[0] > now and lease[1] != who:
+            return False, f"another move of {topic!r} is in progress"
+        last = self._last_move.get(topic)
+        cooldown = self.t.config.move_cooldown
+        if not force and last is not None and now - last < cooldown:
+            return False, f"{topic!r} moved {now - last:.1f} s ago (cool-down {cooldown:.0f} s)"
+        self._leases[topic] = (now + 2 * self.t.config.move_timeout, who)
+        return True, ""
+
+    def lease_arrived(self, m: Lease) -> None:
+        """LEASE: a primary asks to move one of our topics."""
+        ok, reason = self.grant(m.topic, m.frm, m.to, m.origin.id, m.force)
+        self.t.ov.route(m.origin.coord, Leased(m.corr, m.topic, ok, reason))
+
+    def end_lease(self, topic: str) -> None:
+        """The move holding the lease was abandoned."""
+        self._leases.pop(topic, None)
+
+    # ---- delegate lists ----------------------------------------------------------------------------------
+    def set_delegates(self, topic: str, dl: list[Delegation]) -> None:
+        """Record a topic's new delegate list at its home (here, or by DELEGATE_UPDATE until confirmed)."""
+        home = self.t.home(topic)
+        if self.t.closest_id(home) == self.t.ov.me.id:
+            self._store(topic, dl)
+            return
+        corr = self.t.next_corr()
+        self._unconfirmed[corr] = (topic, tuple(dl), self.t.ov.now())
+        self.t.ov.route(home, DelegateUpdate(corr, topic, tuple(dl), self.t.ov.me))
+
+    def _store(self, topic: str, dl: list[Delegation]) -> None:
+        cur = self.delegate_lists.get(topic)
+        if cur and dl and cur[-1].start > dl[-1].start:
+            return  # an older update arriving late
+        self.delegate_lists[topic] = list(dl)
+        self._last_move[topic] = self.t.ov.now()
+        self._leases.pop(topic, None)
+        r = self.t.replicas.get(topic)
+        if r is not None:
+            r.delegates = list(dl)
+        self._sync_secondary(topic)
+
+    def _sync_secondary(self, topic: str) -> None:
+        ranked = self.t.ranked(self.t.home(topic))
+        dl = self.delegate_lists.get(topic)
+        if dl and len(ranked) > 1 and ranked[0].id == self.t.ov.me.id:
+            self.t.ov.route(ranked[1].coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
+
+    def learn_delegates(self, topic: str, dl: list[Delegation]) -> None:
+        """A delegate list heard from another holder: keep it if it is newer."""
+        cur = self.delegate_lists.get(topic)
+        if dl and (not cur or cur[-1].start <= dl[-1].start):
+            self.delegate_lists[topic] = dl
+
+    def delegate_update_arrived(self, m: DelegateUpdate) -> None:
+        """DELEGATE_UPDATE: a new list from the topic's primary, or the home's copy for its secondary."""
+        if m.sync:
+            self.learn_delegates(m.topic, list(m.delegates))
+            return
+        self._store(m.topic, list(m.delegates))
+        self.t.ov.route(m.origin.coord, DelegateUpdated(m.corr, m.topic))
+
+    def delegate_updated_arrived(self, m: DelegateUpdated) -> None:
+        """DELEGATE_UPDATED: the home stored our list."""
+        self._unconfirmed.pop(m.corr, None)
+
+    # ---- placement (Alg. 1) ------------------------------------------------------------------------------
+    def maybe_place(self, r: Replica) -> bool:
+        """Alg. 1: a topic created at its home gets the best coordinate the selection finds (Sec. VI-A)."""
+        if self.placer is None or not same(r.coord, r.home) or r.rank != 1:
+            return False
+        if r.log.rows or r.log.last_seq or r.subscribers or r.name in self.delegate_lists:
+            return False
+        r.enter(Transition.PLACE)
+        topic = r.name
+
+        def placed(coord: Coord | None) -> None:
+            if self.t.replicas.get(topic) is not r or r.stage is not Stage.PLACING:
+                return
+            if coord is None or same(coord, r.coord) or self.t.closest_id(coord) == self.t.ov.me.id:
+                r.enter(Transition.PLACED_HERE)
+                self.holder.release_queue(r)
+                return
+            now = self.t.ov.now()
+            dl = [Delegation(r.home, 0.0), Delegation(coord, now)]
+            self.set_delegates(topic, dl)
+            self.t.counters["delegations"] += 1
+            self.t.event("delegation", topic=topic, load=0.0, frm=r.home, to=coord)
+            queued, r.queued = r.queued, []
+            self.t.drop(r)
+            for access, session, req in queued:
+                self.holder.forward_request(access, session, req, coord, via_home=True)
+
+        self.placer(topic, placed)
+        return True
+
+    # ---- overlay changes and time -----------------------------------------------------------------------
+    def view_changed(self) -> None:
+        """Keep the lists of topics whose home (or home's secondary) this broker still is."""
+        for topic in list(self.delegate_lists):
+            rank = self.t.rank_of_me(self.t.home(topic))
+            if rank == 1:
+                self._sync_secondary(topic)  # the home's secondary may be new
+            elif rank != 2:
+                del self.delegate_lists[topic]
+
+    def tick(self, now: float) -> None:
+        """Re-send delegate lists the home has not confirmed: a list must not be lost."""
+        for corr, (topic, dl, sent) in list(self._unconfirmed.items()):
+            if now - sent > 1.0:
+                self._unconfirmed[corr] = (topic, dl, now)
+                self.t.ov.route(self.t.home(topic), DelegateUpdate(corr, topic, dl, self.t.ov.me))

@@ -1,0 +1,116 @@
+"""The load role: what this broker holds, by role, in the units of the paper's load model (Sec. IV).
+
+L1_N, L2_N and L3_N (eqs. 1, 2, 4) are computed by overlay.load from the stored bytes of the topics held; the
+tertiary side of L3_N (eq. 3) needs to know which topics this broker would take over after a failure, which
+the primaries tell it in TERTIARY_NOTEs (kept for `note_ttl`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broker.pubsub.core import TopicTable, same
+from broker.pubsub.replica import Stage
+from overlay.delegation import NodeLoad, TertiaryNote
+from overlay.geometry import Coord
+from overlay.load import failure_sums, l3_additional
+from overlay.protocol import NodeInfo
+
+if TYPE_CHECKING:
+    from broker.pubsub.home import HomeRole
+
+
+class LoadRole:
+    """Topic listings and load accounting (see the module docstring)."""
+
+    def __init__(self, table: TopicTable, home: HomeRole) -> None:
+        self.t = table
+        self.home = home
+        self._t3notes: dict[str, tuple[str, str, float, float]] = {}  # topic -> (N1, N2, size, until)
+
+    def tertiary_note_arrived(self, m: TertiaryNote) -> None:
+        """TERTIARY_NOTE: the topics this broker would take over if both their N1 and N2 failed."""
+        until = self.t.ov.now() + self.t.config.note_ttl
+        for (topic, n1, n2), size in zip(m.pairs, m.sizes, strict=True):
+            self._t3notes[topic] = (n1, n2, size, until)
+
+    def forget_note(self, topic: str) -> None:
+        self._t3notes.pop(topic, None)
+
+    def topics(self) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) for every topic held, and the delegated topics this broker is home of.
+
+        Roles: primary (at the topic's home coordinate), delegate (primary at a delegate coordinate),
+        secondary, tertiary, home (keeps the delegate list of a topic that lives elsewhere).
+        """
+        out = []
+        for r in self.t.replicas.values():
+            if r.rank == 1:
+                role = "primary" if same(r.coord, r.home) else "delegate"
+            else:
+                role = {2: "secondary", 3: "tertiary"}.get(r.rank, "none")
+            out.append((r.name, role, r.log.size))
+        me = self.t.ov.me.id
+        for topic, dl in self.home.delegate_lists.items():
+            home = self.t.home(topic)
+            if not same(dl[-1].coord, home) and self.t.closest_id(home) == me:
+                out.append((topic, "home", 0))
+        return out
+
+    def topic_coord(self, topic: str) -> Coord | None:
+        """C(t) of a topic this broker holds, or None."""
+        r = self.t.replicas.get(topic)
+        return r.coord if r is not None else None
+
+    def primary_topics(self) -> dict[str, int]:
+        """Topics this broker is responsible for and free to move (Alg. 2's candidates): name -> bytes."""
+        return {r.name: r.log.size for r in self.t.replicas.values() if r.rank == 1 and r.stage is Stage.SERVING}
+
+    def topic_triple(self, topic: str) -> tuple[str, str, str]:
+        """N1, N2, N3 node ids of a topic's coordinate ('' where there is none)."""
+        r = self.t.replicas.get(topic)
+        coord = r.coord if r is not None else self.t.home(topic)
+        ids = [n.id for n in self.t.ranked(coord)]
+        return (ids[0], ids[1] if len(ids) > 1 else "", ids[2] if len(ids) > 2 else "")
+
+    def _t3_items(self) -> list[tuple[str, str, float]]:
+        items: dict[str, tuple[str, str, float]] = {}
+        for topic, (n1, n2, size, _) in self._t3notes.items():
+            items[topic] = (n1, n2, size)
+        for r in self.t.replicas.values():
+            if r.rank == 3:
+                ranked = self.t.ranked(r.coord)
+                items[r.name] = (ranked[0].id, ranked[1].id, float(r.log.size))
+        return list(items.values())
+
+    def load_record(self) -> NodeLoad:
+        """This broker's load record for LOAD_REPORT: t1, t2 and the eq. (3) failure sums, in bytes."""
+        t1 = float(sum(r.log.size for r in self.t.replicas.values() if r.rank == 1))
+        t2 = float(sum(r.log.size for r in self.t.replicas.values() if r.rank == 2))
+        return NodeLoad(self.t.ov.me, t1, t2, failure_sums(self._t3_items()), self.t.ov.now())
+
+    def loads(self) -> dict[str, int]:
+        """L1_N, L2_N, L3_N of this broker in bytes (eqs. 1, 2, 4) from the topics it holds."""
+        l1 = sum(r.log.size for r in self.t.replicas.values() if r.rank == 1)
+        l2 = l1 + sum(r.log.size for r in self.t.replicas.values() if r.rank == 2)
+        return {"L1": l1, "L2": l2, "L3": l2 + int(l3_additional(failure_sums(self._t3_items())))}
+
+    def tertiary_notes(self) -> dict[str, tuple[NodeInfo, list[tuple[str, str, str]], list[float]]]:
+        """Level 3: for each third-closest node of this broker's topics, what it would take over (eq. 3)."""
+        out: dict[str, tuple[NodeInfo, list[tuple[str, str, str]], list[float]]] = {}
+        if self.t.config.resilience < 3:
+            return out
+        for r in self.t.replicas.values():
+            if r.rank != 1:
+                continue
+            ranked = self.t.ranked(r.coord)
+            if len(ranked) < 3:
+                continue
+            entry = out.setdefault(ranked[2].id, (ranked[2], [], []))
+            entry[1].append((r.name, ranked[0].id, ranked[1].id))
+            entry[2].append(float(r.log.size))
+        return out
+
+    def tick(self, now: float) -> None:
+        for topic in [t for t, v in self._t3notes.items() if v[3] < now]:
+            del self._t3notes[topic]

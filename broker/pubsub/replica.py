@@ -1,0 +1,227 @@
+"""A topic as one broker holds it, and the one transition table of its life there.
+
+Every broker keeps a `Replica` per topic it holds.  Its `rank` is what the overlay makes it (1 = primary,
+closest to the topic's coordinate C(t); 2 = secondary; 3 = tertiary; 0 = none), recomputed whenever the view
+or the coordinate changes.  Its `stage` is what it is doing about that, and it changes only through
+`Replica.enter`, checked against `_TRANSITIONS` (as broker/link.py does for links, and h11 for HTTP):
+
+    HOLDING       a copy (secondary or tertiary): merges what the primary replicates, serves nothing
+    SERVING       the caught-up primary: stores, replicates, acknowledges, delivers
+    SYNCING       primary of a topic it just met (a join made it closest): pulls the history from the other
+                  holders before it serves (Sec. III-C); requests wait
+    TAKING_OVER   primary after the old one failed: pulls what the other holders have, then re-delivers the
+                  last moments
+    PLACING       home of a topic nobody used yet: Alg. 1 chooses its coordinate; requests wait
+    HANDING_OVER  old primary of a move: the new coordinate's holders are being filled; requests wait
+    RECEIVING     new primary of a move: holds the hand-over, waits for its own replica and for ACTIVATE
+    GONE          dropped from this broker (a late callback finds it so and does nothing)
+
+SYNCING, TAKING_OVER, PLACING, HANDING_OVER and RECEIVING hold the topic's requests (`WAITING`).  The data
+that belongs to one stage lives on the replica only while it is in that stage: the pull bookkeeping
+(SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over (RECEIVING).
+
+The storage work adds RECOVERING (read back from disk, not yet compared with the other holders): it enters
+SYNCING like a joining primary, or HOLDING when the broker is a copy; the table below is where it goes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Final
+
+from broker.pubsub.settings import REPLICATION_TIMEOUT
+from broker.store import TopicLog
+from overlay.protocol import Coord, LocalProtocolError, Message, NodeInfo
+from overlay.pubsub import Delegation, Record, SubRef, Waiter
+
+
+class Stage(enum.Enum):
+    """What a broker is doing about a topic it holds (see the module docstring)."""
+
+    HOLDING = "holding"
+    SERVING = "serving"
+    SYNCING = "syncing"
+    TAKING_OVER = "taking_over"
+    PLACING = "placing"
+    HANDING_OVER = "handing_over"
+    RECEIVING = "receiving"
+    GONE = "gone"
+
+
+class Transition(enum.Enum):
+    """The named steps between stages."""
+
+    PROMOTE = "promote"  # the view made this copy the primary, and there is nobody to pull from
+    DEMOTE = "demote"  # the view made the primary a copy (a broker joined closer to C(t))
+    SYNC = "sync"  # a primary new to the topic asks the other holders for its history
+    TAKE_OVER = "take_over"  # the primary failed: this copy pulls from the other holders, then leads
+    CAUGHT_UP = "caught_up"  # every holder answered (or the pull timed out): serve
+    PLACE = "place"  # Alg. 1 chooses the coordinate of a new topic
+    PLACED_HERE = "placed_here"  # Alg. 1 kept it here
+    HAND_OVER = "hand_over"  # the home granted a move: fill the new coordinate's holders
+    MOVE_ABORTED = "move_aborted"  # no lease or no confirmation: keep serving here
+    MOVED_LOCALLY = "moved_locally"  # the new coordinate is in this broker's own cell: serve it there
+    HANDED_OVER = "handed_over"  # the new primary confirmed: stay a copy at the new coordinate
+    RECEIVE = "receive"  # a hand-over arrived: hold it until ACTIVATE
+    ACTIVATE = "activate"  # the old primary let go: serve
+    DROP = "drop"  # no longer this broker's to hold
+
+
+_S, _T = Stage, Transition
+_TRANSITIONS: Final[dict[tuple[Stage, Transition], Stage]] = {
+    (_S.HOLDING, _T.PROMOTE): _S.SERVING,
+    (_S.HOLDING, _T.TAKE_OVER): _S.TAKING_OVER,
+    (_S.HOLDING, _T.RECEIVE): _S.RECEIVING,
+    (_S.HOLDING, _T.DROP): _S.GONE,
+    (_S.SERVING, _T.DEMOTE): _S.HOLDING,
+    (_S.SERVING, _T.TAKE_OVER): _S.TAKING_OVER,
+    (_S.SERVING, _T.SYNC): _S.SYNCING,
+    (_S.SERVING, _T.PLACE): _S.PLACING,
+    (_S.SERVING, _T.HAND_OVER): _S.HANDING_OVER,
+    (_S.SERVING, _T.RECEIVE): _S.RECEIVING,
+    (_S.SERVING, _T.DROP): _S.GONE,
+    (_S.SYNCING, _T.CAUGHT_UP): _S.SERVING,
+    (_S.SYNCING, _T.TAKE_OVER): _S.TAKING_OVER,  # a failure while it pulled: re-deliver once caught up
+    (_S.SYNCING, _T.PLACE): _S.PLACING,
+    (_S.SYNCING, _T.RECEIVE): _S.RECEIVING,
+    (_S.SYNCING, _T.DROP): _S.GONE,
+    (_S.TAKING_OVER, _T.CAUGHT_UP): _S.SERVING,
+    (_S.TAKING_OVER, _T.TAKE_OVER): _S.TAKING_OVER,  # another failure: ask the holders of the new view too
+    (_S.TAKING_OVER, _T.RECEIVE): _S.RECEIVING,
+    (_S.TAKING_OVER, _T.DROP): _S.GONE,
+    (_S.PLACING, _T.PLACED_HERE): _S.SERVING,
+    (_S.PLACING, _T.RECEIVE): _S.RECEIVING,  # a hand-over wins over a placement still under way
+    (_S.PLACING, _T.DROP): _S.GONE,
+    (_S.HANDING_OVER, _T.MOVE_ABORTED): _S.SERVING,
+    (_S.HANDING_OVER, _T.MOVED_LOCALLY): _S.SERVING,
+    (_S.HANDING_OVER, _T.HANDED_OVER): _S.HOLDING,
+    (_S.HANDING_OVER, _T.DROP): _S.GONE,
+    (_S.RECEIVING, _T.ACTIVATE): _S.SERVING,
+    (_S.RECEIVING, _T.DROP): _S.GONE,
+}
+# GONE is final: a replica dropped from the broker never comes back (a new one is made if needed).
+
+# Requests for the topic wait (queued) while the replica is in one of these stages.
+WAITING: Final = frozenset({Stage.SYNCING, Stage.TAKING_OVER, Stage.PLACING, Stage.HANDING_OVER, Stage.RECEIVING})
+# Stages that pull the history from the other holders.
+PULLING: Final = frozenset({Stage.SYNCING, Stage.TAKING_OVER})
+
+
+class IllegalReplicaTransition(LocalProtocolError):
+    """A transition the table does not allow: a bug in the pub/sub engine, not in the peer."""
+
+    def __init__(self, topic: str, stage: Stage, transition: Transition) -> None:
+        allowed = sorted(t.value for (s, t) in _TRANSITIONS if s is stage)
+        super().__init__(
+            f"topic {topic!r}: {transition.value} is not allowed in stage {stage.value} "
+            f"(allowed there: {', '.join(allowed) or 'nothing, the stage is final'})"
+        )
+        self.topic = topic
+        self.stage = stage
+        self.transition = transition
+
+
+def next_stage(topic: str, stage: Stage, transition: Transition) -> Stage:
+    """The stage transition leads to from stage, or IllegalReplicaTransition."""
+    new = _TRANSITIONS.get((stage, transition))
+    if new is None:
+        raise IllegalReplicaTransition(topic, stage, transition)
+    return new
+
+
+def transitions() -> dict[tuple[Stage, Transition], Stage]:
+    """A copy of the table (for tests and documentation)."""
+    return dict(_TRANSITIONS)
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A stored message whose publisher still waits for its acknowledgement."""
+
+    record: Record
+    access: NodeInfo
+    session: str
+
+
+@dataclass(slots=True)
+class Move:
+    """HANDING_OVER: the move in progress at the old primary."""
+
+    corr: int
+    to: Coord
+    started: float
+    reply: tuple[NodeInfo, str, int] | None  # (access, session, corr) of an operator's MOVE_TOPIC
+    leased: bool = False
+    force: bool = False
+
+
+@dataclass(slots=True)
+class Staged:
+    """RECEIVING: a hand-over at the new primary, waiting for its replica and then for ACTIVATE."""
+
+    origin: NodeInfo
+    corr: int
+    since: float
+    waiters: tuple[Waiter, ...]
+    confirmed: bool = False
+
+
+@dataclass(slots=True)
+class Replica:
+    """What the holder side keeps per topic besides the stored data (see the module docstring)."""
+
+    name: str
+    log: TopicLog
+    coord: Coord
+    home: Coord
+    delegates: list[Delegation]
+    stage: Stage = Stage.HOLDING
+    subscribers: dict[tuple[str, str], SubRef] = field(default_factory=dict)
+    rank: int = 0  # 1 primary, 2 secondary, 3 tertiary, 0 none
+    replica: str | None = None  # the secondary that holds everything up to the last confirmed batch
+    backfill: bool = True  # the next batch to the secondary must carry the whole history
+    last_ts: float = 0.0
+    outbox: list[Record] = field(default_factory=list)  # stored, not yet sent to the secondary
+    waiting: list[Waiting] = field(default_factory=list)  # stored, not yet acknowledged to the publisher
+    # Indexes over `waiting` so a re-sent message costs O(1): the lowest waiting seq per publisher, and the
+    # highest seq each (access, session, publisher) already waits for (a cumulative ACK will cover it).
+    first_waiting: dict[str, int] = field(default_factory=dict)
+    waiter_max: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    undelivered: list[Record] = field(default_factory=list)  # stored, waiting for the replica before delivery
+    inflight: tuple[int, str, float, float] | None = None  # (corr, target id, sent at, last ts in the batch)
+    sent: dict[int, tuple[str, float]] = field(default_factory=dict)  # corr -> (target, last ts), unconfirmed
+    rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
+    queued: list[tuple[NodeInfo, str, Message]] = field(default_factory=list)  # requests held while WAITING
+    meta_dirty: bool = False  # subscribers changed: the secondary needs the new list
+    moved_at: float = 0.0
+    # SYNCING / TAKING_OVER: pull corr -> asked node id, when the pull started, whether it was asked again.
+    pulling: dict[int, str] = field(default_factory=dict)
+    pull_started: float = 0.0
+    pull_retried: bool = False
+    move: Move | None = None  # HANDING_OVER
+    staged: Staged | None = None  # RECEIVING
+
+    def enter(self, transition: Transition) -> Stage:
+        """Take a transition of the table; the stage-bound data of the stage left is cleared."""
+        new = next_stage(self.name, self.stage, transition)
+        if self.stage in PULLING and new not in PULLING:
+            self.pulling.clear()
+        if self.stage is Stage.HANDING_OVER:
+            self.move = None
+        if self.stage is Stage.RECEIVING:
+            self.staged = None
+        self.stage = new
+        return new
+
+    @property
+    def waits(self) -> bool:
+        """Requests for the topic are held (a pull, a placement or a move is under way)."""
+        return self.stage in WAITING
+
+    def settle(self) -> None:
+        """After the rank changed: a steady copy that became closest serves, a steady primary that did not holds."""
+        if self.stage is Stage.HOLDING and self.rank == 1:
+            self.enter(Transition.PROMOTE)
+        elif self.stage is Stage.SERVING and self.rank != 1:
+            self.enter(Transition.DEMOTE)

@@ -1,0 +1,59 @@
+"""The settings of the pub/sub engine: its time-outs and windows, and `PubSubConfig`.
+
+Each setting has one default: here, or in broker/defaults.py for the ones a broker also exposes as flags
+(--resilience, --move-cooldown), which BrokerConfig starts from too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from broker import defaults
+from broker.store import Retention
+from overlay.geometry import UNIT_SQUARE, Space
+
+if TYPE_CHECKING:  # broker.acl imports broker.config, which takes its defaults from here
+    from broker.acl import Acl
+
+# A replica that has not confirmed a batch in this long is presumed gone; the batch goes to whoever is the
+# secondary by then.  Well under a second, so a publisher's acknowledgement is not held up for long.
+REPLICATION_TIMEOUT: Final = 0.5
+# The re-send time-out doubles while a replica stays silent (a busy machine), up to this.
+MAX_RTO: Final = 8.0
+# How long a broker that became closest waits for the previous holders to hand a topic over before it
+# serves the topic from what it has.
+PULL_TIMEOUT: Final = 1.0
+# After a take-over the new primary re-delivers what it received in this window before the failure: the
+# old primary may have died between replicating and delivering.  Subscribers drop what they already had.
+REDELIVER_WINDOW: Final = 2.0
+# Timestamps of one topic strictly increase, so "FETCH since ts" never skips a message stored in the same
+# clock tick as the one before it.
+TS_EPSILON: Final = 1e-6
+# How long a primary waits for the new coordinate's holders to confirm a hand-over before it aborts the move
+# and keeps serving the topic where it was.
+MOVE_TIMEOUT: Final = 5.0
+# A former primary forwards requests that still reach it for this long after a move (clients it could not
+# redirect, the home's list not yet updated), then forgets the topic.
+FORWARD_TTL: Final = 60.0
+# Coordinates closer than this are the same coordinate (they travel as floats through JSON and msgpack).
+SAME_COORD: Final = 1e-12
+
+
+@dataclass(frozen=True, slots=True)
+class PubSubConfig:
+    """Settings of the pub/sub layer."""
+
+    resilience: int = defaults.RESILIENCE
+    retention: Retention = field(default_factory=Retention)
+    replication_timeout: float = REPLICATION_TIMEOUT
+    pull_timeout: float = PULL_TIMEOUT
+    redeliver_window: float = REDELIVER_WINDOW
+    move_timeout: float = MOVE_TIMEOUT
+    forward_ttl: float = FORWARD_TTL
+    move_cooldown: float = defaults.MOVE_COOLDOWN
+    space: Space = UNIT_SQUARE
+    # A tertiary forgets a TERTIARY_NOTE this long after it was sent (primaries repeat theirs every load report
+    # interval), so a topic that moved away stops weighing on its former tertiary's L3_N at once.
+    note_ttl: float = 4.0
+    acl: Acl | None = None  # topic ACL the holder enforces (broker/acl.py); None = everything allowed

@@ -1,0 +1,101 @@
+"""The topic-replica lifecycle (broker/pubsub/replica.py): every transition of the table, and every illegal one."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from broker.pubsub.replica import (
+    PULLING,
+    WAITING,
+    IllegalReplicaTransition,
+    Move,
+    Replica,
+    Stage,
+    Staged,
+    Transition,
+    next_stage,
+    transitions,
+)
+from broker.store import Retention, TopicLog
+from overlay.protocol import NodeInfo
+from overlay.pubsub import Delegation
+
+TABLE = transitions()
+NODE = NodeInfo("n1", (0.5, 0.5), "127.0.0.1:7000")
+
+
+def _replica(stage: Stage) -> Replica:
+    r = Replica("grid/a", TopicLog("grid/a", Retention()), (0.5, 0.5), (0.5, 0.5), [Delegation((0.5, 0.5), 0.0)])
+    r.stage = stage
+    if stage in PULLING:
+        r.pulling = {7: "n2"}
+    if stage is Stage.HANDING_OVER:
+        r.move = Move(1, (0.2, 0.2), 0.0, None)
+    if stage is Stage.RECEIVING:
+        r.staged = Staged(NODE, 3, 0.0, ())
+    return r
+
+
+@pytest.mark.parametrize(("stage", "transition"), sorted(TABLE, key=lambda k: (k[0].value, k[1].value)))
+def test_every_legal_transition(stage: Stage, transition: Transition) -> None:
+    r = _replica(stage)
+    new = r.enter(transition)
+    assert new is TABLE[(stage, transition)] is r.stage
+    # What belongs to a stage goes with it, and stays while the replica stays in it.
+    assert bool(r.pulling) == (stage in PULLING and new in PULLING)
+    assert (r.move is not None) == (stage is Stage.HANDING_OVER and new is Stage.HANDING_OVER)
+    assert (r.staged is not None) == (stage is Stage.RECEIVING and new is Stage.RECEIVING)
+    assert r.waits == (new in WAITING)
+
+
+ILLEGAL = [(s, t) for s, t in itertools.product(Stage, Transition) if (s, t) not in TABLE]
+
+
+@pytest.mark.parametrize(("stage", "transition"), ILLEGAL)
+def test_every_illegal_transition_raises_a_typed_error(stage: Stage, transition: Transition) -> None:
+    r = _replica(stage)
+    with pytest.raises(IllegalReplicaTransition) as info:
+        r.enter(transition)
+    assert r.stage is stage  # nothing changed
+    err = info.value
+    assert (err.topic, err.stage, err.transition) == ("grid/a", stage, transition)
+    assert transition.value in str(err) and stage.value in str(err) and "grid/a" in str(err)
+
+
+def test_gone_is_final_and_every_stage_can_be_dropped() -> None:
+    assert all(s is Stage.GONE or TABLE[(s, Transition.DROP)] is Stage.GONE for s in Stage)
+    assert not [t for (s, t) in TABLE if s is Stage.GONE]
+    with pytest.raises(IllegalReplicaTransition, match="final"):
+        next_stage("t", Stage.GONE, Transition.PROMOTE)
+
+
+def test_every_stage_is_reachable_from_holding() -> None:
+    seen, frontier = {Stage.HOLDING}, [Stage.HOLDING]
+    while frontier:
+        s = frontier.pop()
+        for (a, _), b in TABLE.items():
+            if a is s and b not in seen:
+                seen.add(b)
+                frontier.append(b)
+    assert seen == set(Stage)
+
+
+@pytest.mark.parametrize(
+    ("stage", "rank", "after"),
+    [
+        (Stage.HOLDING, 1, Stage.SERVING),
+        (Stage.HOLDING, 2, Stage.HOLDING),
+        (Stage.SERVING, 2, Stage.HOLDING),
+        (Stage.SERVING, 0, Stage.HOLDING),
+        (Stage.SERVING, 1, Stage.SERVING),
+        (Stage.SYNCING, 2, Stage.SYNCING),  # a stage with work under way finishes it first
+        (Stage.RECEIVING, 3, Stage.RECEIVING),
+    ],
+)
+def test_settle_follows_the_rank_only_in_steady_stages(stage: Stage, rank: int, after: Stage) -> None:
+    r = _replica(stage)
+    r.rank = rank
+    r.settle()
+    assert r.stage is after
