@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Final
 
 from broker.balancer import Balancer
@@ -32,9 +33,11 @@ from broker.config import BrokerConfig
 from broker.eventlog import EventLog
 from broker.guard import Guard
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
+from broker.memory import HeapTrimmer
 from broker.metrics import BrokerStats, MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
-from broker.store import Retention
+from broker.storage import DiskStore
+from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
 from net.credentials import connect_broker, peer_cert
@@ -146,17 +149,21 @@ class Broker:
         self._known_ids: frozenset[str] = frozenset()
         self._failed_since_view: set[str] = set()
         self.port = _PubSubPort(self)
+        retention = Retention(config.retention_seconds, config.retention_bytes)
+        disk = DiskStore(Path(config.data_dir), config.fsync_policy) if config.on_disk and config.data_dir else None
         self.pubsub = PubSub(
             self.port,
             PubSubConfig(
                 resilience=config.resilience,
-                retention=Retention(config.retention_seconds, config.retention_bytes),
+                retention=retention,
                 move_cooldown=config.move_cooldown,
                 space=config.space,
                 note_ttl=3 * config.load_report_interval + 1.0,
                 acl=self.guard.acl,
             ),
+            TopicStore(retention, disk),
         )
+        self.trimmer = HeapTrimmer()
         # Observability (docs/metrics.md, docs/logs.md): the endpoint and the log are opened in start().
         self.stats = BrokerStats()
         self.metrics: MetricsServer | None = None
@@ -183,6 +190,14 @@ class Broker:
         self.info = NodeInfo(self.node_id, self.config.coord, listen)
         self.view = NeighbourView(self.info)
         self.port.refresh()
+        try:
+            report = self.pubsub.recover()
+        except OSError as exc:
+            raise StartFailed(f"cannot read the data directory {self.config.data_dir}: {exc}") from None
+        if self.config.on_disk:
+            self.log.info("data directory %s (fsync %s): %s", self.config.data_dir, self.config.fsync, report)
+        if not self.config.join:
+            self.pubsub.resume()  # the first broker: nobody to compare the recovered topics with
         self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
         self.balancer.start(self._now)
         await self._start_observability()
@@ -238,6 +253,7 @@ class Broker:
         except TimeoutError:
             self.log.warning("links did not drain within %.1f s; closing anyway", self.config.drain_timeout)
         await self.tasks.cancel_all("broker shut down")
+        self.pubsub.close()
         await self._stop_observability()
         self.log.info("left the overlay")
 
@@ -258,6 +274,7 @@ class Broker:
                     # The answer was late (a loaded machine), but the overlay accepted us meanwhile: neighbours
                     # have linked to this broker.  Asking again elsewhere would only be refused as a duplicate.
                     self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                    self.pubsub.resume()
                     return
                 errors.append(f"{addr}: {exc!r}")
                 continue
@@ -270,6 +287,7 @@ class Broker:
                     await self._peer_up.wait()
             except TimeoutError:
                 raise JoinFailed(f"accepted via {addr} but no neighbour link came up") from None
+            self.pubsub.resume()
             return
         raise JoinFailed("could not join through any address: " + "; ".join(errors))
 
@@ -428,6 +446,7 @@ class Broker:
             await asyncio.sleep(PUBSUB_TICK)
             self.pubsub.tick()
             self.guard.sweep_idle(self.links, self._now(), self._subscribed)
+            self.trimmer.maybe_trim(self._now())
 
     def _subscribed(self, link: PeerLink) -> bool:
         sid = self._session_of.get(link)
@@ -436,6 +455,7 @@ class Broker:
     def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
         """Forget a failed neighbour (the overlay heals) or just drop a link that is no longer wanted."""
         self.links.discard(link)
+        self.trimmer.closed()
         self._dirty.discard(link)
         self._congested.discard(link)
         self.guard.link_closed(link, reason)

@@ -103,13 +103,12 @@ class TopicLog:
         try:
             self.journal.persist()
         except StorageFull as exc:
-            self._roll_back()
-            raise exc from None
+            raise StorageFull(exc.directory, self._roll_back()) from None
         self._staged.clear()
         self._staged_prev.clear()
 
-    def _roll_back(self) -> None:
-        lost = {(r[1], r[2]) for r in self._staged}
+    def _roll_back(self) -> frozenset[tuple[str, int]]:
+        lost = frozenset((r[1], r[2]) for r in self._staged)
         kept = deque(r for r in self.rows if (r[1], r[2]) not in lost)
         self.size -= sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
         self.rows = kept
@@ -120,6 +119,7 @@ class TopicLog:
                 self.last_seq[pub] = prev
         self._staged.clear()
         self._staged_prev.clear()
+        return lost
 
     def dedup_state(self) -> dict[str, tuple[int, float]]:
         """publisher -> (last seq, last seen): what the journal keeps beside the records."""
@@ -302,6 +302,11 @@ class TopicStore:
             self._topics[rec.meta.name] = log
             metas.append(rec.meta)
         return metas, report
+
+    def sync_due(self, now: float) -> None:
+        """The INTERVAL write policy's beat (a no-op without a data directory or under other policies)."""
+        if self.disk is not None:
+            self.disk.sync_due(now)
 
     def close(self) -> None:
         """Write and close every journal (graceful shutdown)."""

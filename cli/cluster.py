@@ -96,6 +96,8 @@ class LocalCluster:
         broker_args: extra command-line flags for every broker.
         tls: TLS with a development CA in state_dir/certs (True), plain TCP with --insecure (False), or
             TLS unless the environment sets SEDAX_INSECURE (None).
+        data_dirs: every broker keeps its topics on disk in state_dir/data/n<index> (docs/storage.md); a
+            broker started again (`restart`) finds its data there.
         detached: leave the brokers running when this process exits (`sedax cluster up`, which hands them
             to `sedax cluster down`); otherwise (Linux) they get SIGTERM when their owner dies, even by SIGKILL.
     """
@@ -110,6 +112,7 @@ class LocalCluster:
     nodes: list[BrokerProcess] = field(default_factory=list)
     tls: bool | None = None
     detached: bool = False
+    data_dirs: bool = False
     _rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -193,15 +196,20 @@ class LocalCluster:
         picks = self._rng.choice(len(ready), size=min(3, len(ready)), replace=False)
         return [ready[int(i)] for i in picks]
 
-    def spawn(self, coord: Coord | None = None, join: Sequence[str] | None = None, *extra: str) -> BrokerProcess:
-        """Start one broker process without waiting for it (see `add`)."""
+    def spawn(
+        self, coord: Coord | None = None, join: Sequence[str] | None = None, *extra: str, index: int | None = None
+    ) -> BrokerProcess:
+        """Start one broker process without waiting for it (see `add`); index: start broker `index` again."""
         assert self.state_dir is not None
-        index = len(self.nodes)
+        again = index is not None
+        index = len(self.nodes) if index is None else index
         c = coord if coord is not None else self._next_coord()
         node_id = f"n{index}"
         joins = list(join) if join is not None else self._join_addresses()
         args = [sys.executable, "-m", "broker", "--coord", f"{c[0]!r},{c[1]!r}", "--node-id", node_id]
         args += ["--listen", "127.0.0.1:0", "--resilience", str(self.resilience), *self.tls_args(node_id)]
+        if self.data_dirs:
+            args += ["--data-dir", str(self.data_dir(index))]
         if self.space != UNIT_SQUARE:
             args += ["--space", ",".join(repr(v) for v in self.space.to_list())]
         for a in joins:
@@ -223,7 +231,26 @@ class LocalCluster:
                 preexec_fn=None if self.detached else _die_with_parent,
             )
         bp = BrokerProcess(index, c, node_id, proc, out_path, err_path)
-        self.nodes.append(bp)
+        if again:
+            self.nodes[index] = bp
+        else:
+            self.nodes.append(bp)
+        return bp
+
+    def data_dir(self, index: int) -> Path:
+        """Broker `index`'s data directory (with data_dirs)."""
+        assert self.state_dir is not None
+        return self.state_dir / "data" / f"n{index}"
+
+    async def restart(self, i: int, *extra: str) -> BrokerProcess:
+        """Start broker i again (after stop or kill): same coordinate, node id and data directory; it joins
+        through the running brokers, or starts alone if none runs."""
+        old = self.nodes[i]
+        if old.alive:
+            raise ClusterError(f"broker {i} is still running: stop or kill it first")
+        joins = [bp.listen for bp in self.nodes if bp.listen and bp.alive and bp.index != i][:3]
+        bp = self.spawn(old.coord, joins, *extra, index=i)
+        await self.wait_ready(bp)
         return bp
 
     async def add(self, coord: Coord | None = None, join: Sequence[str] | None = None) -> BrokerProcess:

@@ -718,9 +718,10 @@ class Client:
                 return  # a NACK of a message sent before the re-send that already covers it
             self._resend_topic(m.topic, from_seq=m.expected)
             return
-        # A refusal of the topic as such (ACL, name) fails this and every later publish to it; one of a
-        # single message (size) fails that one, and the rest of its batch goes out again at once.
-        whole_topic = m.code in ("not_allowed", "bad_topic")
+        # A refusal of the topic as such (ACL, name) fails this and every later publish to it, and so does a full
+        # disk at the holder (none of what followed was stored either); one of a single message (size) fails
+        # that one, and the rest of its batch goes out again at once.
+        whole_topic = m.code in ("not_allowed", "bad_topic", "storage_full")
         for seq in sorted(s for s in per_topic if s >= m.seq) if whole_topic else [m.seq]:
             p = per_topic.pop(seq, None)
             if p is not None:

@@ -49,6 +49,7 @@ PubSubCode: TypeAlias = Literal[
     "unreachable",  # the topic's coordinate could not be reached (overlay partitioned or hop limit)
     "not_allowed",  # an ACL denies it
     "timeout",  # the primary did not answer in time
+    "storage_full",  # the holder's data directory is full: the message was not stored (docs/storage.md)
     "shutting_down",  # the broker is leaving
     "out_of_order",  # a publisher's sequence has a gap the client can fill: re-send from `expected`
     "bad_request",  # anything else the client got wrong

@@ -28,6 +28,7 @@ from broker.pubsub.loads import LoadRole
 from broker.pubsub.moves import MoveRole
 from broker.pubsub.replication import ReplicationRole
 from broker.pubsub.settings import PubSubConfig
+from broker.storage import RecoveryReport
 from broker.store import TopicStore
 from overlay.delegation import (
     Activate,
@@ -154,6 +155,20 @@ class PubSub:
         """Start moving a topic this broker is the primary of (None once under way, else why not)."""
         return self.moves.request_move(topic, to, reply, force)
 
+    def recover(self) -> RecoveryReport:
+        """Read the data directory back (none: nothing); the topics wait in RECOVERING until `resume`."""
+        metas, report = self.store.recover(self.table.ov.now())
+        self.holder.recovered(metas)
+        return report
+
+    def resume(self) -> None:
+        """The broker has joined (or is alone): recovered topics sync, hold or go (holder.resume)."""
+        self.holder.resume()
+
+    def close(self) -> None:
+        """Write and close the disk journals (graceful shutdown)."""
+        self.store.close()
+
     def view_changed(self, failed: Collection[str] = ()) -> None:
         """The broker's view of the overlay changed; failed names the brokers that died (not those that left
         gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop."""
@@ -168,6 +183,7 @@ class PubSub:
         self.home.tick(now)
         self.accounting.tick(now)
         self.store.expire(now)
+        self.store.sync_due(now)
 
     def _flush_turn(self) -> None:
         """End of a turn's input: one TOPIC_REQUEST per coordinate and session, then each dirty topic."""

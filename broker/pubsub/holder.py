@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
-from broker.pubsub.replica import Replica, Stage, Waiting
+from broker.pubsub.replica import Replica, Stage, Transition, Waiting
 from broker.pubsub.settings import TS_EPSILON
+from broker.storage import StorageFull, TopicMeta
 from overlay.delegation import MoveTopic, TopicMoved
 from overlay.geometry import Coord
 from overlay.protocol import Message, NodeInfo, RemoteProtocolError, decode_message, encode_message
@@ -307,6 +308,71 @@ class HolderRole:
         return True
 
     @staticmethod
+    def _keep_waiting(r: Replica, waiting: list[Waiting]) -> None:
+        """Replace r's waiting publishes, and rebuild the indexes over them."""
+        r.waiting = waiting
+        r.first_waiting.clear()
+        r.waiter_max.clear()
+        for w in waiting:
+            r.first_waiting.setdefault(w.record.publisher, w.record.seq)
+            key = (w.access.id, w.session, w.record.publisher)
+            r.waiter_max[key] = max(r.waiter_max.get(key, -1), w.record.seq)
+
+    def persist(self, r: Replica) -> bool:
+        """Write what r stored since the last call to its disk journal before anything of it is acknowledged
+        or confirmed; a full disk refuses those publishes (storage_full) and they leave memory too."""
+        try:
+            r.log.persist()
+        except StorageFull as exc:
+            log.warning("topic %s: %s", r.name, exc)
+            lost = exc.lost
+            refused = [w for w in r.waiting if (w.record.publisher, w.record.seq) in lost]
+            self._keep_waiting(r, [w for w in r.waiting if (w.record.publisher, w.record.seq) not in lost])
+            r.undelivered = [x for x in r.undelivered if (x.publisher, x.seq) not in lost]
+            r.outbox = [x for x in r.outbox if (x.publisher, x.seq) not in lost]
+            first: dict[tuple[str, str, str], Waiting] = {}
+            for w in refused:
+                key = (w.access.id, w.session, w.record.publisher)
+                if key not in first or w.record.seq < first[key].record.seq:
+                    first[key] = w
+            for w in first.values():
+                nack = Nack(r.name, w.record.publisher, w.record.seq, "storage_full", str(exc))
+                self.t.reply(w.access, [w.session], nack)
+            return False
+        return True
+
+    def recovered(self, metas: list[TopicMeta]) -> None:
+        """Replicas for the topics read back from the data directory: RECOVERING until `resume`."""
+        for meta in metas:
+            dl = self.home.delegate_lists.get(meta.name)
+            r = Replica(
+                meta.name, self.t.store.get(meta.name), meta.coord, meta.home,
+                list(dl) if dl else [Delegation(meta.home, 0.0)], stage=Stage.RECOVERING,
+            )  # fmt: skip
+            if (newest := r.log.last_ts) is not None:
+                r.last_ts = newest
+            self.t.replicas[meta.name] = r
+
+    def resume(self) -> None:
+        """The broker joined: each recovered topic syncs (primary), holds (copy) or goes (neither)."""
+        for r in [x for x in self.t.replicas.values() if x.stage is Stage.RECOVERING]:
+            r.rank = self.t.rank_of_me(r.coord)
+            if r.rank == 1:
+                r.backfill = True  # the secondary gets the whole merged history
+                if not self.replication.start_pull(r, takeover=False):
+                    r.enter(Transition.CAUGHT_UP)
+                    self.release_queue(r)
+                    self.replication.flush(r)
+            elif r.rank == 2 or (r.rank == 3 and self.t.config.resilience >= 3):
+                r.enter(Transition.DEMOTE)
+                self.release_queue(r)
+            else:
+                queued, r.queued = r.queued, []
+                self.t.drop(r)
+                for access, session, req in queued:
+                    self.handle_request(access, session, req)
+
+    @staticmethod
     def _wait(r: Replica, rec: Record, access: NodeInfo, session: str) -> None:
         r.waiting.append(Waiting(rec, access, session))
         r.first_waiting.setdefault(rec.publisher, rec.seq)
@@ -320,13 +386,7 @@ class HolderRole:
         done = [w for w in r.waiting if w.record.ts <= upto]
         if not done:
             return
-        r.waiting = [w for w in r.waiting if w.record.ts > upto]
-        r.first_waiting.clear()
-        r.waiter_max.clear()
-        for w in r.waiting:
-            r.first_waiting.setdefault(w.record.publisher, w.record.seq)
-            key = (w.access.id, w.session, w.record.publisher)
-            r.waiter_max[key] = max(r.waiter_max.get(key, -1), w.record.seq)
+        self._keep_waiting(r, [w for w in r.waiting if w.record.ts > upto])
         upto = max(w.record.ts for w in done)
         # ACK is cumulative per publisher: one answers everything a session published in this batch.
         last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}

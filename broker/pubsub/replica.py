@@ -14,14 +14,16 @@ or the coordinate changes.  Its `stage` is what it is doing about that, and it c
     PLACING       home of a topic nobody used yet: Alg. 1 chooses its coordinate; requests wait
     HANDING_OVER  old primary of a move: the new coordinate's holders are being filled; requests wait
     RECEIVING     new primary of a move: holds the hand-over, waits for its own replica and for ACTIVATE
+    RECOVERING    read back from the data directory at start, not yet compared with the other holders: once
+                  the broker has joined it syncs (primary), holds (copy) or lets go (neither)
     GONE          dropped from this broker (a late callback finds it so and does nothing)
 
-SYNCING, TAKING_OVER, PLACING, HANDING_OVER and RECEIVING hold the topic's requests (`WAITING`).  The data
+SYNCING, TAKING_OVER, PLACING, HANDING_OVER, RECEIVING and RECOVERING hold the topic's requests (`WAITING`).  The data
 that belongs to one stage lives on the replica only while it is in that stage: the pull bookkeeping
 (SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over (RECEIVING).
 
-The storage work adds RECOVERING (read back from disk, not yet compared with the other holders): it enters
-SYNCING like a joining primary, or HOLDING when the broker is a copy; the table below is where it goes.
+A recovered primary leaves RECOVERING through SYNCING, like a primary that joined: it serves only what the
+other holders and its disk hold together (storage-anchors: only a caught-up replica may lead).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Stage(enum.Enum):
     PLACING = "placing"
     HANDING_OVER = "handing_over"
     RECEIVING = "receiving"
+    RECOVERING = "recovering"
     GONE = "gone"
 
 
@@ -99,11 +102,17 @@ _TRANSITIONS: Final[dict[tuple[Stage, Transition], Stage]] = {
     (_S.HANDING_OVER, _T.DROP): _S.GONE,
     (_S.RECEIVING, _T.ACTIVATE): _S.SERVING,
     (_S.RECEIVING, _T.DROP): _S.GONE,
+    (_S.RECOVERING, _T.SYNC): _S.SYNCING,
+    (_S.RECOVERING, _T.CAUGHT_UP): _S.SERVING,  # primary with nobody to ask: its disk is all there is
+    (_S.RECOVERING, _T.DEMOTE): _S.HOLDING,
+    (_S.RECOVERING, _T.DROP): _S.GONE,
 }
 # GONE is final: a replica dropped from the broker never comes back (a new one is made if needed).
 
 # Requests for the topic wait (queued) while the replica is in one of these stages.
-WAITING: Final = frozenset({Stage.SYNCING, Stage.TAKING_OVER, Stage.PLACING, Stage.HANDING_OVER, Stage.RECEIVING})
+WAITING: Final = frozenset(
+    {Stage.SYNCING, Stage.TAKING_OVER, Stage.PLACING, Stage.HANDING_OVER, Stage.RECEIVING, Stage.RECOVERING}
+)
 # Stages that pull the history from the other holders.
 PULLING: Final = frozenset({Stage.SYNCING, Stage.TAKING_OVER})
 

@@ -45,6 +45,7 @@ class ReplicationRole:
         """Send the next batch to the secondary, or acknowledge and deliver when no copy is required."""
         if r.rank != 1 or r.stage in PULLING or r.stage is Stage.HANDING_OVER:
             return  # while pulling, pull_progress flushes once the other holders have answered
+        self.holder.persist(r)  # on disk (as the write policy says) before it is replicated or acknowledged
         sec = self.t.secondary(r)
         if sec is None:
             r.outbox.clear()
@@ -157,11 +158,14 @@ class ReplicationRole:
         r.delegates = list(m.delegates)
         r.rank = self.t.rank_of_me(r.coord)
         r.settle()
+        stored = self.holder.persist(r)
         if m.corr in r.pulling:
             del r.pulling[m.corr]
             self.pull_progress(r)
             return
-        if m.corr:  # 0: a leading chunk of a multi-frame copy; the last one carries the corr to confirm
+        if m.corr and stored:  # 0: a leading chunk of a multi-frame copy; the last one carries the corr
+            # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
+            # acknowledges it nor forgets it (it re-sends).
             self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
 
     # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------
@@ -261,8 +265,8 @@ class ReplicationRole:
         for r in list(self.t.replicas.values()):
             old = r.rank
             r.rank = self.t.rank_of_me(r.coord)
-            if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING):
-                continue  # finishes (or times out) as it is; the roles are settled afterwards
+            if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.RECOVERING):
+                continue  # finishes (or times out, or resumes once joined) as it is; roles are settled then
             if r.rank == 1:
                 if old != 1 and r.stage is not Stage.PLACING:
                     self.take_over(r)

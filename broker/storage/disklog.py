@@ -40,12 +40,13 @@ class StorageError(Exception):
 class StorageFull(StorageError):
     """The data directory has no room for more records; publishes are refused until space is freed."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, lost: frozenset[tuple[str, int]] = frozenset()) -> None:
         super().__init__(
             f"no space left in {directory}: free disk space or lower --retention-bytes/--retention-seconds; "
             "publishes are refused (storage_full) until then, stored data is still served"
         )
         self.directory = directory
+        self.lost = lost  # (publisher, seq) of the records taken back out of memory (broker/store.py)
 
 
 class FsyncMode(enum.Enum):
