@@ -69,7 +69,7 @@ def bfs_hops(nbrs: dict[str, set[str]], src: str) -> dict[str, int]:
 
 
 async def delivered(client: AdminClient) -> int:
-    return (await client.status()).counters["delivered"]
+    return (await client.status()).counters["routed_delivered"]
 
 
 async def throughput(cluster: LocalCluster, src: str, dst: str, frames: int) -> float:

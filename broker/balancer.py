@@ -305,17 +305,15 @@ class Balancer:
             coord: Coord | None = None
             try:
                 plan = await self.plan_topic(topic, 0.0)
-                if plan["verdict"] == "move":
-                    to = plan["to"]
-                    assert isinstance(to, list)
-                    coord = (float(to[0]), float(to[1]))
+                if plan.verdict == "move" and plan.to is not None:
+                    coord = plan.to
                     self.counters["placements"] += 1
             finally:
                 done(coord)
 
         self.tasks.spawn(run(), f"place-{topic}")
 
-    async def plan_topic(self, topic: str, load: float) -> dict[str, object]:
+    async def plan_topic(self, topic: str, load: float) -> Plan:
         """One decision for one topic: the current coordinate's metric, the offers, and the verdict."""
         coord = self.pubsub.topic_coord(topic)
         assert coord is not None
@@ -324,19 +322,11 @@ class Balancer:
         offers = await self.select(load, triple)
         choices = [Choice(o.coord, CoordMetric(o.lmax, o.lmin, o.spare)) for o in offers]
         best = decide(current, choices, self.config.min_gain * current.lmax, self.params.tie_rng(self.rng))
-        plan: dict[str, object] = {
-            "topic": topic,
-            "size": int(load),
-            "from": [coord[0], coord[1]],
-            "current": _metric_json(current),
-            "offers": len(offers),
-            "verdict": "stay",
-        }
-        if best is not None:
-            plan.update(to=[best.coord[0], best.coord[1]], best=_metric_json(best.metric), verdict="move")
-        return plan
+        if best is None:
+            return Plan(topic, int(load), "stay", coord, current, len(offers))
+        return Plan(topic, int(load), "move", coord, current, len(offers), best.coord, best.metric)
 
-    async def round(self, dry_run: bool = False, all_topics: bool = False) -> list[dict[str, object]]:
+    async def round(self, dry_run: bool = False, all_topics: bool = False) -> list[Plan]:
         """Alg. 2 once: the smallest topic this broker is responsible for, moved if a better coordinate exists.
 
         With `balance_scan` > 1 the round goes on to the next-smallest topics until one moves (or, in a dry
@@ -345,11 +335,11 @@ class Balancer:
         """
         self.counters["balance_rounds"] += 1
         sizes = {t: s for t, s in self.pubsub.primary_topics().items() if s > 0}
-        plans: list[dict[str, object]] = []
+        plans: list[Plan] = []
         movable = {t: s for t, s in sizes.items() if s <= self.config.max_move_bytes}
         for t, s in sizes.items():
             if s > self.config.max_move_bytes and all_topics:
-                plans.append({"topic": t, "size": s, "verdict": "too large to move this round"})
+                plans.append(Plan(t, s, "too large to move this round"))
         chosen = smallest_topics(movable, len(movable) if all_topics else self.params.scan)
         if dry_run and all_topics:  # an overview: every topic's decision at once, nothing moves
             live = [t for t in chosen if self.pubsub.topic_coord(t) is not None]
@@ -359,17 +349,45 @@ class Balancer:
             if self.pubsub.topic_coord(topic) is None:
                 continue
             plan = await self.plan_topic(topic, float(movable[topic]))
-            if plan["verdict"] == "move" and not dry_run:
+            if plan.verdict == "move" and plan.to is not None and not dry_run:
                 self.counters["balance_decisions_move"] += 1
-                to = plan["to"]
-                assert isinstance(to, list)
-                why = self.pubsub.request_move(topic, (float(to[0]), float(to[1])))
-                plan["verdict"] = "moving" if why is None else f"not moved: {why}"
-                self.log.info("balancing: %s", json.dumps(plan))
+                why = self.pubsub.request_move(topic, plan.to)
+                plan = replace(plan, verdict="moving" if why is None else f"not moved: {why}")
+                self.log.info("balancing: %s", plan.to_json())
             plans.append(plan)
-            if plan["verdict"] in ("move", "moving"):
+            if plan.verdict in ("move", "moving"):
                 break
         return plans
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One balancing decision for one topic (Alg. 1 or 2): where it is, what was offered, and the verdict.
+
+    verdict: "stay", "move" (a dry run, or Alg. 1), "moving" (Alg. 2 started the move), "not moved: WHY", or
+    "too large to move this round" (then only topic, size and verdict are known).
+    """
+
+    topic: str
+    size: int
+    verdict: str
+    frm: Coord | None = None  # C(t) now
+    current: CoordMetric | None = None  # the metric of staying
+    offers: int = 0  # coordinate offers received
+    to: Coord | None = None  # the chosen coordinate, if better
+    best: CoordMetric | None = None  # its metric
+
+    def to_json(self) -> str:
+        """The plan as `sedax balance --json` prints it (one JSON object per plan, in BALANCE_PLANNED)."""
+        out: dict[str, object] = {"topic": self.topic, "size": self.size}
+        if self.frm is not None and self.current is not None:
+            out.update(
+                {"from": [self.frm[0], self.frm[1]], "current": _metric_json(self.current), "offers": self.offers}
+            )
+        out["verdict"] = self.verdict
+        if self.to is not None and self.best is not None:
+            out.update(to=[self.to[0], self.to[1]], best=_metric_json(self.best))
+        return json.dumps(out)
 
 
 def _metric_json(m: CoordMetric) -> dict[str, float]:

@@ -25,7 +25,7 @@ from overlay.logschema import JsonlWriter, Record, base_record, event_record
 
 if TYPE_CHECKING:
     from broker.config import BrokerConfig
-    from broker.node import Broker
+    from broker.stats import Observed
 
 SOURCE: Final = "broker"
 # Write failures (disk full, directory removed) are logged once per this many so they cannot flood stderr.
@@ -98,7 +98,7 @@ class EventLog:
             )
         )
 
-    async def snapshots(self, broker: Broker) -> None:
+    async def snapshots(self, broker: Observed) -> None:
         """Write a snapshot of broker at every interval boundary, until cancelled."""
         last: int | None = None
         while True:
@@ -123,17 +123,17 @@ class EventLog:
             log.warning("closing the metrics log %s failed: %s", self.path, exc)
 
 
-def snapshot_fields(b: Broker) -> Record:
+def snapshot_fields(b: Observed) -> Record:
     """The snapshot fields of docs/logs.md from the broker's current state (loads and sizes in bytes)."""
-    peers = sorted((link.peer for link in b.peers.values() if link.established and link.peer), key=lambda n: n.id)
+    peers = sorted(b.gauges().neighbours, key=lambda n: n.id)
     # The cell of v among its Delaunay neighbours is its cell in the whole diagram (only they bound it).
     cell = voronoi_cell(b.info.coord, (n.coord for n in peers), b.config.space)
     return {
         "coord": [b.info.coord[0], b.info.coord[1]],
-        "loads": {level: float(v) for level, v in b.pubsub.loads().items()},
+        "loads": {level: float(v) for level, v in b.loads().items()},
         "unit": "bytes",
         "cell_area": polygon_area(cell),
         "neighbours": [n.id for n in peers],
-        "topics": [{"topic": t, "role": role, "size": float(size)} for t, role, size in b.pubsub.topics()],
+        "topics": [{"topic": t, "role": role, "size": float(size)} for t, role, size in b.held_topics()],
         "counters": {k: float(v) for k, v in b.counter_values().items()},
     }

@@ -16,31 +16,15 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
-from bisect import bisect_left
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import Iterator, Mapping
+from typing import Final
 
-import msgpack
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from overlay.protocol import encode_message, format_address, parse_address
-from overlay.pubsub import Ack, Nack
+from broker.stats import Buckets, Observed
+from overlay.protocol import format_address, parse_address
 
-if TYPE_CHECKING:
-    from broker.node import Broker
-
-# Hops of routed messages: greedy routing over the Delaunay graph takes O(sqrt(n)) hops; 64 is the default limit.
-HOP_BOUNDS: Final = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
-# Publish-to-ACK: one replication round trip on a quiet overlay (~ms) up to a failover (~1 s) and beyond.
-LATENCY_BOUNDS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Heal time: the failure-detection window is ~0.6 s by default; re-linking adds a few round trips.
-HEAL_BOUNDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-# Publishes timed at once by one broker; beyond this new ones go untimed (counted), so clients that never
-# see their acknowledgement cannot grow the table without bound.
-MAX_TIMED: Final = 65536
 # Topic roles always exported (0 when none is held), so dashboards see every series from the start; other
 # roles the pub/sub layer reports appear as they occur.
 ROLES: Final = ("primary", "secondary", "tertiary", "home", "delegate")
@@ -51,131 +35,9 @@ MAX_REQUEST_HEAD: Final = 8192
 log = logging.getLogger("sedax.metrics")
 
 
-class Buckets:
-    """Counts of observations per bucket (upper bounds inclusive, as Prometheus's `le`) and their sum."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        """Count one observation."""
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    @property
-    def count(self) -> int:
-        """Observations so far."""
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """(le, observations <= le) pairs ending with +Inf, as HistogramMetricFamily takes them."""
-        out: list[tuple[str, float]] = []
-        acc = 0
-        for bound, c in zip(self.bounds, self.counts, strict=False):
-            acc += c
-            out.append((repr(bound), acc))  # le values: Python and Prometheus parse the same text
-        out.append(("+Inf", acc + self.counts[-1]))
-        return out
-
-
-# ACK and NACK frames to a session are recognised by their first bytes (a 5-byte frame header, a one-byte
-# map header, then "op" and its value: encode_message writes "op" first), so only they are decoded.
-_FRAME_HEAD: Final = 5
-_ACK_TAG: Final = msgpack.packb("op") + msgpack.packb("ack")
-_NACK_TAG: Final = msgpack.packb("op") + msgpack.packb("nack")
-if not (
-    encode_message(Ack("t", "p", 0, 0.0)).startswith(_ACK_TAG, 1)
-    and encode_message(Nack("t", "p", 0, "bad_topic", "x")).startswith(_NACK_TAG, 1)
-):
-    raise ImportError("the ACK/NACK encoding changed: update the tags in broker/metrics.py")
-
-
-class AckTimer:
-    """Publish-to-ACK latency at the access broker: a client's PUBLISH starts a clock that the (cumulative)
-    ACK covering it, on its way back to the same session, stops.  Re-sends keep the first clock."""
-
-    def __init__(self, into: Buckets, limit: int = MAX_TIMED) -> None:
-        self.into = into
-        self.limit = limit
-        # session -> (topic, publisher) -> (seq, start) in seq order; sequence numbers are per topic and publisher
-        self.waiting: dict[str, dict[tuple[str, str], deque[tuple[int, float]]]] = {}
-        self.size = 0
-        self.untimed = 0
-
-    def started(self, session: str, topic: str, publisher: str, seq: int) -> None:
-        """A PUBLISH arrived from a local client."""
-        per = self.waiting.get(session)
-        q = per.get((topic, publisher)) if per is not None else None
-        if q and q[-1][0] >= seq:
-            return  # a re-send: its clock already runs
-        if self.size >= self.limit:
-            self.untimed += 1
-            return
-        if per is None:
-            per = self.waiting[session] = {}
-        if q is None:
-            q = per[(topic, publisher)] = deque()
-        q.append((seq, time.monotonic()))
-        self.size += 1
-
-    def frame(self, session: str, frame: bytes) -> None:
-        """A frame to a local session that has publishes waiting: stop the clocks an ACK answers."""
-        if frame.startswith(_ACK_TAG, _FRAME_HEAD + 1):
-            is_ack = True
-        elif frame.startswith(_NACK_TAG, _FRAME_HEAD + 1):
-            is_ack = False
-        else:
-            return
-        # The broker encoded this frame itself; only three fields are needed, so skip the typed decode.
-        per = self.waiting.get(session)
-        try:
-            wire = msgpack.unpackb(frame[_FRAME_HEAD:], raw=False)
-            key, seq = (wire["topic"], wire["publisher"]), wire["seq"]
-            q = per.get(key) if per is not None else None
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
-            return
-        if per is None or q is None or type(seq) is not int:
-            return
-        if is_ack:
-            now = time.monotonic()
-            while q and q[0][0] <= seq:
-                self.into.observe(now - q.popleft()[1])
-                self.size -= 1
-        else:
-            kept = deque(e for e in q if e[0] != seq)  # refused: no ACK will come for it
-            self.size -= len(q) - len(kept)
-            q = per[key] = kept
-        if not q:
-            del per[key]
-            if not per:
-                del self.waiting[session]
-
-    def session_closed(self, session: str) -> None:
-        """Forget the clocks of a session that went away."""
-        per = self.waiting.pop(session, None)
-        if per is not None:
-            self.size -= sum(len(q) for q in per.values())
-
-
-class BrokerStats:
-    """The measurements that need hooks in the broker (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.hops = Buckets(HOP_BOUNDS)
-        self.ack_latency = Buckets(LATENCY_BOUNDS)
-        self.heal = Buckets(HEAL_BOUNDS)
-        self.acks = AckTimer(self.ack_latency)
-        # time.monotonic() of the first failure not yet healed (see Broker._check_healed), or None.
-        self.healing_since: float | None = None
-
-
 # ------------------------------------------------------------------------------------------- collector
 
-# Counter keys (Broker.counter_values) with their exported names (without `_total`) and help texts.
+# Counter keys (Observed.counter_values) with their exported names (without `_total`) and help texts.
 COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "forwarded": ("sedax_forwarded_messages", "Routed messages this broker passed on toward their destination."),
     "forwarded_bytes": ("sedax_forwarded_bytes", "Bytes of the routed messages this broker passed on."),
@@ -216,7 +78,7 @@ _NAME_SAFE = re.compile(r"[^a-zA-Z0-9_]")
 class BrokerCollector:
     """A prometheus_client collector that reads a broker's state at scrape time."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Observed) -> None:
         self.b = broker
 
     def collect(self) -> Iterator[Metric]:
@@ -236,13 +98,13 @@ class BrokerCollector:
         loads = GaugeMetricFamily(
             "sedax_node_load_bytes", "Node load L1_N, L2_N, L3_N (eqs. 1, 2, 4) in stored bytes.", labels=["level"]
         )
-        for level, value in sorted(b.pubsub.loads().items()):
+        for level, value in sorted(b.loads().items()):
             loads.add_metric([level], float(value))
         yield loads
 
         counts: dict[str, int] = dict.fromkeys(ROLES, 0)
         sizes: dict[str, int] = dict.fromkeys(ROLES, 0)
-        for _, role, size in b.pubsub.topics():
+        for _, role, size in b.held_topics():
             counts[role] = counts.get(role, 0) + 1
             sizes[role] = sizes.get(role, 0) + size
         topics = GaugeMetricFamily("sedax_topics", "Topics held, by this broker's role for them.", labels=["role"])
@@ -255,13 +117,12 @@ class BrokerCollector:
         yield topics
         yield stored
 
+        g = b.gauges()
         yield GaugeMetricFamily(
-            "sedax_neighbours",
-            "Established links to Delaunay neighbours.",
-            value=sum(1 for x in b.peers.values() if x.established),
+            "sedax_neighbours", "Established links to Delaunay neighbours.", value=len(g.neighbours)
         )
-        yield GaugeMetricFamily("sedax_links", "Open connections (brokers, clients, admin tools).", value=len(b.links))
-        yield GaugeMetricFamily("sedax_sessions", "Attached client sessions.", value=len(b.sessions))
+        yield GaugeMetricFamily("sedax_links", "Open connections (brokers, clients, admin tools).", value=g.links)
+        yield GaugeMetricFamily("sedax_sessions", "Attached client sessions.", value=g.sessions)
 
         values = b.counter_values()
         drops = CounterMetricFamily("sedax_dropped_messages", "Routed messages dropped, by reason.", labels=["reason"])
@@ -301,7 +162,7 @@ def _histogram(name: str, doc: str, buckets: Buckets) -> HistogramMetricFamily:
 class MetricsServer:
     """GET /metrics over HTTP/1.x on the broker's loop; one response per connection."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Observed) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(BrokerCollector(broker))
         self._server: asyncio.Server | None = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import secrets
 import time
@@ -34,8 +33,10 @@ from broker.eventlog import EventLog
 from broker.guard import Guard
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.memory import HeapTrimmer
-from broker.metrics import BrokerStats, MetricsServer
+from broker.metrics import MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
+from broker.routing import DispatchTable
+from broker.stats import BrokerStats, Gauges
 from broker.storage import DiskStore
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
@@ -122,14 +123,7 @@ class Broker:
         self.view = NeighbourView(self.info)
         self.peers: dict[str, PeerLink] = {}
         self.links: set[PeerLink] = set()
-        self.forwarded = 0
-        self.delivered = 0
-        self.dropped_hop_limit = 0
-        self.dropped_bad_body = 0
-        self.dropped_no_route = 0
-        self.failures_detected = 0
-        self.forwarded_bytes = 0
-        self.joins_accepted = 0
+        self.stats = BrokerStats()
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._advertised: frozenset[str] = frozenset()
         self._pending: dict[int, tuple[PeerLink, int]] = {}
@@ -165,11 +159,13 @@ class Broker:
         )
         self.trimmer = HeapTrimmer()
         # Observability (docs/metrics.md, docs/logs.md): the endpoint and the log are opened in start().
-        self.stats = BrokerStats()
         self.metrics: MetricsServer | None = None
         self.eventlog: EventLog | None = None
         self.pubsub.event = self.event
         self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)
+        self.routes = DispatchTable()
+        self._hops = 0  # hops of the routed message being handled (a ROUTE_REPLY reports them)
+        self._register_routes()
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -438,7 +434,7 @@ class Broker:
     async def _dry_run(self, link: PeerLink, corr: int, all_topics: bool) -> None:
         plans = await self.balancer.round(dry_run=True, all_topics=all_topics)
         if link.established:
-            texts = tuple(json.dumps(p) for p in plans[:1000])
+            texts = tuple(p.to_json() for p in plans[:1000])
             link.send_nowait(BalancePlanned(corr, texts))
 
     async def _pubsub_ticker(self) -> None:
@@ -475,7 +471,7 @@ class Broker:
         if self._closing:
             return
         if reason.is_failure:
-            self.failures_detected += 1
+            self.stats.failures_detected += 1
             self._note_failure(pid)
             self._failed_since_view.add(pid)
             self.log.warning("neighbour %s lost (%s: %s); healing", pid, reason.value, detail)
@@ -484,6 +480,10 @@ class Broker:
         else:
             self.view.unlink(pid)
             self._schedule_reconcile()
+
+    def written(self, link: PeerLink) -> None:
+        """Something was written to link in this turn (checked for backpressure by needs_flush)."""
+        self._dirty.add(link)
 
     def needs_flush(self) -> bool:
         """True if a next hop written to since the last check holds more than FLUSH_THRESHOLD unsent bytes."""
@@ -600,14 +600,14 @@ class Broker:
             self._deliver(frame)
             return
         if frame.hops + 1 >= frame.hop_limit:  # same test as protocol.may_forward, inlined on the hot path
-            self.dropped_hop_limit += 1
-            if self.dropped_hop_limit % DROP_LOG_EVERY == 1:
+            self.stats.dropped_hop_limit += 1
+            if self.stats.dropped_hop_limit % DROP_LOG_EVERY == 1:
                 self.log.warning(
                     "dropped a frame for (%s, %s) at its hop limit %d (%d dropped so far)",
                     frame.x,
                     frame.y,
                     frame.hop_limit,
-                    self.dropped_hop_limit,
+                    self.stats.dropped_hop_limit,
                 )
             return
         out = self.peers[nh]
@@ -619,25 +619,25 @@ class Broker:
         try:
             out.write(forward_routed(frame, body))
         except LinkClosed:
-            self.dropped_no_route += 1
+            self.stats.dropped_no_route += 1
             return
-        self.forwarded += 1
-        self.forwarded_bytes += len(frame.body)
+        self.stats.forwarded += 1
+        self.stats.forwarded_bytes += len(frame.body)
         self._dirty.add(out)
 
     def _trace(self, body: bytes) -> bytes | None:
         try:
             probe = decode_message(body)
         except RemoteProtocolError as exc:
-            self.dropped_bad_body += 1
+            self.stats.dropped_bad_body += 1
             self.log.warning("dropped a traced frame with a bad body: %s", exc)
             return None
         if not isinstance(probe, RouteProbe):
-            self.dropped_bad_body += 1
+            self.stats.dropped_bad_body += 1
             return None
         return encode_message(replace(probe, path=(*probe.path, self.info)))
 
-    def _send_routed(self, dest: Coord, msg: Message, flags: int = 0) -> None:
+    def send_routed(self, dest: Coord, msg: Message, flags: int = 0) -> None:
         """Originate a routed message (or handle it here if this broker is the closest)."""
         nh = self.view.next_hop(dest[0], dest[1])
         if nh is None:
@@ -647,7 +647,7 @@ class Broker:
         try:
             out.write(encode_routed(dest, encode_message(msg), hop_limit=self.config.max_hops, flags=flags))
         except LinkClosed:
-            self.dropped_no_route += 1
+            self.stats.dropped_no_route += 1
             return
         self._dirty.add(out)
 
@@ -655,33 +655,43 @@ class Broker:
         try:
             msg = decode_message(frame.body)
         except RemoteProtocolError as exc:
-            self.dropped_bad_body += 1
+            self.stats.dropped_bad_body += 1
             self.log.warning("dropped a routed frame with a bad body: %s", exc)
             return
         self._handle_delivered(msg, frame.hops + 1)
 
     def _handle_delivered(self, msg: Message, hops: int) -> None:
-        self.delivered += 1
+        self.stats.routed_delivered += 1
         self.stats.hops.observe(hops)
-        match msg:
-            case Join(origin=NodeInfo() as origin):
-                self._send_routed(origin.coord, self._answer_join(msg))
-            case RouteProbe(origin=NodeInfo() as origin):
-                path = msg.path if msg.path and msg.path[-1].id == self.node_id else (*msg.path, self.info)
-                self._send_routed(origin.coord, RouteReply(msg.corr, self.info, hops, path))
-            case RouteReply() | JoinAccept() | Refuse() | Error():
-                self._complete(msg)
-            case Ping():
-                pass  # a routed PING only tests delivery (benchmarks); it is counted and has nothing to answer
-            case CoordQuery():
-                self.balancer.on_query(msg)
-            case CoordOffer():
-                self.balancer.on_offer(msg)
-            case _ if self.pubsub.routed(msg):
-                pass
-            case _:
-                self.dropped_bad_body += 1
-                self.log.warning("dropped a routed %s that this broker does not handle", msg.op)
+        self._hops = hops
+        if not self.routes.dispatch(msg):
+            self.stats.dropped_bad_body += 1
+            self.log.warning("dropped a routed %s that this broker does not handle", msg.op)
+
+    def _register_routes(self) -> None:
+        """The routed messages that end here, by class: the node's, the balancer's and pub/sub's."""
+        r = self.routes
+        r.register(Join, self._join_arrived)
+        r.register(RouteProbe, self._probe_arrived)
+        for reply in (RouteReply, JoinAccept, Refuse, Error):
+            r.register(reply, self._complete)
+        r.register(Ping, lambda _msg: None)  # a routed PING only tests delivery (benchmarks): counted, not answered
+        r.register(CoordQuery, self.balancer.on_query)
+        r.register(CoordOffer, self.balancer.on_offer)
+        r.register_all(self.pubsub.routed_handlers())
+
+    def _join_arrived(self, msg: Join) -> None:
+        if msg.origin is None:
+            self.stats.dropped_bad_body += 1  # a JOIN without its bootstrap broker cannot be answered
+            return
+        self.send_routed(msg.origin.coord, self._answer_join(msg))
+
+    def _probe_arrived(self, msg: RouteProbe) -> None:
+        if msg.origin is None:
+            self.stats.dropped_bad_body += 1
+            return
+        path = msg.path if msg.path and msg.path[-1].id == self.node_id else (*msg.path, self.info)
+        self.send_routed(msg.origin.coord, RouteReply(msg.corr, self.info, self._hops, path))
 
     def _complete(self, msg: RouteReply | JoinAccept | Refuse | Error) -> None:
         entry = self._pending.pop(msg.corr, None)
@@ -711,7 +721,7 @@ class Broker:
         if mine is None:
             link.send_nowait(Error(corr, "busy", f"{MAX_PENDING} requests pending"))
             return
-        self._send_routed(target, RouteProbe(mine, target, self.info, (self.info,)), FLAG_TRACE)
+        self.send_routed(target, RouteProbe(mine, target, self.info, (self.info,)), FLAG_TRACE)
 
     def _start_join(self, link: PeerLink, join: Join) -> None:
         if (refusal := self.guard.may_join(link, join)) is not None:
@@ -725,7 +735,7 @@ class Broker:
         if mine is None:
             link.send_nowait(Error(join.corr, "busy", f"{MAX_PENDING} requests pending"))
             return
-        self._send_routed(coord, Join(mine, join.node, self.info))
+        self.send_routed(coord, Join(mine, join.node, self.info))
 
     def _answer_join(self, join: Join) -> JoinAccept | Refuse:
         node = join.node
@@ -740,7 +750,7 @@ class Broker:
         if not self.config.space.contains(node.coord):
             return Refuse("coordinate_outside_space", self._outside_text(node.coord), join.corr)
         self.log.info("accepting %s at (%s, %s)", node.id, *node.coord)
-        self.joins_accepted += 1
+        self.stats.joins_accepted += 1
         neighbours = tuple(self.view.infos(self.peers))
         self.view.add_candidates([node])
         self._schedule_reconcile()
@@ -751,12 +761,7 @@ class Broker:
     def status(self, corr: int) -> Status:
         """This broker's STATUS answer."""
         counters = {
-            "forwarded": self.forwarded,
-            "delivered": self.delivered,
-            "dropped_hop_limit": self.dropped_hop_limit,
-            "dropped_bad_body": self.dropped_bad_body,
-            "dropped_no_route": self.dropped_no_route,
-            "failures_detected": self.failures_detected,
+            **self.stats.counters(),
             "links": len(self.links),
             "sessions": len(self.sessions),
             **self.pubsub.counters,
@@ -825,18 +830,20 @@ class Broker:
 
     def counter_values(self) -> dict[str, int]:
         """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
-        return {
-            "forwarded": self.forwarded,
-            "forwarded_bytes": self.forwarded_bytes,
-            "routed_delivered": self.delivered,
-            "dropped_hop_limit": self.dropped_hop_limit,
-            "dropped_bad_body": self.dropped_bad_body,
-            "dropped_no_route": self.dropped_no_route,
-            "failures_detected": self.failures_detected,
-            "joins_accepted": self.joins_accepted,
-            **self.pubsub.counters,
-            **self.balancer.counters,
-        }
+        return {**self.stats.counters(), **self.pubsub.counters, **self.balancer.counters}
+
+    def loads(self) -> dict[str, int]:
+        """L1_N, L2_N, L3_N in bytes (stats.Observed)."""
+        return self.pubsub.loads()
+
+    def held_topics(self) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) of every topic held (stats.Observed)."""
+        return self.pubsub.topics()
+
+    def gauges(self) -> Gauges:
+        """Neighbours, links and sessions right now (stats.Observed)."""
+        neighbours = tuple(link.peer for link in self.peers.values() if link.established and link.peer is not None)
+        return Gauges(neighbours, len(self.links), len(self.sessions))
 
     def _note_failure(self, peer: str) -> None:
         self.event("failure", peer=peer)
@@ -885,7 +892,7 @@ class _PubSubPort:
         return self._view
 
     def route(self, dest: Coord, msg: Message) -> None:
-        self._b._send_routed(dest, msg)
+        self._b.send_routed(dest, msg)
 
     def to_session(self, session: str, frame: bytes) -> bool:
         link = self._b.sessions.get(session)
@@ -897,7 +904,7 @@ class _PubSubPort:
             # Broken a moment ago (its close is on the way): a failure here must not abort the batch of
             # deliveries and acknowledgements for everyone else that this call is part of.
             return False
-        self._b._dirty.add(link)
+        self._b.written(link)
         if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
             self._b.stats.acks.frame(session, frame)
         return True

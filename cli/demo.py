@@ -47,6 +47,7 @@ async def run_demo(nodes: int, seed: int, resilience: int, messages: int, topics
                 broker_args=balancing,
                 tls=False if insecure else None,
                 state_dir=Path(state),
+                data_dirs=True,
             ),
             names,
             messages,

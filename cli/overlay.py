@@ -189,6 +189,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
             broker_args=tuple(extra),
             tls=False if args.insecure else None,
             detached=True,
+            data_dirs=True,
         )
         creds = cluster.credentials("client")
     except CertError as exc:
@@ -270,7 +271,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random coordinates (up)")
     p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2, help="resilience level (up)")
     p.add_argument("--coords", help="file of X,Y lines or a JSON list of pairs (up)")
-    p.add_argument("--state-dir", dest="state_dir", default=DEFAULT_STATE_DIR, help="logs and state file")
+    p.add_argument(
+        "--state-dir",
+        dest="state_dir",
+        default=DEFAULT_STATE_DIR,
+        help="logs, state file, certificates and every broker's data directory (data/n<i>)",
+    )
     p.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait for convergence (up)")
     p.add_argument("--grace", type=seconds, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
     p.add_argument(
