@@ -23,7 +23,7 @@ from cluster import topics_per_broker, wait_for
 from conftest import FAST_ARGS
 
 from broker.config import ConfigError, build_config
-from broker.metrics import AckTimer, Buckets
+from broker.stats import AckTimer, Buckets
 from cli.cluster import LocalCluster
 from client.client import Client
 from overlay.protocol import encode_control, parse_address
