@@ -1,8 +1,11 @@
-"""One TCP connection of a broker: handshake, read loop, heartbeat, send path and close with a reason.
+"""One connection of a broker (to a broker, a client or an admin tool): handshake, read loop, heartbeat, send
+path and close with a reason.
 
-A `PeerLink` moves bytes between a stream and the sans-IO codec of `overlay.protocol`; what the messages
-mean is decided by its `LinkHandler` (the broker).  Link states follow a transition table with a sticky
-ERROR state, as h11 does for HTTP connections.
+A `PeerLink` moves bytes between a `Transport` (net/transport.py: TCP/TLS streams, or memory in tests) and the
+sans-IO codec of `overlay.protocol`; what the messages mean is decided by its `LinkHandler` (the broker).  The
+parts every connection shares — limits, close reasons, the initiator's handshake, request correlation, the
+heartbeat — are net/connection.py's.  Link states follow a transition table with a sticky ERROR state, as h11
+does for HTTP connections.
 """
 
 from __future__ import annotations
@@ -14,7 +17,18 @@ import logging
 from typing import Final, Protocol
 
 from broker.tasks import TaskSet
-from net.credentials import PeerCert, peer_cert
+from net.connection import (
+    LINK_WRITE_HIGH_WATER,
+    READ_CHUNK,
+    CloseReason,
+    HandshakeRefused,
+    Heartbeat,
+    LinkClosed,
+    Requests,
+    open_handshake,
+)
+from net.credentials import PeerCert
+from net.transport import Transport
 from overlay.protocol import (
     ControlFrame,
     FrameDecoder,
@@ -33,11 +47,7 @@ from overlay.protocol import (
     encode_control,
 )
 
-# Bytes asked of the socket per read: large enough to batch many small routed frames into one decode pass.
-READ_CHUNK: Final = 256 * 1024
-# Above this much unsent data, drain() blocks the writer (and through it the reader that forwards to us):
-# backpressure instead of an unbounded buffer.  1 MiB absorbs bursts of routed frames without stalling.
-WRITE_HIGH_WATER: Final = 1 << 20
+__all__ = ["CloseReason", "HandshakeRefused", "LinkClosed", "LinkHandler", "LinkState", "PeerLink", "next_state"]
 
 
 class LinkState(enum.Enum):
@@ -69,62 +79,6 @@ def next_state(current: LinkState, new: LinkState) -> LinkState:
     if new not in _TRANSITIONS[current]:
         raise LocalProtocolError(f"illegal link transition {current.value} -> {new.value}")
     return new
-
-
-class CloseReason(enum.Enum):
-    """Why a link closed.  The first group means the peer may be dead; the second that it is alive."""
-
-    PEER_CLOSED = "peer_closed"
-    CONNECTION_LOST = "connection_lost"
-    PROTOCOL_ERROR = "protocol_error"
-    HELLO_TIMEOUT = "hello_timeout"
-    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
-    INTERNAL_ERROR = "internal_error"
-    REFUSED = "refused"
-    UNLINKED = "unlinked"
-    DUPLICATE = "duplicate"
-    PEER_LEFT = "peer_left"
-    SHUTDOWN = "shutdown"
-    DONE = "done"
-    SLOW_CONSUMER = "slow_consumer"
-    IDLE_TIMEOUT = "idle_timeout"
-
-    @property
-    def is_failure(self) -> bool:
-        """True if the peer must be presumed dead or broken (the overlay heals around it)."""
-        return self in _FAILURES
-
-
-_FAILURES: Final = frozenset(
-    {
-        CloseReason.PEER_CLOSED,
-        CloseReason.CONNECTION_LOST,
-        CloseReason.PROTOCOL_ERROR,
-        CloseReason.HELLO_TIMEOUT,
-        CloseReason.HEARTBEAT_TIMEOUT,
-        CloseReason.INTERNAL_ERROR,
-        # Not dead, but a client that does not read cannot be drained: its connection is aborted.
-        CloseReason.SLOW_CONSUMER,
-    }
-)
-
-
-class LinkClosed(ConnectionError):
-    """The link closed while something was waiting on it; `reason` says why."""
-
-    def __init__(self, reason: CloseReason, detail: str = "") -> None:
-        super().__init__(f"link closed: {reason.value}" + (f" ({detail})" if detail else ""))
-        self.reason = reason
-        self.detail = detail
-
-
-class HandshakeRefused(ConnectionError):
-    """The peer answered our HELLO with REFUSE."""
-
-    def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"refused: {code}: {text}")
-        self.code = code
-        self.text = text
 
 
 class LinkHandler(Protocol):
@@ -172,8 +126,7 @@ class PeerLink:
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        transport: Transport,
         handler: LinkHandler,
         tasks: TaskSet,
         log: logging.Logger,
@@ -193,8 +146,7 @@ class PeerLink:
         self.peer: NodeInfo | None = None
         self.close_reason: CloseReason | None = None
         self.close_detail = ""
-        self._reader = reader
-        self._writer = writer
+        self._t = transport
         self._handler = handler
         self._tasks = tasks
         self._log = log
@@ -205,9 +157,8 @@ class PeerLink:
         self._hello_timeout = hello_timeout
         self._drain_timeout = drain_timeout
         self._loop = asyncio.get_running_loop()
-        self._last_rx = self._loop.time()
-        self._pending: dict[int, asyncio.Future[Message]] = {}
-        self._hello_reply: asyncio.Future[HelloOk] | None = None
+        self._beat = Heartbeat(heartbeat_interval, heartbeat_misses)
+        self._requests = Requests()
         self._closed = asyncio.Event()
         self._read_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
@@ -216,16 +167,13 @@ class PeerLink:
         # Two-phase UNLINK (see retire): each side stops writing after its own UNLINK and closes only when it
         # has both sent one and received the peer's, so no frame in flight on the link is lost.
         self.unlink_sent = False
-        self._paused = False
         self.unlink_received = False
         self._unlink_reason: UnlinkReason = "not_neighbour"
-        peername = writer.get_extra_info("peername")
-        self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
-        transport = writer.transport
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.remote = transport.remote
+        transport.set_write_high_water(LINK_WRITE_HIGH_WATER)
         # Who the peer is, as far as it was proven: the verified TLS certificate (None on plain TCP), and the
         # identity the broker admitted it as at HELLO (broker/guard.py).
-        self.cert: PeerCert | None = peer_cert(writer.get_extra_info("peercert"))
+        self.cert: PeerCert | None = transport.peer_cert
         self.identity = ""
         self.may_route = False  # routed frames accepted from this link (brokers, and tools with a broker cert)
         # Bound on bytes queued for a peer that does not read (client links; 0 = none, for broker links,
@@ -255,23 +203,37 @@ class PeerLink:
         self._watchdog_task = self._tasks.spawn(self._watchdog(), f"watchdog-{self.number}")
 
     async def open(self, hello: Hello) -> HelloOk:
-        """Outbound handshake: send HELLO and wait (bounded by the hello timeout) for HELLO_OK.
+        """Outbound handshake (net.connection.open_handshake), bounded by the hello timeout; then the link runs.
 
         Raises HandshakeRefused if the peer refuses, LinkClosed if the link dies first, TimeoutError.
         """
         if not self.outbound:
             raise LocalProtocolError("open() is for outbound links; inbound links wait for HELLO")
-        self._hello_reply = self._loop.create_future()
         self.role = hello.role
         self._set_state(LinkState.HELLO_SENT)
-        self._writer.write(encode_control(hello))
-        self.start()
         try:
-            async with asyncio.timeout(self._hello_timeout):
-                return await asyncio.shield(self._hello_reply)
+            ok, rest = await open_handshake(self._t, hello, self._decoder, self._hello_timeout)
+        except HandshakeRefused as exc:
+            self.close_soon(CloseReason.REFUSED, f"refused by peer: {exc.code}: {exc.text}")
+            raise
         except TimeoutError:
             await self.aclose(CloseReason.HELLO_TIMEOUT, f"no HELLO_OK within {self._hello_timeout} s")
             raise
+        except RemoteProtocolError as exc:
+            await self.aclose(CloseReason.PROTOCOL_ERROR, str(exc))
+            raise LinkClosed(CloseReason.PROTOCOL_ERROR, str(exc)) from exc
+        except (ConnectionError, OSError) as exc:
+            await self.aclose(CloseReason.CONNECTION_LOST, repr(exc))
+            raise LinkClosed(CloseReason.CONNECTION_LOST, repr(exc)) from exc
+        self.peer_id = ok.node.id
+        self.peer = ok.node
+        self._beat.received()
+        self._set_state(LinkState.ESTABLISHED)
+        self._handler.on_established(self)
+        self.start()
+        for frame in rest:
+            self._dispatch(frame)
+        return ok
 
     # ---------------------------------------------------------------------------------------- read side
 
@@ -279,11 +241,11 @@ class PeerLink:
         reason, detail = CloseReason.PEER_CLOSED, "end of stream"
         try:
             while True:
-                data = await self._reader.read(READ_CHUNK)
+                data = await self._t.read(READ_CHUNK)
                 frames = self._decoder.feed(data)
                 if not data:
                     break
-                self._last_rx = self._loop.time()
+                self._beat.received()
                 for frame in frames:
                     self._dispatch(frame)
                     if self.state in (LinkState.CLOSED, LinkState.ERROR):
@@ -291,12 +253,12 @@ class PeerLink:
                 if self._handler.needs_flush():
                     # Paused on backpressure we read nothing from this peer, so its silence would be ours:
                     # the watchdog ignores the pause and the clock restarts when reading resumes.
-                    self._paused = True
+                    self._beat.paused = True
                     try:
                         await self._handler.flush()
                     finally:
-                        self._paused = False
-                        self._last_rx = self._loop.time()
+                        self._beat.paused = False
+                        self._beat.received()
         except RemoteProtocolError as exc:
             reason, detail = CloseReason.PROTOCOL_ERROR, str(exc)
         except (ConnectionError, OSError) as exc:
@@ -319,19 +281,14 @@ class PeerLink:
             msg = frame.message
             match msg:
                 case Ping(seq=seq):
-                    self._writer.write(encode_control(Pong(seq)))
+                    self._t.write(encode_control(Pong(seq)))
                 case Pong():
                     pass
                 case Hello() | HelloOk():
                     raise RemoteProtocolError(f"{msg.op} after the handshake")
                 case _:
                     self.last_request = self._loop.time()
-                    corr = getattr(msg, "corr", None)
-                    fut = self._pending.pop(corr, None) if type(corr) is int else None
-                    if fut is not None:
-                        if not fut.done():
-                            fut.set_result(msg)
-                    else:
+                    if not self._requests.complete(getattr(msg, "corr", None), msg):
                         self._handler.on_message(self, msg)
             return
         if state is LinkState.DRAINING:
@@ -343,14 +300,12 @@ class PeerLink:
             if not isinstance(msg, Hello):
                 raise RemoteProtocolError(f"expected HELLO first, got {msg.op}")
             self._on_hello(msg)
-        elif state is LinkState.HELLO_SENT:
-            self._on_hello_reply(msg)
         else:
             raise RemoteProtocolError(f"unexpected {msg.op} in state {state.value}")
 
     def _on_hello(self, hello: Hello) -> None:
         reply = self._handler.on_hello(self, hello)
-        self._writer.write(encode_control(reply))
+        self._t.write(encode_control(reply))
         if isinstance(reply, Refuse):
             self.close_soon(CloseReason.REFUSED, f"refused {hello.node}: {reply.code}: {reply.text}")
             return
@@ -360,22 +315,6 @@ class PeerLink:
             self.peer = NodeInfo(hello.node, hello.coord, hello.listen)
         self._set_state(LinkState.ESTABLISHED)
         self._handler.on_established(self)
-
-    def _on_hello_reply(self, msg: Message) -> None:
-        fut = self._hello_reply
-        if isinstance(msg, HelloOk):
-            self.peer_id = msg.node.id
-            self.peer = msg.node
-            self._set_state(LinkState.ESTABLISHED)
-            self._handler.on_established(self)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-        elif isinstance(msg, Refuse):
-            if fut is not None and not fut.done():
-                fut.set_exception(HandshakeRefused(msg.code, msg.text))
-            self.close_soon(CloseReason.REFUSED, f"refused by peer: {msg.code}: {msg.text}")
-        else:
-            raise RemoteProtocolError(f"expected HELLO_OK or REFUSE, got {msg.op}")
 
     # ----------------------------------------------------------------------------------------- watchdog
 
@@ -389,31 +328,25 @@ class PeerLink:
                 await self.aclose(CloseReason.HELLO_TIMEOUT, f"no handshake within {self._hello_timeout} s")
                 return
             await asyncio.sleep(min(remaining, self._heartbeat_interval))
-        silent_limit = self._heartbeat_interval * self._heartbeat_misses
         if self.role != "broker":
             # A client's liveness decides no failover, and a client process may be busy for a while (a burst
             # of publishes, a slow consumer): give it a wider window than a neighbour broker.
-            silent_limit = max(silent_limit, self._client_timeout)
-        while self.state is LinkState.ESTABLISHED:
-            silent = loop.time() - self._last_rx
-            if silent > silent_limit and not self._paused:
-                self._watchdog_task = None
-                await self.aclose(
-                    CloseReason.HEARTBEAT_TIMEOUT,
-                    f"silent for {silent:.2f} s ({self._heartbeat_misses} heartbeats missed)",
-                )
-                return
-            if self._writer.transport.is_closing():
-                return  # the read loop is closing the link; nothing left to watch
-            self._ping_seq += 1
-            self._writer.write(encode_control(Ping(self._ping_seq)))
-            wake = loop.time() + self._heartbeat_interval
-            await asyncio.sleep(self._heartbeat_interval)
-            # If this process was too busy to run us on time, it was too busy to read the peer too: the
-            # peer is not to blame for that stretch, so it does not count as silence.
-            late = loop.time() - wake
-            if late > 0:
-                self._last_rx += late
+            self._beat.limit = max(self._beat.limit, self._client_timeout)
+        await self._beat.run(self._watched, self._ping, self._silent)
+
+    def _watched(self) -> bool:
+        # The read loop is closing the link once the transport is: nothing left to watch then.
+        return self.state is LinkState.ESTABLISHED and not self._t.is_closing()
+
+    def _ping(self) -> None:
+        self._ping_seq += 1
+        self._t.write(encode_control(Ping(self._ping_seq)))
+
+    async def _silent(self, seconds: float) -> None:
+        self._watchdog_task = None
+        await self.aclose(
+            CloseReason.HEARTBEAT_TIMEOUT, f"silent for {seconds:.2f} s ({self._heartbeat_misses} heartbeats missed)"
+        )
 
     # ---------------------------------------------------------------------------------------- send side
 
@@ -425,14 +358,14 @@ class PeerLink:
         """
         if self.state is not LinkState.ESTABLISHED:
             raise LinkClosed(self.close_reason or CloseReason.CONNECTION_LOST, f"link is {self.state.value}")
-        transport = self._writer.transport
-        if transport.is_closing():
+        t = self._t
+        if t.is_closing():
             # The connection broke and the read loop has not closed the link yet: same as closed.
             raise LinkClosed(CloseReason.CONNECTION_LOST, "transport is closing")
-        if self.send_limit and transport.get_write_buffer_size() > self.send_limit:
+        if self.send_limit and t.write_buffered() > self.send_limit:
             self._overflow()
             return
-        self._writer.write(data)
+        t.write(data)
 
     def limit_frames(self, size: int) -> None:
         """Refuse frames larger than size from now on (a protocol error that closes the link)."""
@@ -454,14 +387,14 @@ class PeerLink:
     async def drain(self) -> None:
         """Wait until the peer has taken our queued bytes down to the high-water mark."""
         try:
-            await self._writer.drain()
+            await self._t.drain()
         except (ConnectionError, OSError) as exc:
             await self.aclose(CloseReason.CONNECTION_LOST, repr(exc))
 
     @property
     def write_buffered(self) -> int:
         """Bytes queued in the transport and not yet sent."""
-        return self._writer.transport.get_write_buffer_size()
+        return self._t.write_buffered()
 
     async def send(self, msg: Message) -> None:
         """Write one control message, then wait for the transport to drain."""
@@ -476,15 +409,15 @@ class PeerLink:
         corr = getattr(msg, "corr", None)
         if type(corr) is not int:
             raise LocalProtocolError(f"{msg.op} has no correlation id")
-        if corr in self._pending:
-            raise LocalProtocolError(f"correlation id {corr} already pending")
-        fut: asyncio.Future[Message] = self._loop.create_future()
-        self._pending[corr] = fut
+        try:
+            fut = self._requests.add(corr)
+        except ValueError as exc:
+            raise LocalProtocolError(str(exc)) from None
         try:
             await self.send(msg)
             return await fut
         finally:
-            self._pending.pop(corr, None)
+            self._requests.discard(corr)
 
     # ------------------------------------------------------------------------------------------- close
 
@@ -503,26 +436,20 @@ class PeerLink:
         failed = reason.is_failure
         if not failed and self.state is not LinkState.DRAINING:
             if farewell is not None and self.state is LinkState.ESTABLISHED:
-                self._writer.write(encode_control(farewell))
+                self._t.write(encode_control(farewell))
             self._set_state(LinkState.DRAINING)
         if not failed:
             try:
                 async with asyncio.timeout(self._drain_timeout):
-                    await self._writer.drain()
+                    await self._t.drain()
             except (TimeoutError, ConnectionError, OSError):
                 pass
         self._set_state(LinkState.ERROR if failed else LinkState.CLOSED)
-        cause = LinkClosed(reason, detail)
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(cause)
-        self._pending.clear()
-        if self._hello_reply is not None and not self._hello_reply.done():
-            self._hello_reply.set_exception(cause)
+        self._requests.fail_all(LinkClosed(reason, detail))
         if failed:
-            self._writer.transport.abort()
+            self._t.abort()
         else:
-            self._writer.close()
+            self._t.close()
         current = asyncio.current_task()
         for task in (self._read_task, self._watchdog_task):
             if task is not None and task is not current and not task.done():
@@ -546,7 +473,7 @@ class PeerLink:
         self._intended = (reason, detail)
         if self.state in (LinkState.CONNECTING, LinkState.HELLO_SENT, LinkState.ESTABLISHED):
             if farewell is not None and self.state is LinkState.ESTABLISHED:
-                self._writer.write(encode_control(farewell))
+                self._t.write(encode_control(farewell))
             if not reason.is_failure:
                 self._set_state(LinkState.DRAINING)
         self._tasks.spawn(self.aclose(reason, detail), f"close-{self.number}")
@@ -558,7 +485,7 @@ class PeerLink:
         UNLINK are still forwarded.  A peer that never answers is closed after the drain timeout.
         """
         if not self.unlink_sent and self.state is LinkState.ESTABLISHED:
-            self._writer.write(encode_control(Unlink(reason)))
+            self._t.write(encode_control(Unlink(reason)))
             self.unlink_sent = True
             self._unlink_reason = reason
             self._loop.call_later(self._drain_timeout, self._retire_expired, reason)

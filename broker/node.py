@@ -42,6 +42,7 @@ from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
 from net.credentials import connect_broker, peer_cert
+from net.transport import StreamTransport, Transport
 from overlay.delegation import BalancePlan, BalancePlanned, CoordOffer, CoordQuery, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.geometry import MIN_SITE_SEPARATION, distance
@@ -199,11 +200,10 @@ class Broker:
         await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
-    def _new_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, outbound: bool) -> PeerLink:
+    def _new_link(self, transport: Transport, *, outbound: bool) -> PeerLink:
         c = self.config
         link = PeerLink(
-            reader,
-            writer,
+            transport,
             self,
             self.tasks,
             self.log,
@@ -221,10 +221,14 @@ class Broker:
         return link
 
     def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accept(StreamTransport(reader, writer))
+
+    def accept(self, transport: Transport) -> None:
+        """Serve an inbound connection (the listener's, or any connected transport: tests use memory)."""
         if self._closing:
-            writer.close()
+            transport.close()
             return
-        self._new_link(reader, writer, outbound=False).start()
+        self._new_link(transport, outbound=False).start()
 
     async def shutdown(self) -> None:
         """Leave gracefully: stop accepting, send LEAVE to every neighbour, drain, close, cancel tasks."""
@@ -291,7 +295,7 @@ class Broker:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.config.connect_timeout):
             reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
-        link = self._new_link(reader, writer, outbound=True)
+        link = self._new_link(StreamTransport(reader, writer), outbound=True)
         hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
         try:
             await link.open(hello)
@@ -564,7 +568,7 @@ class Broker:
                 writer.transport.abort()
                 self._give_up(info.id, problem)
                 return
-            link = self._new_link(reader, writer, outbound=True)
+            link = self._new_link(StreamTransport(reader, writer), outbound=True)
             hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
             ok = await link.open(hello)
             if ok.node.id != info.id:

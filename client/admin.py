@@ -12,7 +12,10 @@ import uuid
 from types import TracebackType
 from typing import Final, Self
 
+from client.errors import ClientError, ConnectError, RequestFailed
+from net.connection import READ_CHUNK, HandshakeRefused, Requests, open_handshake
 from net.credentials import Credentials, open_stream
+from net.transport import StreamTransport, Transport
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -20,13 +23,11 @@ from overlay.protocol import (
     Error,
     FrameDecoder,
     Hello,
-    HelloOk,
     Message,
     NodeInfo,
     Ping,
     Pong,
     ProtocolError,
-    Refuse,
     RemoteProtocolError,
     Role,
     RouteProbe,
@@ -46,41 +47,22 @@ HANDSHAKE_HINT: Final = (
 DEFAULT_TIMEOUT: Final = 5.0
 
 
-class AdminError(Exception):
-    """Base of admin client errors."""
-
-
-class BrokerUnavailable(AdminError):
-    """The broker could not be reached, refused the connection or went away; check the address."""
-
-
-class RequestFailed(AdminError):
-    """The broker answered a request with ERROR; `code` says why (e.g. coordinate_outside_space)."""
-
-    def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"{code}: {text}")
-        self.code = code
-        self.text = text
+# One error hierarchy for the whole client library (client/errors.py); the admin names are the same classes.
+AdminError = ClientError
+BrokerUnavailable = ConnectError
+__all__ = ["AdminClient", "AdminError", "BrokerUnavailable", "RequestFailed", "route_json", "status_json"]
 
 
 class AdminClient:
     """One admin connection to a broker.  Use `await AdminClient.connect(addr)` or `async with`."""
 
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        broker: NodeInfo,
-        *,
-        request_timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
+    def __init__(self, transport: Transport, broker: NodeInfo, *, request_timeout: float = DEFAULT_TIMEOUT) -> None:
         self.broker = broker
         self.request_timeout = request_timeout
-        self._reader = reader
-        self._writer = writer
+        self._t = transport
         self._decoder = FrameDecoder()
         self._corr = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._requests = Requests()
         self._closed: BaseException | None = None
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop(), name="admin-read")
 
@@ -107,26 +89,43 @@ class AdminClient:
             raise BrokerUnavailable(str(exc)) from None
         creds = credentials if credentials is not None else Credentials.from_env()
         creds.ssl_context()  # unreadable files fail here, before any connection attempt
-        writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await open_stream(host, port, creds, timeout)
-                node = f"{role}-{uuid.uuid4().hex[:12]}"
-                kind: Role = "admin" if role == "admin" else "client"
-                writer.write(encode_control(Hello(PROTOCOL_VERSION, node, kind, token=creds.token or "")))
-                reply = await _read_one(reader, FrameDecoder())
-        except (OSError, TimeoutError, ProtocolError, BrokerUnavailable) as exc:
-            if writer is not None:
-                writer.transport.abort()
-            what = str(exc) if isinstance(exc, BrokerUnavailable) else repr(exc)
-            raise BrokerUnavailable(f"cannot reach broker at {addr}: {what}") from exc
-        if isinstance(reply, Refuse):
-            writer.transport.abort()
-            raise BrokerUnavailable(f"broker at {addr} refused the connection: {reply.code}: {reply.text}")
-        if not isinstance(reply, HelloOk):
-            writer.transport.abort()
-            raise BrokerUnavailable(f"broker at {addr} answered HELLO with {reply.op}")
-        return cls(reader, writer, reply.node, request_timeout=timeout)
+        except (OSError, TimeoutError) as exc:
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
+        return await cls.over(
+            StreamTransport(reader, writer), addr, timeout=timeout, role=role, token=creds.token or ""
+        )
+
+    @classmethod
+    async def over(
+        cls,
+        transport: Transport,
+        addr: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - as connect's
+        role: str = "admin",
+        token: str = "",
+    ) -> Self:
+        """The handshake (net.connection.open_handshake) on a connected transport; BrokerUnavailable if it fails."""
+        node = f"{role}-{uuid.uuid4().hex[:12]}"
+        kind: Role = "admin" if role == "admin" else "client"
+        decoder = FrameDecoder()
+        try:
+            ok, _ = await open_handshake(transport, Hello(PROTOCOL_VERSION, node, kind, token=token), decoder, timeout)
+        except HandshakeRefused as exc:
+            transport.abort()
+            raise BrokerUnavailable(f"broker at {addr} refused the connection: {exc.code}: {exc.text}") from None
+        except ConnectionResetError as exc:
+            transport.abort()
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc} ({HANDSHAKE_HINT})") from exc
+        except (OSError, TimeoutError, ProtocolError) as exc:
+            transport.abort()
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
+        client = cls(transport, ok.node, request_timeout=timeout)
+        client._decoder = decoder
+        return client
 
     async def __aenter__(self) -> Self:
         return self
@@ -140,7 +139,7 @@ class AdminClient:
         cause: BaseException = BrokerUnavailable("connection closed by the broker")
         try:
             while True:
-                data = await self._reader.read(65536)
+                data = await self._t.read(READ_CHUNK)
                 frames = self._decoder.feed(data)
                 if not data:
                     break
@@ -149,21 +148,16 @@ class AdminClient:
                         raise RemoteProtocolError("routed frame sent to an admin client")
                     msg = frame.message
                     if isinstance(msg, Ping):
-                        self._writer.write(encode_control(Pong(msg.seq)))
+                        self._t.write(encode_control(Pong(msg.seq)))
                         continue
-                    fut = self._pending.pop(getattr(msg, "corr", -1), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg)
+                    self._requests.complete(getattr(msg, "corr", None), msg)
         except (OSError, ProtocolError) as exc:
             cause = BrokerUnavailable(f"connection to the broker failed: {exc!r}")
         self._fail_all(cause)
 
     def _fail_all(self, cause: BaseException) -> None:
         self._closed = cause
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(cause)
-        self._pending.clear()
+        self._requests.fail_all(cause)
 
     async def request(self, msg: Message) -> Message:
         """Send a request (corr from `next_corr`) and wait, up to request_timeout, for the matching reply."""
@@ -171,19 +165,18 @@ class AdminClient:
         if self._closed is not None:
             raise BrokerUnavailable(str(self._closed))
         corr: int = getattr(msg, "corr")  # noqa: B009 - every request message has one
-        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._pending[corr] = fut
+        fut = self._requests.add(corr)
         try:
-            self._writer.write(encode_control(msg))
+            self._t.write(encode_control(msg))
             async with asyncio.timeout(timeout):
-                await self._writer.drain()
+                await self._t.drain()
                 reply = await fut
         except TimeoutError:
             raise BrokerUnavailable(f"no answer from {self.broker.listen} within {timeout} s") from None
         except OSError as exc:
             raise BrokerUnavailable(f"connection to {self.broker.listen} failed: {exc!r}") from exc
         finally:
-            self._pending.pop(corr, None)
+            self._requests.discard(corr)
         if isinstance(reply, Error):
             raise RequestFailed(reply.code, reply.text)
         return reply
@@ -192,9 +185,9 @@ class AdminClient:
         """Write pre-encoded frames (e.g. a batch of ROUTED frames), then wait for the socket to drain."""
         if self._closed is not None:
             raise BrokerUnavailable(str(self._closed))
-        self._writer.write(data)
+        self._t.write(data)
         try:
-            await self._writer.drain()
+            await self._t.drain()
         except OSError as exc:
             raise BrokerUnavailable(f"connection to {self.broker.listen} failed: {exc!r}") from exc
 
@@ -221,26 +214,13 @@ class AdminClient:
         self._read_task.cancel()
         await asyncio.gather(self._read_task, return_exceptions=True)
         self._fail_all(BrokerUnavailable("client closed"))
-        self._writer.close()
+        self._t.close()
         try:
             # Bounded: a TLS close waits for the broker's close_notify.
             async with asyncio.timeout(self.request_timeout):
-                await self._writer.wait_closed()
+                await self._t.wait_closed()
         except (OSError, TimeoutError):
-            self._writer.transport.abort()
-
-
-async def _read_one(reader: asyncio.StreamReader, decoder: FrameDecoder) -> Message:
-    while True:
-        data = await reader.read(65536)
-        frames = decoder.feed(data)
-        if frames:
-            frame = frames[0]
-            if not isinstance(frame, ControlFrame):
-                raise RemoteProtocolError("routed frame before the handshake completed")
-            return frame.message
-        if not data:
-            raise BrokerUnavailable(f"connection closed during the handshake ({HANDSHAKE_HINT})")
+            self._t.abort()
 
 
 def status_json(st: Status) -> dict[str, object]:

@@ -29,19 +29,20 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 from client.admin import HANDSHAKE_HINT
+from client.errors import ClientClosed, ClientError, ConnectError, RequestFailed
+from net.connection import CLIENT_WRITE_HIGH_WATER, READ_CHUNK, HandshakeRefused, Heartbeat, Requests, open_handshake
 from net.credentials import Credentials, connect_broker
+from net.transport import StreamTransport, Transport
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
     FrameDecoder,
     Hello,
-    HelloOk,
     Message,
     Ping,
     Pong,
     ProtocolError,
-    Refuse,
     encode_control,
     parse_address,
 )
@@ -66,6 +67,17 @@ from overlay.pubsub import (
 )
 from overlay.topics import validate_topic
 
+__all__ = [
+    "Client",
+    "ClientClosed",
+    "ClientError",
+    "ConnectError",
+    "PublishAck",
+    "ReceivedMessage",
+    "RequestFailed",
+    "Subscription",
+]
+
 log = logging.getLogger("sedax.client")
 
 # How many publishes may wait for their acknowledgement at once; publish() blocks beyond it, which is the
@@ -76,38 +88,14 @@ DEFAULT_MAX_INFLIGHT: Final = 4096
 DEFAULT_SUB_QUEUE: Final = 65536
 # Records per FETCH page when a subscription catches up on stored messages before (re-)subscribing.
 CATCH_UP_PAGE: Final = 512
-READ_CHUNK: Final = 256 * 1024
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
 # Publishes sent back to back before publish_nowait lets the event loop run once.
 YIELD_EVERY: Final = 256
-# Unsent bytes above which a sender waits for the socket (backpressure without a drain per message).
-WRITE_HIGH_WATER: Final = 256 * 1024
 # Payload bytes in one batched PUBLISH (Publish.more), well under the frame limit.
 BATCH_BYTES: Final = 256 * 1024
 # How long aclose() waits for the connection to close cleanly (TLS close_notify) before cutting it off.
 CLOSE_TIMEOUT: Final = 2.0
-
-
-class ClientError(Exception):
-    """Base of client errors."""
-
-
-class ConnectError(ClientError):
-    """No broker of the list could be reached; check the addresses and that brokers run there."""
-
-
-class ClientClosed(ClientError):
-    """The client was closed while the operation waited."""
-
-
-class RequestFailed(ClientError):
-    """The overlay refused a request; `code` says why (overlay.pubsub.PubSubCode)."""
-
-    def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"{code}: {text}")
-        self.code = code
-        self.text = text
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,13 +227,13 @@ class Subscription:
 
 
 class _Connection:
-    """One TCP connection to an access broker: the stream, the frame decoder and the read loop."""
+    """One connection to an access broker: its transport, frame decoder and heartbeat, with writes batched."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self, transport: Transport, address: str, heartbeat: Heartbeat) -> None:
+        self.transport = transport
         self.address = address
         self.decoder = FrameDecoder()
+        self.heartbeat = heartbeat
         self.closed = asyncio.Event()
         # Frames queued in one turn of the event loop go out in one write (one system call, not one each).
         self._wbuf = bytearray()
@@ -259,26 +247,25 @@ class _Connection:
 
     def flush(self) -> None:
         self._flush_scheduled = False
-        if self._wbuf and not self.writer.is_closing():
-            self.writer.write(bytes(self._wbuf))
+        if self._wbuf and not self.transport.is_closing():
+            self.transport.write(bytes(self._wbuf))
         self._wbuf.clear()
 
     @property
     def buffered(self) -> int:
-        return len(self._wbuf) + self.writer.transport.get_write_buffer_size()
+        return len(self._wbuf) + self.transport.write_buffered()
 
     async def drain(self) -> None:
         self.flush()
         with contextlib.suppress(ConnectionError):
-            await self.writer.drain()
+            await self.transport.drain()
 
     def close(self) -> None:
-        self.writer.close()
+        self.transport.close()
         self.closed.set()
 
     def abort(self) -> None:
-        # No TLS close_notify exchange: for a refused handshake or a dead broker there is nothing to flush.
-        self.writer.transport.abort()
+        self.transport.abort()
         self.closed.set()
 
 
@@ -328,7 +315,7 @@ class Client:
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._corr = itertools.count(1)
-        self._requests: dict[int, asyncio.Future[Message]] = {}
+        self._requests = Requests()
         self._request_msgs: dict[int, Message] = {}  # the requests of _requests, to re-send after a reconnect
         self._seq: dict[str, int] = {}  # next sequence number per topic
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
@@ -339,8 +326,8 @@ class Client:
         self._low: dict[str, int] = {}  # topic -> lowest unacknowledged seq (or the next seq if none is)
         self._inflight = _Window(max_inflight)
         self._subs: dict[str, Subscription] = {}
-        self._last_rx = 0.0
-        self.topic_coords: dict[str, tuple[float, float]] = {}  # C(t) learned from SUBSCRIBED / REDIRECT
+        self._ping_seq = itertools.count()
+        self._resending = False  # the re-send task runs (from the first connection on)
         self.reconnects = 0
         self.resent = 0
         self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
@@ -374,8 +361,6 @@ class Client:
     async def connect(self) -> None:
         """Connect to the first reachable broker of the list (ConnectError if none answers)."""
         await self._connect_any(self.brokers)
-        self._spawn(self._heartbeat())
-        self._spawn(self._resender())
 
     def _spawn(self, coro: object) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -402,35 +387,42 @@ class Client:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.connect_timeout):
             reader, writer = await connect_broker(host, port, self._ssl, self.connect_timeout)
-            conn = _Connection(reader, writer, addr)
-            try:
-                token = self.credentials.token or ""
-                conn.send(encode_control(Hello(PROTOCOL_VERSION, self.client_id, "client", token=token)))
-                await conn.drain()
-                while True:
-                    data = await reader.read(READ_CHUNK)
-                    frames = conn.decoder.feed(data)
-                    if not data:
-                        raise ConnectError(f"{addr} closed the connection during the handshake ({HANDSHAKE_HINT})")
-                    if frames:
-                        break
-            except BaseException:
-                conn.abort()
-                raise
-        first = frames[0]
-        if isinstance(first, ControlFrame) and isinstance(first.message, Refuse):
+        await self.attach(StreamTransport(reader, writer), addr)
+
+    async def attach(self, transport: Transport, addr: str) -> None:
+        """Make a connected transport this client's connection: the handshake (net.connection.open_handshake),
+        then the read loop and the heartbeat.  `connect` does this over TCP/TLS; tests also over memory (then
+        without `async with`, which connects: call `aclose()` at the end)."""
+        conn = _Connection(transport, addr, Heartbeat(self.heartbeat_interval, self.heartbeat_misses))
+        hello = Hello(PROTOCOL_VERSION, self.client_id, "client", token=self.credentials.token or "")
+        try:
+            _, rest = await open_handshake(transport, hello, conn.decoder, self.connect_timeout)
+        except HandshakeRefused as exc:
             conn.abort()
-            raise ConnectError(f"{addr} refused: {first.message.code}: {first.message.text}")
-        if not (isinstance(first, ControlFrame) and isinstance(first.message, HelloOk)):
+            raise ConnectError(f"{addr} refused: {exc.code}: {exc.text}") from None
+        except ConnectionResetError:
             conn.abort()
-            raise ConnectError(f"{addr} did not answer HELLO with HELLO_OK")
+            raise ConnectError(f"{addr} closed the connection during the handshake ({HANDSHAKE_HINT})") from None
+        except BaseException:
+            conn.abort()
+            raise
         self._conn = conn
-        self._last_rx = asyncio.get_running_loop().time()
+        conn.heartbeat.received()
         self._connected.set()
         self._spawn(self._read_loop(conn))
-        for f in frames[1:]:
+        self._spawn(conn.heartbeat.run(lambda: self._conn is conn and not conn.closed.is_set(),
+                                       lambda: conn.send(encode_control(Ping(next(self._ping_seq)))),
+                                       lambda silent: self._silent(conn, silent)))  # fmt: skip
+        if not self._resending:
+            self._resending = True
+            self._spawn(self._resender())
+        for f in rest:
             self._on_frame(f)
         self._event("connected", addr)
+
+    async def _silent(self, conn: _Connection, seconds: float) -> None:
+        log.warning("access broker %s silent for %.2f s (%d heartbeats)", conn.address, seconds, self.heartbeat_misses)
+        conn.abort()
 
     def _event(self, kind: str, detail: str) -> None:
         if self._on_event is not None:
@@ -458,25 +450,22 @@ class Client:
             # really closed when aclose returns, and cut it off if the broker does not answer.
             try:
                 async with asyncio.timeout(CLOSE_TIMEOUT):
-                    await conn.writer.wait_closed()
+                    await conn.transport.wait_closed()
             except (OSError, TimeoutError):
                 conn.abort()
         exc = ClientClosed("the client was closed")
-        for fut in self._requests.values():
-            if not fut.done():
-                fut.set_exception(exc)
+        self._requests.fail_all(exc)
         for per_topic in self._pending.values():
             for p in per_topic.values():
                 if not p.future.done():
                     p.future.set_exception(exc)
-        self._requests.clear()
 
     # ---- reading -------------------------------------------------------------------------------------
     async def _read_loop(self, conn: _Connection) -> None:
         try:
             while True:
-                data = await conn.reader.read(READ_CHUNK)
-                self._last_rx = asyncio.get_running_loop().time()
+                data = await conn.transport.read(READ_CHUNK)
+                conn.heartbeat.received()
                 frames = conn.decoder.feed(data)
                 for f in frames:
                     self._on_frame(f)
@@ -506,10 +495,8 @@ class Client:
             case Nack():
                 self._nacked(m)
             case Redirect():
-                self.topic_coords[m.topic] = m.coord
                 self._event("redirect", f"{m.topic} -> {m.coord}")
             case Subscribed():
-                self.topic_coords[m.topic] = m.coord
                 self._resolve(m.corr, m)
             case Done() | Fetched() | Located() | Failed() | BalancePlanned():
                 self._resolve(m.corr, m)
@@ -520,29 +507,9 @@ class Client:
                 pass  # PONG and anything newer: liveness is all they tell
 
     def _resolve(self, corr: int, m: Message) -> None:
-        fut = self._requests.pop(corr, None)
-        if fut is not None and not fut.done():
-            fut.set_result(m)
+        self._requests.complete(corr, m)
 
     # ---- liveness and reconnect ----------------------------------------------------------------------
-    async def _heartbeat(self) -> None:
-        seq = itertools.count()
-        loop = asyncio.get_running_loop()
-        while True:
-            wake = loop.time() + self.heartbeat_interval
-            await asyncio.sleep(self.heartbeat_interval)
-            late = loop.time() - wake
-            if late > 0:
-                self._last_rx += late  # our own loop was busy: the broker is not to blame for that stretch
-            conn = self._conn
-            if conn is None or conn.closed.is_set():
-                continue
-            if loop.time() - self._last_rx > self.heartbeat_interval * self.heartbeat_misses:
-                log.warning("access broker %s silent for %d heartbeats", conn.address, self.heartbeat_misses)
-                conn.abort()
-                continue
-            conn.send(encode_control(Ping(next(seq))))
-
     async def _reconnect(self, failed: str) -> None:
         if not self.reconnect:
             self._fail_all(ConnectError(f"connection to {failed} lost and reconnect is off"))
@@ -638,10 +605,7 @@ class Client:
             sub._fail(exc)
 
     def _fail_all(self, exc: Exception) -> None:
-        for fut in self._requests.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._requests.clear()
+        self._requests.fail_all(exc)
 
     # ---- requests ------------------------------------------------------------------------------------
     async def _send(self, msg: Message) -> None:
@@ -655,19 +619,18 @@ class Client:
             raise ConnectError("not connected")
         conn.send(encode_control(msg))
         # Drain only above the high-water mark: a burst of publishes goes out in few writes.
-        if conn.buffered > WRITE_HIGH_WATER:
+        if conn.buffered > CLIENT_WRITE_HIGH_WATER:
             await conn.drain()
 
     async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate | MoveTopic | BalancePlan) -> Message:
-        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._requests[msg.corr] = fut
+        fut = self._requests.add(msg.corr)
         self._request_msgs[msg.corr] = msg
         try:
             await self._send(msg)
             async with asyncio.timeout(self.request_timeout):
                 reply = await fut
         finally:
-            self._requests.pop(msg.corr, None)
+            self._requests.discard(msg.corr)
             self._request_msgs.pop(msg.corr, None)
         if isinstance(reply, Failed):
             raise RequestFailed(reply.code, reply.text)
@@ -782,7 +745,7 @@ class Client:
             self._unyielded = 0
             self._send_outbox()
             conn = self._conn
-            if conn is not None and conn.buffered > WRITE_HIGH_WATER:
+            if conn is not None and conn.buffered > CLIENT_WRITE_HIGH_WATER:
                 await conn.drain()
             else:
                 await asyncio.sleep(0)

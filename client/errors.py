@@ -1,0 +1,31 @@
+"""The client library's one error hierarchy (clients and admin tools alike).
+
+ClientError
+├── ConnectError      no broker could be reached, it refused us, or the connection failed
+│                     (also importable as client.admin.BrokerUnavailable)
+├── ClientClosed      the client was closed while the operation waited
+└── RequestFailed     the overlay answered a request with a refusal; `code` says why
+"""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    """Base of client errors (client.admin.AdminError is this class)."""
+
+
+class ConnectError(ClientError):
+    """No broker could be reached, it refused the connection, or the connection failed; the message says which."""
+
+
+class ClientClosed(ClientError):
+    """The client was closed while the operation waited."""
+
+
+class RequestFailed(ClientError):
+    """The overlay refused a request; `code` says why (overlay.pubsub.PubSubCode, or an admin ERROR code)."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text

@@ -1,0 +1,203 @@
+"""The byte stream under every SeDAX connection: one interface, over asyncio streams or in memory.
+
+`Transport` is what broker links (broker/link.py), clients (client/client.py) and admin tools (client/admin.py)
+need from a connection: read a chunk, write, see how much is queued, wait for it to drain, close or abort, and
+know who is at the other end.  `StreamTransport` runs it over an asyncio stream pair (TCP, TLS); `memory_pair()`
+gives two connected in-memory ends, so the connection code is tested without sockets as well as over loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Protocol
+
+from net.credentials import PeerCert, peer_cert
+
+
+class Transport(Protocol):
+    """A byte stream to one peer (see the module docstring)."""
+
+    @property
+    def remote(self) -> str:
+        """The peer's address, for logs."""
+        ...
+
+    @property
+    def peer_cert(self) -> PeerCert | None:
+        """The peer's verified TLS certificate (None on plain TCP or in memory)."""
+        ...
+
+    async def read(self, n: int) -> bytes:
+        """Up to n bytes; b"" at the end of the stream.  ConnectionError if the connection was reset."""
+        ...
+
+    def write(self, data: bytes) -> None:
+        """Queue bytes; never blocks (see drain)."""
+        ...
+
+    def write_buffered(self) -> int:
+        """Bytes written and not yet taken by the peer's side."""
+        ...
+
+    def set_write_high_water(self, high: int) -> None:
+        """drain() waits while more than this many bytes are queued."""
+        ...
+
+    async def drain(self) -> None:
+        """Wait until the queue is at or below the high-water mark."""
+        ...
+
+    def is_closing(self) -> bool:
+        """True once closed or aborted (by either side, as far as this side knows)."""
+        ...
+
+    def close(self) -> None:
+        """Close after the queued bytes (the peer reads them, then the end of the stream)."""
+        ...
+
+    def abort(self) -> None:
+        """Close at once, dropping what is queued (the peer sees a reset)."""
+        ...
+
+    async def wait_closed(self) -> None:
+        """Wait until the close finished."""
+        ...
+
+
+class StreamTransport:
+    """A Transport over an asyncio StreamReader/StreamWriter pair."""
+
+    __slots__ = ("_reader", "_writer", "remote")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        peername = writer.get_extra_info("peername")
+        self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+
+    @property
+    def peer_cert(self) -> PeerCert | None:
+        return peer_cert(self._writer.get_extra_info("peercert"))
+
+    async def read(self, n: int) -> bytes:
+        return await self._reader.read(n)
+
+    def write(self, data: bytes) -> None:
+        self._writer.write(data)
+
+    def write_buffered(self) -> int:
+        return self._writer.transport.get_write_buffer_size()
+
+    def set_write_high_water(self, high: int) -> None:
+        self._writer.transport.set_write_buffer_limits(high=high)
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def is_closing(self) -> bool:
+        return self._writer.transport.is_closing()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def abort(self) -> None:
+        # No TLS close_notify exchange: for a refused handshake or a dead peer there is nothing to flush.
+        self._writer.transport.abort()
+
+    async def wait_closed(self) -> None:
+        await self._writer.wait_closed()
+
+
+class MemoryTransport:
+    """One end of an in-memory connection (made by `memory_pair`)."""
+
+    def __init__(self, name: str) -> None:
+        self.remote = name
+        self.peer_cert: PeerCert | None = None
+        self._peer: MemoryTransport | None = None
+        self._inbox: deque[bytes] = deque()
+        self._inbox_bytes = 0
+        self._readable = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._high = 64 * 1024
+        self._eof = False  # the peer closed: the end of the stream after what is in the inbox
+        self._reset = False  # the peer aborted
+        self._closing = False
+        self._closed = asyncio.Event()
+
+    async def read(self, n: int) -> bytes:
+        while not self._inbox:
+            if self._reset:
+                raise ConnectionResetError(f"{self.remote}: connection reset by peer")
+            if self._eof:
+                return b""
+            self._readable.clear()
+            await self._readable.wait()
+        data = self._inbox.popleft()
+        if len(data) > n:
+            self._inbox.appendleft(data[n:])
+            data = data[:n]
+        self._inbox_bytes -= len(data)
+        peer = self._peer
+        if peer is not None and peer.write_buffered() <= peer._high:
+            peer._drained.set()
+        return data
+
+    def write(self, data: bytes) -> None:
+        peer = self._peer
+        if self._closing or peer is None or peer._reset or peer._closing:
+            return  # as a closed socket: the bytes go nowhere, the read side learns of the close
+        if data:
+            peer._inbox.append(bytes(data))
+            peer._inbox_bytes += len(data)
+            peer._readable.set()
+            if self.write_buffered() > self._high:
+                self._drained.clear()
+
+    def write_buffered(self) -> int:
+        return self._peer._inbox_bytes if self._peer is not None else 0
+
+    def set_write_high_water(self, high: int) -> None:
+        self._high = high
+
+    async def drain(self) -> None:
+        if self._peer is not None and self._peer._reset:
+            raise ConnectionResetError(f"{self.remote}: connection reset by peer")
+        await self._drained.wait()
+
+    def is_closing(self) -> bool:
+        return self._closing or self._reset
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._peer is not None:
+            self._peer._eof = True
+            self._peer._readable.set()
+        self._closed.set()
+
+    def abort(self) -> None:
+        self._closing = True
+        self._inbox.clear()
+        self._inbox_bytes = 0
+        if self._peer is not None:
+            self._peer._reset = True
+            self._peer._inbox.clear()
+            self._peer._inbox_bytes = 0
+            self._peer._readable.set()
+            self._peer._drained.set()
+        self._drained.set()
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+
+def memory_pair(a: str = "memory-a", b: str = "memory-b") -> tuple[MemoryTransport, MemoryTransport]:
+    """Two connected in-memory transports (call inside a running event loop)."""
+    left, right = MemoryTransport(b), MemoryTransport(a)  # each names its peer, as `remote` does
+    left._peer, right._peer = right, left
+    return left, right
