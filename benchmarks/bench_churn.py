@@ -4,7 +4,8 @@
 
 One broker process (TLS as users run it, or plain TCP with --plain); each wave opens --clients connections at
 once, completes the TLS handshake and HELLO on each, then closes them all.  After every wave the broker's RSS
-(/proc/PID/status VmRSS) is read once the broker has closed every link (its STATUS shows no client left).
+(/proc/PID/status VmRSS) is read once the broker has closed every link (its STATUS shows no client left) and
+idled for --idle seconds.
 Prints one line per wave and a JSON summary; docs/benchmarks.md ("Connection churn") has the figures.
 """
 
@@ -63,6 +64,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 if st.counters.get("links", 0) <= 1:
                     break
                 await asyncio.sleep(0.2)
+            await asyncio.sleep(args.idle)  # the broker idles a moment, as between bursts in real life
             rss = rss_kib(bp.pid)
             rows.append({"wave": w + 1, "ok": ok, "rss_kib": rss, "seconds": round(time.monotonic() - t, 2)})
             print(f"wave {w + 1:2d}: {ok}/{args.clients} handshakes, RSS {rss / 1024:.1f} MiB")
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=12)
     ap.add_argument("--clients", type=int, default=400)
     ap.add_argument("--plain", action="store_true", help="plain TCP instead of TLS")
+    ap.add_argument("--idle", type=float, default=1.5, help="seconds the broker idles before RSS is read")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))))
 

@@ -13,7 +13,7 @@
 * Limits per client: a token bucket on publishes (NACK rate_limited), a payload bound (NACK too_large),
   a bounded send queue (broker/link.py: slow consumers are dropped or throttled, never waited for), an
   idle timeout, and at most max_connections client connections.
-* ACLs (broker/acl.py) at the access broker; the topic's holder checks again (broker/pubsub.py).
+* ACLs (broker/acl.py) at the access broker; the topic's holder checks again (broker/pubsub/holder.py).
 """
 
 from __future__ import annotations

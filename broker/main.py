@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import uvloop
 
 from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
-from broker.node import Broker, JoinFailed, JoinRefused, StartFailed
+from broker.membership import JoinFailed, JoinRefused
+from broker.node import Broker, StartFailed
 
 # Exit codes: 2 = bad configuration (also: metrics endpoint or log cannot be opened), 3 = the overlay refused
 # us, 4 = no join address answered.

@@ -1,18 +1,60 @@
-"""Dispatch of routed messages that end at this broker: one table from message class to handler.
+"""Routing: greedy forwarding of ROUTED frames, and one table for the routed messages that end here.
 
-Greedy forwarding (broker/node.py `on_routed`) reads only the ROUTED header and passes a frame on; the broker
-closest to the destination decodes the body and hands the message to the one handler registered for its
-class: the node's own (JOIN, ROUTE_PROBE and the replies it waits for), the balancer's (COORD_QUERY,
-COORD_OFFER) and pub/sub's (`PubSub.routed_handlers()`).  A class registered twice is a wiring bug and is
-refused at start; a message nobody handles is counted and dropped, never raised into the read loop.
+Greedy forwarding (`on_routed`) reads only the ROUTED header and passes a frame to the neighbour closest to
+its destination; the broker closest to the destination decodes the body and hands the message to the one
+handler registered for its class: the node's own (JOIN, ROUTE_PROBE and the replies it relays to its
+clients), the balancer's (COORD_QUERY, COORD_OFFER) and pub/sub's (`PubSub.routed_handlers()`).  A class
+registered twice is a wiring bug, refused at start; a message nobody handles is counted and dropped, never
+raised into the read loop.
+
+`Routing` is a part of the Broker (broker/node.py), in its own module: its methods work on the node's links,
+view and counters and are typed on the Broker they belong to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Final
 
-from overlay.protocol import Message
+from broker.link import LinkClosed, PeerLink
+from overlay.delegation import CoordOffer, CoordQuery
+from overlay.protocol import (
+    FLAG_TRACE,
+    Coord,
+    Error,
+    Join,
+    JoinAccept,
+    Message,
+    NodeInfo,
+    Ping,
+    Refuse,
+    RemoteProtocolError,
+    RoutedFrame,
+    RouteProbe,
+    RouteReply,
+    decode_message,
+    encode_message,
+    encode_routed,
+    forward_routed,
+)
+
+if TYPE_CHECKING:
+    from broker.balancer import Balancer
+    from broker.config import BrokerConfig
+    from broker.guard import Guard
+    from broker.pubsub import PubSub
+    from broker.stats import BrokerStats
+    from overlay.dt import NeighbourView
+
+# Requests this broker relays for its clients (route probes, joins) and waits on; beyond this many a client
+# gets "busy" rather than the broker growing without bound when replies are lost.
+MAX_PENDING: Final = 65536
+# Hop-limit drops are logged once per this many so a routing loop cannot flood the log.
+DROP_LOG_EVERY: Final = 1000
+# Write-buffer level above which a batch's reader waits for the next hop to drain (see PeerLink.drain).
+FLUSH_THRESHOLD: Final = 256 * 1024
 
 Handler = Callable[[Any], None]
 
@@ -48,3 +90,186 @@ class DispatchTable:
 
     def __contains__(self, cls: object) -> bool:
         return cls in self._handlers
+
+
+class Routing:
+    """Forwarding, delivery and the requests relayed for clients (see the module docstring)."""
+
+    # The node's state this part works on (set up by Broker.__init__ in broker/node.py).
+    config: BrokerConfig
+    log: logging.Logger
+    guard: Guard
+    node_id: str
+    info: NodeInfo
+    view: NeighbourView
+    peers: dict[str, PeerLink]
+    stats: BrokerStats
+    pubsub: PubSub
+    balancer: Balancer
+    routes: DispatchTable
+    _pending: dict[int, tuple[PeerLink, int]]
+    _corr: Iterator[int]
+    _dirty: set[PeerLink]
+    _congested: set[PeerLink]
+    _hops: int
+    # ... and the parts of the other modules it calls.
+    _answer_join: Callable[[Join], JoinAccept | Refuse]
+    _outside_text: Callable[[Coord], str]
+
+    def written(self, link: PeerLink) -> None:
+        """Something was written to link in this turn (checked for backpressure by needs_flush)."""
+        self._dirty.add(link)
+
+    def needs_flush(self) -> bool:
+        """True if a next hop written to since the last check holds more than FLUSH_THRESHOLD unsent bytes."""
+        dirty = self._dirty
+        while dirty:
+            link = dirty.pop()
+            # Client links are bounded by their send limit instead: waiting for a slow subscriber would
+            # stall every link this broker reads from.
+            if link.write_buffered > FLUSH_THRESHOLD and not link.send_limit:
+                self._congested.add(link)
+        return bool(self._congested)
+
+    async def flush(self) -> None:
+        """Backpressure: wait until the congested next hops have drained."""
+        while self._congested:
+            await self._congested.pop().drain()
+
+    # ---- greedy forwarding -------------------------------------------------------------------------------
+
+    def on_routed(self, link: PeerLink, frame: RoutedFrame) -> None:
+        """Greedy forwarding: pass the frame to the neighbour closest to its destination, or deliver it."""
+        peer = link.peer
+        if peer is None and not link.may_route:
+            self.guard.counters["routed_from_non_broker"] += 1
+            raise RemoteProtocolError(f"routed frame from {link.role} {link.identity or '?'}: only brokers route")
+        if self.guard.forged(frame, peer, self.info):
+            return
+        nh = self.view.next_hop(frame.x, frame.y)
+        if nh is None:
+            self._deliver(frame)
+            return
+        if frame.hops + 1 >= frame.hop_limit:  # same test as protocol.may_forward, inlined on the hot path
+            self.stats.dropped_hop_limit += 1
+            if self.stats.dropped_hop_limit % DROP_LOG_EVERY == 1:
+                self.log.warning(
+                    "dropped a frame for (%s, %s) at its hop limit %d (%d dropped so far)",
+                    frame.x,
+                    frame.y,
+                    frame.hop_limit,
+                    self.stats.dropped_hop_limit,
+                )
+            return
+        out = self.peers[nh]
+        body = None
+        if frame.flags & FLAG_TRACE:
+            body = self._trace(frame.body)
+            if body is None:
+                return
+        try:
+            out.write(forward_routed(frame, body))
+        except LinkClosed:
+            self.stats.dropped_no_route += 1
+            return
+        self.stats.forwarded += 1
+        self.stats.forwarded_bytes += len(frame.body)
+        self._dirty.add(out)
+
+    def _trace(self, body: bytes) -> bytes | None:
+        try:
+            probe = decode_message(body)
+        except RemoteProtocolError as exc:
+            self.stats.dropped_bad_body += 1
+            self.log.warning("dropped a traced frame with a bad body: %s", exc)
+            return None
+        if not isinstance(probe, RouteProbe):
+            self.stats.dropped_bad_body += 1
+            return None
+        return encode_message(replace(probe, path=(*probe.path, self.info)))
+
+    def send_routed(self, dest: Coord, msg: Message, flags: int = 0) -> None:
+        """Originate a routed message (or handle it here if this broker is the closest)."""
+        nh = self.view.next_hop(dest[0], dest[1])
+        if nh is None:
+            self._handle_delivered(msg, 0)
+            return
+        out = self.peers[nh]
+        try:
+            out.write(encode_routed(dest, encode_message(msg), hop_limit=self.config.max_hops, flags=flags))
+        except LinkClosed:
+            self.stats.dropped_no_route += 1
+            return
+        self._dirty.add(out)
+
+    def _deliver(self, frame: RoutedFrame) -> None:
+        try:
+            msg = decode_message(frame.body)
+        except RemoteProtocolError as exc:
+            self.stats.dropped_bad_body += 1
+            self.log.warning("dropped a routed frame with a bad body: %s", exc)
+            return
+        self._handle_delivered(msg, frame.hops + 1)
+
+    def _handle_delivered(self, msg: Message, hops: int) -> None:
+        self.stats.routed_delivered += 1
+        self.stats.hops.observe(hops)
+        self._hops = hops
+        if not self.routes.dispatch(msg):
+            self.stats.dropped_bad_body += 1
+            self.log.warning("dropped a routed %s that this broker does not handle", msg.op)
+
+    def _register_routes(self) -> None:
+        """The routed messages that end here, by class: the node's, the balancer's and pub/sub's."""
+        r = self.routes
+        r.register(Join, self._join_arrived)
+        r.register(RouteProbe, self._probe_arrived)
+        for reply in (RouteReply, JoinAccept, Refuse, Error):
+            r.register(reply, self._complete)
+        r.register(Ping, lambda _msg: None)  # a routed PING only tests delivery (benchmarks): counted, not answered
+        r.register(CoordQuery, self.balancer.on_query)
+        r.register(CoordOffer, self.balancer.on_offer)
+        r.register_all(self.pubsub.routed_handlers())
+
+    def _join_arrived(self, msg: Join) -> None:
+        if msg.origin is None:
+            self.stats.dropped_bad_body += 1  # a JOIN without its bootstrap broker cannot be answered
+            return
+        self.send_routed(msg.origin.coord, self._answer_join(msg))
+
+    def _probe_arrived(self, msg: RouteProbe) -> None:
+        if msg.origin is None:
+            self.stats.dropped_bad_body += 1
+            return
+        path = msg.path if msg.path and msg.path[-1].id == self.node_id else (*msg.path, self.info)
+        self.send_routed(msg.origin.coord, RouteReply(msg.corr, self.info, self._hops, path))
+
+    def _complete(self, msg: RouteReply | JoinAccept | Refuse | Error) -> None:
+        entry = self._pending.pop(msg.corr, None)
+        if entry is None:
+            self.log.info("reply %s for unknown request %d (client gone?)", msg.op, msg.corr)
+            return
+        link, client_corr = entry
+        if link.established:
+            try:
+                link.send_nowait(replace(msg, corr=client_corr))
+            except LinkClosed:
+                return  # the client's connection broke a moment ago; its close is on the way
+            self._dirty.add(link)
+
+    def _register(self, link: PeerLink, client_corr: int) -> int | None:
+        if len(self._pending) >= MAX_PENDING:
+            return None
+        corr = next(self._corr)
+        self._pending[corr] = (link, client_corr)
+        return corr
+
+    def _start_probe(self, link: PeerLink, corr: int, target: Coord) -> None:
+        if not self.config.space.contains(target):
+            link.send_nowait(Error(corr, "coordinate_outside_space", self._outside_text(target)))
+            return
+        mine = self._register(link, corr)
+        if mine is None:
+            link.send_nowait(Error(corr, "busy", f"{MAX_PENDING} requests pending"))
+            return
+        self.send_routed(target, RouteProbe(mine, target, self.info, (self.info,)), FLAG_TRACE)

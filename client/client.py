@@ -10,6 +10,11 @@ One `Client` owns one connection to its access broker at a time, its read loop a
 that broker dies the client reconnects to another known broker (exponential backoff with jitter),
 re-subscribes every subscription from the timestamp of the last message it delivered (so nothing is missed)
 and re-sends every unacknowledged publish in order; the brokers drop what they already had.
+
+Why one module of ~950 lines: like nats.py's and asyncpg's connection classes, one object owns the connection
+and everything whose correctness depends on it surviving a reconnect together — the publish window with its
+per-topic sequence numbers and re-sends, the subscriptions with their catch-up marks, the pending requests.
+The transport, handshake, heartbeat and request table it runs on are net/'s; the error types client/errors.py.
 """
 
 from __future__ import annotations

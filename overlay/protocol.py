@@ -15,6 +15,12 @@ peer sent, `LocalProtocolError` for our own misuse (as in h11).
 
 New message types (later issues add SUBSCRIBE, PUBLISH, ...) are dataclasses decorated with
 `register_message`; fields whose annotation is not yet known get a codec through `register_field_type`.
+
+Why one module of ~900 lines: it is the counterpart of docs/protocol.md's framing and control messages, and
+most of it is declarative (a checked dataclass per message).  The frame codec, the field codecs and the
+message registry check each other at import (every registered message must encode and decode through them),
+so a change to the wire is one file and one diff; the pub/sub and delegation messages already live beside it
+(overlay/pubsub.py, overlay/delegation.py).
 """
 
 from __future__ import annotations

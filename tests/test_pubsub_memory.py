@@ -1,4 +1,4 @@
-"""The pub/sub state machine of broker/pubsub.py on an in-memory overlay (no sockets, no clock).
+"""The pub/sub engine of broker/pubsub/ on an in-memory overlay (no sockets, no clock).
 
 Brokers exchange encoded messages through a queue; routing delivers to the closest live broker, which is
 what greedy forwarding on the Delaunay overlay guarantees.  The live-socket tests are in test_broker_pubsub.

@@ -71,8 +71,11 @@ def test_gone_is_final_and_every_stage_can_be_dropped() -> None:
         next_stage("t", Stage.GONE, Transition.PROMOTE)
 
 
-def test_every_stage_is_reachable_from_holding() -> None:
-    seen, frontier = {Stage.HOLDING}, [Stage.HOLDING]
+def test_every_stage_is_reachable_from_the_two_initial_ones() -> None:
+    # A replica starts HOLDING (made for a request or a copy; settle() serves it at rank 1) or RECOVERING (read
+    # back from the data directory).
+    assert not [s for (s, _), b in TABLE.items() if b is Stage.RECOVERING]
+    seen, frontier = {Stage.HOLDING, Stage.RECOVERING}, [Stage.HOLDING, Stage.RECOVERING]
     while frontier:
         s = frontier.pop()
         for (a, _), b in TABLE.items():

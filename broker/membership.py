@@ -1,0 +1,349 @@
+"""Membership: joining the overlay, keeping links to exactly the Delaunay neighbours, healing after failures.
+
+Overlay maintenance (see docs/protocol.md for the message sequences):
+
+* Join: the newcomer connects to a bootstrap broker as a client and sends JOIN; the bootstrap routes it to
+  the newcomer's own coordinate, so the closest live broker answers (JOIN_ACCEPT with its view, or REFUSE
+  for a duplicate coordinate); the answer is routed back to the bootstrap's coordinate and handed over.
+* Every broker links to its desired neighbours (`NeighbourView.desired`: Delaunay neighbours of itself among
+  everything it knows) and advertises that set (NEIGHBOURS) whenever it changes.  A link is kept while
+  either end wants it, so an edge disappears only when both ends agree it is not Delaunay.
+* Failure (EOF, reset, heartbeat timeout) or LEAVE: the node is forgotten and tombstoned, its former
+  neighbours become candidates and the survivors re-link around the hole.
+
+`Membership` is a part of the Broker (broker/node.py), in its own module: its methods work on the node's
+state (peers, view, links) and are typed on the Broker they belong to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
+from broker.routing import MAX_PENDING
+from net.credentials import connect_broker, peer_cert
+from net.transport import StreamTransport
+from overlay.geometry import MIN_SITE_SEPARATION, distance
+from overlay.protocol import (
+    PROTOCOL_VERSION,
+    Coord,
+    Error,
+    Hello,
+    HelloOk,
+    Join,
+    JoinAccept,
+    Neighbours,
+    NodeInfo,
+    Refuse,
+    encode_control,
+    parse_address,
+)
+
+if TYPE_CHECKING:
+    from broker.config import BrokerConfig
+    from broker.guard import Guard
+    from broker.node import PubSubPort
+    from broker.pubsub import PubSub
+    from broker.stats import BrokerStats
+    from broker.tasks import TaskSet
+    from overlay.dt import NeighbourView
+
+
+class JoinRefused(Exception):
+    """The overlay refused this broker (duplicate coordinate, coordinate outside the space, ...)."""
+
+    def __init__(self, code: str, text: str, via: str) -> None:
+        super().__init__(f"join refused ({code}) via {via}: {text}")
+        self.code = code
+        self.text = text
+        self.via = via
+
+
+class JoinFailed(ConnectionError):
+    """No join address answered; start the first broker without --join or check the addresses."""
+
+
+class Membership:
+    """Join, dial, reconcile, heal (see the module docstring)."""
+
+    # The node's state this part works on (set up by Broker.__init__ in broker/node.py).
+    config: BrokerConfig
+    log: logging.Logger
+    guard: Guard
+    tasks: TaskSet
+    node_id: str
+    info: NodeInfo
+    view: NeighbourView
+    peers: dict[str, PeerLink]
+    links: set[PeerLink]
+    stats: BrokerStats
+    pubsub: PubSub
+    port: PubSubPort
+    _dialing: dict[str, asyncio.Task[None]]
+    _advertised: frozenset[str]
+    _known_ids: frozenset[str]
+    _failed_since_view: set[str]
+    _reconcile_handle: asyncio.Handle | None
+    _closing: bool
+    _peer_up: asyncio.Event
+    # ... and the parts of the other modules it calls.
+    _new_link: Callable[..., PeerLink]
+    _register: Callable[[PeerLink, int], int | None]
+    send_routed: Callable[..., None]
+    event: Callable[..., None]
+
+    async def join(self) -> None:
+        """Join the overlay through the configured addresses, in order, until one answers.
+
+        Raises JoinRefused if the overlay refuses this broker and JoinFailed if no address answers.
+        Returns once at least one neighbour link is established.
+        """
+        errors: list[str] = []
+        for addr in self.config.join:
+            try:
+                accept = await self._join_via(addr)
+            except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+                if self._peer_up.is_set():
+                    # The answer was late (a loaded machine), but the overlay accepted us meanwhile: neighbours
+                    # have linked to this broker.  Asking again elsewhere would only be refused as a duplicate.
+                    self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                    self.pubsub.resume()
+                    return
+                errors.append(f"{addr}: {exc!r}")
+                continue
+            self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
+            self.event("join", peer=accept.node.id)
+            self.view.add_candidates([accept.node, *accept.neighbours])
+            self._reconcile()
+            try:
+                async with asyncio.timeout(self.config.join_timeout):
+                    await self._peer_up.wait()
+            except TimeoutError:
+                raise JoinFailed(f"accepted via {addr} but no neighbour link came up") from None
+            self.pubsub.resume()
+            return
+        raise JoinFailed("could not join through any address: " + "; ".join(errors))
+
+    async def _join_via(self, addr: str) -> JoinAccept:
+        host, port = parse_address(addr)
+        async with asyncio.timeout(self.config.connect_timeout):
+            reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
+        link = self._new_link(StreamTransport(reader, writer), outbound=True)
+        hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
+        try:
+            await link.open(hello)
+            async with asyncio.timeout(self.config.join_timeout):
+                reply = await link.request(Join(1, self.info))
+        except HandshakeRefused as exc:
+            if exc.code == "shutting_down":
+                raise LinkClosed(CloseReason.REFUSED, exc.text) from exc
+            raise JoinRefused(exc.code, exc.text, addr) from exc
+        finally:
+            await link.aclose(CloseReason.DONE, "join answered")
+        match reply:
+            case JoinAccept():
+                return reply
+            case Refuse(code=code, text=text):
+                raise JoinRefused(code, text, addr)
+            case Error(code=code, text=text):
+                raise LinkClosed(CloseReason.DONE, f"{code}: {text}")
+            case _:
+                raise LinkClosed(CloseReason.PROTOCOL_ERROR, f"unexpected answer to JOIN: {reply.op}")
+
+    def _duplicate_of(self, node_id: str, coord: Coord) -> NodeInfo | None:
+        if distance(self.info.coord, coord) < MIN_SITE_SEPARATION and node_id != self.node_id:
+            return self.info
+        for info in self.view.nodes.values():
+            if info.id != node_id and distance(info.coord, coord) < MIN_SITE_SEPARATION:
+                return info
+        return None
+
+    def on_hello(self, link: PeerLink, hello: Hello) -> HelloOk | Refuse:
+        """Admit a peer, client or admin tool, or say precisely why not."""
+        if self._closing:
+            return Refuse("shutting_down", f"broker {self.node_id} is leaving the overlay")
+        if hello.version != PROTOCOL_VERSION:
+            return Refuse(
+                "version_mismatch", f"this broker speaks protocol {PROTOCOL_VERSION}, HELLO had {hello.version}"
+            )
+        clients = sum(1 for x in self.links if x.role in ("client", "admin") and not x.outbound and x.established)
+        if (refusal := self.guard.admit(link, hello, clients)) is not None:
+            return refusal
+        if hello.role == "broker" and hello.coord is not None:
+            if not self.config.space.contains(hello.coord):
+                return Refuse("coordinate_outside_space", self._outside_text(hello.coord))
+            if hello.node == self.node_id:
+                return Refuse("duplicate_node_id", f"node id {hello.node} is this broker's own id")
+            dup = self._duplicate_of(hello.node, hello.coord)
+            if dup is not None:
+                return Refuse("duplicate_coordinate", self._duplicate_text(hello.coord, dup))
+        return HelloOk(PROTOCOL_VERSION, self.info)
+
+    def _outside_text(self, c: Coord) -> str:
+        s = self.config.space
+        return f"coordinate ({c[0]}, {c[1]}) is outside the space [{s.xmin}, {s.xmax}] x [{s.ymin}, {s.ymax}]"
+
+    @staticmethod
+    def _duplicate_text(c: Coord, owner: NodeInfo) -> str:
+        return f"coordinate ({c[0]}, {c[1]}) is already taken by broker {owner.id} at {owner.listen}"
+
+    def on_established(self, link: PeerLink) -> None:
+        """Register a new broker link (resolving duplicate links) and send it our neighbour advert."""
+        if link.role != "broker" or link.peer is None or self._closing:
+            return
+        pid = link.peer.id
+        existing = self.peers.get(pid)
+        if existing is not None and existing is not link:
+            # Both ends dialled at once.  Both keep the connection opened by the smaller id, so they agree.
+            keep_new = existing.outbound != link.outbound and link.outbound == (self.node_id < pid)
+            loser = existing if keep_new else link
+            if keep_new:
+                self.peers[pid] = link
+            loser.retire("duplicate_link")
+            if not keep_new:
+                return
+        self.peers[pid] = link
+        self.view.link_up(link.peer)
+        link.send_nowait(Neighbours(tuple(self.view.infos(self._advertised))))
+        self._peer_up.set()
+        self._schedule_reconcile()
+
+    # ---- reconciliation ----------------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _after_forget(self) -> None:
+        # A tombstone's expiry can make a node eligible again; look once more when it lapses.
+        asyncio.get_running_loop().call_later(self.config.tombstone_ttl + 0.01, self._schedule_reconcile)
+        self._schedule_reconcile()
+
+    def _schedule_reconcile(self) -> None:
+        if self._reconcile_handle is None and not self._closing:
+            self._reconcile_handle = asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _reconcile(self) -> None:
+        """Bring links and advert in line with the desired Delaunay neighbours (coalesced per loop turn)."""
+        self._reconcile_handle = None
+        if self._closing:
+            return
+        view = self.view
+        view.expire(self._now())
+        desired = view.desired()
+        view.prune(desired)
+        for nid in sorted(desired):
+            if nid not in self.peers and nid not in self._dialing:
+                info = view.nodes[nid]
+                self._dialing[nid] = self.tasks.spawn(self._dial(info), f"dial-{nid}")
+        for nid, link in list(self.peers.items()):
+            advert = view.adverts.get(nid)
+            # Keep a link while either end wants it; without the peer's advert we cannot know yet.
+            if nid in desired or advert is None or self.node_id in advert:
+                continue
+            del self.peers[nid]
+            view.unlink(nid)
+            link.retire("not_neighbour")
+        known = frozenset(view.known())
+        if known != self._known_ids:
+            # Who is closest to which coordinate may have changed: pub/sub re-ranks its topics (take-over,
+            # new secondary, hand-over).  Coalesced with the reconciliation, once per loop turn.
+            self._known_ids = known
+            self.port.refresh()
+            failed, self._failed_since_view = self._failed_since_view, set()
+            self.pubsub.view_changed(failed)
+        frozen = frozenset(desired)
+        if frozen != self._advertised:
+            self._advertised = frozen
+            data = encode_control(Neighbours(tuple(view.infos(frozen))))
+            for link in self.peers.values():
+                if link.established:
+                    link.write(data)
+        if self.stats.healing_since is not None:
+            self._check_healed(frozen)
+
+    async def _dial(self, info: NodeInfo) -> None:
+        try:
+            host, port = parse_address(info.listen)
+            async with asyncio.timeout(self.config.connect_timeout):
+                reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
+            problem = self.guard.dialled_peer_problem(peer_cert(writer.get_extra_info("peercert")), info.id)
+            if problem is not None:
+                writer.transport.abort()
+                self._give_up(info.id, problem)
+                return
+            link = self._new_link(StreamTransport(reader, writer), outbound=True)
+            hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
+            ok = await link.open(hello)
+            if ok.node.id != info.id:
+                await link.aclose(CloseReason.UNLINKED, f"expected {info.id} at {info.listen}, found {ok.node.id}")
+                self._give_up(info.id, f"{info.listen} is now {ok.node.id}")
+        except HandshakeRefused as exc:
+            self._give_up(info.id, str(exc))
+        except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+            self._give_up(info.id, repr(exc))
+        finally:
+            self._dialing.pop(info.id, None)
+            self._schedule_reconcile()
+
+    def _give_up(self, nid: str, why: str) -> None:
+        if nid in self.peers or self._closing:
+            return
+        self.log.info("cannot link to %s (%s); treating it as gone for %.1f s", nid, why, self.config.tombstone_ttl)
+        self.view.forget(nid, self._now(), self.config.tombstone_ttl)
+        self._after_forget()
+
+    def _start_join(self, link: PeerLink, join: Join) -> None:
+        if (refusal := self.guard.may_join(link, join)) is not None:
+            link.send_nowait(refusal)
+            return
+        coord = join.node.coord
+        if not self.config.space.contains(coord):
+            link.send_nowait(Refuse("coordinate_outside_space", self._outside_text(coord), join.corr))
+            return
+        mine = self._register(link, join.corr)
+        if mine is None:
+            link.send_nowait(Error(join.corr, "busy", f"{MAX_PENDING} requests pending"))
+            return
+        self.send_routed(coord, Join(mine, join.node, self.info))
+
+    def _answer_join(self, join: Join) -> JoinAccept | Refuse:
+        node = join.node
+        known = self.view.nodes.get(node.id)
+        # The same broker asking again (its first JOIN's answer was late) is accepted again; another broker
+        # with a live broker's id is not.
+        if node.id == self.node_id or (known is not None and tuple(known.coord) != tuple(node.coord)):
+            return Refuse("duplicate_node_id", f"node id {node.id} is already in the overlay", join.corr)
+        dup = self._duplicate_of(node.id, node.coord)
+        if dup is not None:
+            return Refuse("duplicate_coordinate", self._duplicate_text(node.coord, dup), join.corr)
+        if not self.config.space.contains(node.coord):
+            return Refuse("coordinate_outside_space", self._outside_text(node.coord), join.corr)
+        self.log.info("accepting %s at (%s, %s)", node.id, *node.coord)
+        self.stats.joins_accepted += 1
+        neighbours = tuple(self.view.infos(self.peers))
+        self.view.add_candidates([node])
+        self._schedule_reconcile()
+        return JoinAccept(join.corr, self.info, neighbours)
+
+    def _note_failure(self, peer: str) -> None:
+        self.event("failure", peer=peer)
+        if self.stats.healing_since is None:
+            # time.monotonic, not the loop's clock: uvloop's has millisecond steps and a heal can take less.
+            self.stats.healing_since = time.monotonic()
+
+    def _check_healed(self, desired: frozenset[str]) -> None:
+        # Healed: every desired (Delaunay) neighbour, as this broker now sees them, is linked again.
+        for nid in desired:
+            link = self.peers.get(nid)
+            if link is None or not link.established:
+                return
+        since, self.stats.healing_since = self.stats.healing_since, None
+        if since is not None:
+            seconds = time.monotonic() - since
+            self.stats.heal.observe(seconds)
+            self.event("heal", seconds=seconds)
+            self.log.info("overlay healed around the failure in %.3f s", seconds)
