@@ -13,8 +13,8 @@ costs milliseconds; a broker without connection churn never trims.
 from __future__ import annotations
 
 import ctypes
-import gc
 import ctypes.util
+import gc
 import sys
 from collections.abc import Callable
 from typing import Final
