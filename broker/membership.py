@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.routing import MAX_PENDING
@@ -42,6 +42,10 @@ from overlay.protocol import (
     encode_control,
     parse_address,
 )
+
+# A join that found no address answering is tried again after this pause, doubling up to the maximum.
+JOIN_RETRY_FIRST: Final = 0.25
+JOIN_RETRY_MAX: Final = 2.0
 
 if TYPE_CHECKING:
     from broker.config import BrokerConfig
@@ -99,34 +103,47 @@ class Membership:
     async def join(self) -> None:
         """Join the overlay through the configured addresses, in order, until one answers.
 
-        Raises JoinRefused if the overlay refuses this broker and JoinFailed if no address answers.
-        Returns once at least one neighbour link is established.
+        Brokers started together (a full restart, `docker compose up` of a whole cluster) may find none of
+        them listening yet: the addresses are tried again, with a growing pause, until `join_timeout` has
+        passed.  Raises JoinRefused if the overlay refuses this broker and JoinFailed if no address answered
+        by then.  Returns once at least one neighbour link is established.
         """
-        errors: list[str] = []
-        for addr in self.config.join:
-            try:
-                accept = await self._join_via(addr)
-            except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
-                if self._peer_up.is_set():
-                    # The answer was late (a loaded machine), but the overlay accepted us meanwhile: neighbours
-                    # have linked to this broker.  Asking again elsewhere would only be refused as a duplicate.
-                    self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
-                    self.pubsub.resume()
-                    return
-                errors.append(f"{addr}: {exc!r}")
-                continue
-            self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
-            self.event("join", peer=accept.node.id)
-            self.view.add_candidates([accept.node, *accept.neighbours])
-            self._reconcile()
-            try:
-                async with asyncio.timeout(self.config.join_timeout):
-                    await self._peer_up.wait()
-            except TimeoutError:
-                raise JoinFailed(f"accepted via {addr} but no neighbour link came up") from None
-            self.pubsub.resume()
-            return
-        raise JoinFailed("could not join through any address: " + "; ".join(errors))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.join_timeout
+        pause = JOIN_RETRY_FIRST
+        while True:
+            errors: list[str] = []
+            for addr in self.config.join:
+                try:
+                    accept = await self._join_via(addr)
+                except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
+                    if self._peer_up.is_set():
+                        # The answer was late (a loaded machine), but the overlay accepted us meanwhile:
+                        # neighbours have linked to this broker.  Asking again would be refused as a duplicate.
+                        self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                        self.pubsub.resume()
+                        return
+                    errors.append(f"{addr}: {exc!r}")
+                    continue
+                await self._joined(addr, accept)
+                return
+            if loop.time() + pause > deadline:
+                raise JoinFailed("could not join through any address: " + "; ".join(errors))
+            self.log.info("no join address answered; trying again in %.1f s", pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, JOIN_RETRY_MAX)
+
+    async def _joined(self, addr: str, accept: JoinAccept) -> None:
+        self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
+        self.event("join", peer=accept.node.id)
+        self.view.add_candidates([accept.node, *accept.neighbours])
+        self._reconcile()
+        try:
+            async with asyncio.timeout(self.config.join_timeout):
+                await self._peer_up.wait()
+        except TimeoutError:
+            raise JoinFailed(f"accepted via {addr} but no neighbour link came up") from None
+        self.pubsub.resume()
 
     async def _join_via(self, addr: str) -> JoinAccept:
         host, port = parse_address(addr)
