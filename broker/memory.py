@@ -6,8 +6,8 @@ by 10-25 MB per wave and was not given back when idle (80 MB to 222 MB over 12 w
 good: a closed connection's objects (link, transport, SSL state, tasks) refer to each other, so only the
 cyclic collector frees them, and what they free stays in glibc's heap, fragmented among allocations that live
 on.  So after a burst of closes the broker collects and trims: once enough connections have closed since the
-last trim, or as soon as closes stop coming (the burst is over), at most every `min_interval` seconds.  A trim
-costs milliseconds; a broker without connection churn never trims.
+last trim, or as soon as closes stop coming after a burst of at least a quarter of that, at most every
+`min_interval` seconds.  A collection and trim cost milliseconds; a broker without churn never does either.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ class HeapTrimmer:
     def maybe_trim(self, now: float) -> bool:
         """Trim if connections closed since the last trim (enough of them, or the burst is over) and the interval
         passed; True if it did.  Called on the broker's regular tick."""
-        burst_over = self.closed_since > 0 and self.closed_since == self._seen
+        # A burst is over when no close came since the last tick; a few closes are not worth a collection (a
+        # full one pauses a broker holding much for milliseconds: it would show in the latency tail).
+        burst_over = self.closed_since >= max(1, self.after // 4) and self.closed_since == self._seen
         self._seen = self.closed_since
         if self._trim is None or now - self.last < self.min_interval:
             return False

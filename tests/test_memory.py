@@ -26,10 +26,12 @@ def test_trims_after_enough_closes_and_not_more_often_than_the_interval() -> Non
 def test_trims_when_a_small_burst_is_over() -> None:
     calls: list[int] = []
     t = HeapTrimmer(lambda: calls.append(1), after=100, min_interval=1.0)
-    t.closed()
-    t.closed()
+    for _ in range(30):
+        t.closed()
     assert not t.maybe_trim(10.0)  # closes are still coming in
     assert t.maybe_trim(10.05) and calls == [1]  # none since the last tick: the burst is over
+    t.closed()
+    assert not t.maybe_trim(20.0) and not t.maybe_trim(20.1)  # one close is no burst: no collection
 
 
 def test_a_quiet_broker_never_trims() -> None:
