@@ -10,9 +10,12 @@ import argparse
 import math
 import os
 import sys
-from typing import Final, NoReturn
+from collections.abc import Callable
+from typing import Final, NoReturn, TypeVar
 
 from net.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
+
+T = TypeVar("T")
 
 EXIT_FAILED: Final = 1  # the overlay refused or did not answer, or a file could not be read
 EXIT_USAGE: Final = 2  # the command line is wrong; the message says how to write it
@@ -48,48 +51,35 @@ def address(text: str) -> str:
     return f"{host}:{number}"
 
 
+def _parsed(text: str, convert: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> T:
+    """text converted and checked, or argparse's usage error naming what was expected."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A positive, finite number of seconds (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds as a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+    return _parsed(text, float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 
 
 def timestamp(text: str) -> float:
     """A Unix timestamp >= 0, as printed by `sedax sub --json` (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a Unix timestamp (seconds), got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a Unix timestamp >= 0, got {text!r}")
-    return value
+    return _parsed(text, float, lambda v: math.isfinite(v) and v >= 0, "a Unix timestamp >= 0 (seconds)")
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+    return _parsed(text, int, lambda v: v >= 1, "a whole number >= 1")
 
 
 def rate(text: str) -> float:
     """Messages per second: positive and finite (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected messages per second, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive rate, got {text!r}")
-    return value
+    return _parsed(text, float, lambda v: math.isfinite(v) and v > 0, "a positive rate (messages per second)")
 
 
 # Coordinates outside this box cannot be in any space a broker accepts; refusing them here gives a clear
@@ -145,6 +135,11 @@ def brokers(args: argparse.Namespace) -> list[str]:
     if not out:
         raise UsageError(f"give --broker HOST:PORT (or set {ENV_BROKERS})")
     return out
+
+
+def target(args: argparse.Namespace) -> tuple[list[str], Credentials]:
+    """The brokers and the credentials a command connects with (UsageError if either is wrong)."""
+    return brokers(args), credentials(args)
 
 
 def credentials(args: argparse.Namespace) -> Credentials:

@@ -27,6 +27,7 @@ from cli.args import (
     positive_int,
     rate,
     seconds,
+    target,
 )
 from client.client import Client, ClientError, PublishAck
 from net.credentials import Credentials
@@ -146,8 +147,7 @@ async def _plan(addrs: list[str], all_topics: bool, wait: float, creds: Credenti
 
 def _cmd_balance(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
-        creds = credentials(args)
+        addrs, creds = target(args)
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
     try:

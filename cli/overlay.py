@@ -19,13 +19,12 @@ from cli.args import (
     EXIT_USAGE,
     UsageError,
     add_broker_flag,
-    brokers,
     coordinate,
-    credentials,
     fail,
     parse_xy,
     positive_int,
     seconds,
+    target,
 )
 from client.admin import AdminClient, AdminError, RequestFailed, route_json, status_json
 from net.credentials import Credentials
@@ -69,8 +68,7 @@ async def _status(addrs: list[str], limit: float, creds: Credentials) -> dict[st
 
 def _cmd_status(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
-        creds = credentials(args)
+        addrs, creds = target(args)
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
     try:
@@ -102,13 +100,12 @@ async def _route(addrs: list[str], target: tuple[float, float], limit: float, cr
 
 def _cmd_route(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
-        creds = credentials(args)
+        addrs, creds = target(args)
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
-    target = args.coord
+    coord = args.coord
     try:
-        r = asyncio.run(_route(addrs, target, args.timeout, creds))
+        r = asyncio.run(_route(addrs, coord, args.timeout, creds))
     except RequestFailed as exc:
         return fail(f"broker refused the probe: {exc}", EXIT_FAILED)
     except AdminError as exc:
@@ -118,7 +115,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
         return 0
     node = r["node"]
     hops = r["hops"]
-    print(f"({target[0]}, {target[1]}) -> {node['id']} at {node['listen']} in {hops} hop{'' if hops == 1 else 's'}")
+    print(f"({coord[0]}, {coord[1]}) -> {node['id']} at {node['listen']} in {hops} hop{'' if hops == 1 else 's'}")
     print("path: " + " -> ".join(p["id"] for p in r["path"]))
     return 0
 

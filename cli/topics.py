@@ -12,7 +12,15 @@ import asyncio
 import json
 from typing import Any
 
-from cli.args import EXIT_FAILED, EXIT_USAGE, UsageError, add_broker_flag, brokers, credentials, fail, seconds
+from cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_broker_flag,
+    fail,
+    seconds,
+    target,
+)
 from client.admin import AdminError
 from client.client import Client, ClientError
 from client.crawl import crawl
@@ -72,8 +80,7 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
 
 def _cmd_topics(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
-        creds = credentials(args)
+        addrs, creds = target(args)
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
     try:
