@@ -94,6 +94,7 @@ class Membership:
     _reconcile_handle: asyncio.Handle | None
     _closing: bool
     _peer_up: asyncio.Event
+    joined: bool  # part of an overlay: started without --join, or its join completed
     # ... and the parts of the other modules it calls.
     _new_link: Callable[..., PeerLink]
     _register: Callable[[PeerLink, int], int | None]
@@ -121,6 +122,7 @@ class Membership:
                         # The answer was late (a loaded machine), but the overlay accepted us meanwhile:
                         # neighbours have linked to this broker.  Asking again would be refused as a duplicate.
                         self.log.info("join via %s answered late (%r), but neighbours already linked", addr, exc)
+                        self.joined = True
                         self.pubsub.resume()
                         return
                     errors.append(f"{addr}: {exc!r}")
@@ -134,6 +136,7 @@ class Membership:
             pause = min(pause * 2, JOIN_RETRY_MAX)
 
     async def _joined(self, addr: str, accept: JoinAccept) -> None:
+        self.joined = True
         self.log.info("joined via %s: closest broker is %s", addr, accept.node.id)
         self.event("join", peer=accept.node.id)
         self.view.add_candidates([accept.node, *accept.neighbours])
@@ -164,6 +167,8 @@ class Membership:
         match reply:
             case JoinAccept():
                 return reply
+            case Refuse(code="not_joined", text=text):
+                raise ConnectionRefusedError(text)  # that broker is joining itself: try another, or again
             case Refuse(code=code, text=text):
                 raise JoinRefused(code, text, addr)
             case Error(code=code, text=text):
@@ -314,6 +319,11 @@ class Membership:
         self._after_forget()
 
     def _start_join(self, link: PeerLink, join: Join) -> None:
+        if not self.joined:
+            # Brokers started together (a full restart) must grow one overlay, not several: only a broker that
+            # is part of one (it started it, or its own join completed) lets others in.
+            link.send_nowait(Refuse("not_joined", f"broker {self.node_id} is still joining the overlay", join.corr))
+            return
         if (refusal := self.guard.may_join(link, join)) is not None:
             link.send_nowait(refusal)
             return

@@ -94,6 +94,7 @@ class Broker(Membership, Routing):
         self._listener: Listener | None = None
         self._closing = False
         self._peer_up = asyncio.Event()
+        self.joined = not config.join  # the first broker of an overlay is part of it from the start
         # Client sessions (pub/sub) by id; ids carry a per-process prefix so a restarted broker with the same
         # node id never mistakes an old subscription for a new session.
         self._session_prefix = secrets.token_hex(3)

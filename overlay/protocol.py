@@ -86,6 +86,7 @@ RefuseCode: TypeAlias = Literal[
     "not_allowed",
     "unauthenticated",
     "too_many_connections",
+    "not_joined",  # JOIN sent to a broker that is itself still joining (brokers started together)
 ]
 ErrorCode: TypeAlias = Literal["coordinate_outside_space", "busy", "unreachable", "not_allowed"]
 UnlinkReason: TypeAlias = Literal["not_neighbour", "duplicate_link"]
