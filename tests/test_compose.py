@@ -421,4 +421,3 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     assert records > 0, f"sedax analyze read no records:\n{analysis[-3000:]}"
     assert "# " in analysis, f"summary.md not printed:\n{analysis[-3000:]}"
     phase(f"analysis read {records} records")
-
