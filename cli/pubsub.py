@@ -21,12 +21,11 @@ from cli.args import (
     EXIT_USAGE,
     UsageError,
     add_broker_flag,
-    brokers,
-    credentials,
     fail,
     positive_int,
     rate,
     seconds,
+    target,
     timestamp,
 )
 from client.client import Client, ClientError, ConnectError, PublishAck, ReceivedMessage, RequestFailed
@@ -87,9 +86,8 @@ async def _pub(args: argparse.Namespace, brokers: list[str]) -> int:
 
 def _cmd_pub(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
+        addrs, args.credentials = target(args)
         validate_topic(args.topic)
-        args.credentials = credentials(args)
         if args.message is not None and len(args.message.encode()) > MAX_PAYLOAD_SIZE:
             raise UsageError(f"MESSAGE is over the {MAX_PAYLOAD_SIZE} bytes a message may carry")
     except (UsageError, BadTopic) as exc:
@@ -148,9 +146,8 @@ async def _sub(args: argparse.Namespace, brokers: list[str]) -> int:
 
 def _cmd_sub(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
+        addrs, args.credentials = target(args)
         validate_topic(args.topic)
-        args.credentials = credentials(args)
     except (UsageError, BadTopic) as exc:
         return fail(str(exc), EXIT_USAGE)
     try:
@@ -190,9 +187,8 @@ async def _locate(args: argparse.Namespace, brokers: list[str]) -> dict[str, Any
 
 def _cmd_locate(args: argparse.Namespace) -> int:
     try:
-        addrs = brokers(args)
+        addrs, args.credentials = target(args)
         validate_topic(args.topic)
-        args.credentials = credentials(args)
     except (UsageError, BadTopic) as exc:
         return fail(str(exc), EXIT_USAGE)
     try:
