@@ -29,7 +29,7 @@ from cli.args import (
     seconds,
     target,
 )
-from client.client import Client, ClientError, PublishAck
+from client.client import Client, ClientError, PublishAck, RequestFailed
 from net.credentials import Credentials
 from overlay.pubsub import MESSAGE_OVERHEAD
 from overlay.topics import BadTopic, validate_topic
@@ -134,6 +134,13 @@ def _cmd_move(args: argparse.Namespace) -> int:
         return fail(str(exc), EXIT_USAGE)
     try:
         asyncio.run(_move(addrs, args.topic, args.to, args.timeout, creds))
+    except RequestFailed as exc:
+        if exc.code == "unknown_topic":
+            return fail(
+                f"no broker holds topic {args.topic!r}; publish to it first or check the name with `sedax topics`",
+                EXIT_FAILED,
+            )
+        return fail(f"move failed: {exc}", EXIT_FAILED)
     except (ClientError, TimeoutError, OSError) as exc:
         return fail(f"move failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
     print(f"moved {args.topic} to {args.to[0]},{args.to[1]}")

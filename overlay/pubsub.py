@@ -45,7 +45,7 @@ PubSubCode: TypeAlias = Literal[
     "too_large",  # payload over MAX_PAYLOAD_SIZE
     "already_subscribed",  # a second SUBSCRIBE for the same topic on one session
     "not_subscribed",  # UNSUBSCRIBE of a topic the session is not subscribed to
-    "unknown_topic",  # FETCH/LOCATE of a topic no broker holds
+    "unknown_topic",  # FETCH or MOVE_TOPIC of a topic no broker holds
     "unreachable",  # the topic's coordinate could not be reached (overlay partitioned or hop limit)
     "not_allowed",  # an ACL denies it
     "timeout",  # the primary did not answer in time

@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from cli.cluster import LocalCluster
+from client.admin import AdminClient
 from client.client import Client
 from overlay.geometry import closest
 
@@ -127,3 +129,33 @@ async def test_topics_lists_every_topic_with_its_holders(cluster3: LocalCluster)
         assert r["bytes"] > 0 and r["subscribers"] == (1 if i == 0 else 0)
     assert rows[names[3]]["bytes"] > rows[names[0]]["bytes"]
     assert text.returncode == 0 and all(t in text.stdout for t in names)
+
+
+async def _holders_of(cluster: LocalCluster, topic: str) -> list[str]:
+    """The brokers whose STATUS lists topic in any role."""
+    out = []
+    for bp in cluster.live():
+        async with await AdminClient.connect(bp.listen, credentials=cluster.credentials()) as admin:
+            st = await admin.status()
+        if topic in st.topics or any(h.topic == topic for h in st.held):
+            out.append(bp.node_id)
+    return out
+
+
+async def test_move_of_a_topic_nobody_published_to_fails_and_leaves_nothing(cluster3: LocalCluster) -> None:
+    await cluster3.wait_converged(10.0)
+    addr = cluster3.nodes[0].listen
+    ghost = f"nosuch/topic-{uuid.uuid4().hex[:8]}"
+    res = await asyncio.to_thread(_cli, "move", ghost, "0.5,0.5", "--broker", addr)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "moved" not in res.stdout and "Traceback" not in res.stderr
+    assert res.stderr.splitlines() == [
+        f"sedax: error: no broker holds topic {ghost!r}; publish to it first or check the name with `sedax topics`"
+    ]
+    assert await _holders_of(cluster3, ghost) == []  # the refused move left no empty replica behind
+    # The same command on a topic with a message moves it.
+    real = f"grid/move-cli-{uuid.uuid4().hex[:8]}"
+    async with Client([addr], credentials=cluster3.credentials()) as c:
+        await c.publish(real, b"1")
+    res = await asyncio.to_thread(_cli, "move", real, "0.9,0.1", "--broker", addr)
+    assert res.returncode == 0 and res.stdout.startswith(f"moved {real}"), res.stderr

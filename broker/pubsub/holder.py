@@ -210,6 +210,12 @@ class HolderRole:
                     out.append(m)
                 self.t.reply(access, [session], Fetched(req.corr, r.name, tuple(out), more))
             case MoveTopic():
+                if not r.log.rows and not r.log.last_seq and not r.subscribers:
+                    # Nothing to move: a typo must not be reported as moved, nor leave an empty replica here.
+                    self.forget_if_empty(r)
+                    text = f"no broker holds topic {r.name!r}; publish to it first"
+                    self.t.reply(access, [session], Failed(req.corr, r.name, "unknown_topic", text))
+                    return
                 self.moves.request_move(r.name, req.to, reply=(access, session, req.corr), force=True)
             case Locate():
                 ranked = self.t.ranked(r.coord)
