@@ -25,13 +25,14 @@ import logging
 import math
 import ssl
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final
 
 from broker.acl import Acl, load_acl, refusal
 from broker.config import BrokerConfig, ConfigError
-from broker.link import CloseReason, PeerLink
+from broker.link import NOISY_CLOSES, CloseReason, PeerLink
 from broker.tls import BrokerTls, load_broker_tls
 from net.credentials import ROLE_BROKER, PeerCert
 from overlay.protocol import (
@@ -56,6 +57,10 @@ ACCEPT_HEADROOM: Final = 64
 DROP_LOG_EVERY: Final = 1000
 # The idle sweep runs at most this often (and at least four times per idle timeout).
 SWEEP_INTERVAL: Final = 1.0
+# Client connections' closes are summarised once per window; within one, at most CLOSE_LOG_FIRST of those
+# the broker caused (misbehaviour, idle time-out) are logged one by one (CloseLog).
+CLOSE_LOG_WINDOW: Final = 60.0
+CLOSE_LOG_FIRST: Final = 50
 
 COUNTERS: Final = (
     "tls_handshake_failures",
@@ -126,6 +131,53 @@ def load_tokens(path: str | Path) -> dict[str, str]:
     return out
 
 
+class CloseLog:
+    """How the closes of client, admin and never-introduced connections reach the log.
+
+    A line per close (as broker links get) let 10k connections write 1.7 MB of log: a connection flood
+    must not fill the disk.  So an ordinary close (the client left) is a DEBUG line; a close the broker
+    caused (misbehaviour, a time-out) is a WARNING or INFO line, the first `first` of a window; and every
+    window in which connections closed ends with one INFO summary by reason, once `tick` sees it is over.
+    """
+
+    def __init__(self, log: logging.Logger, window: float = CLOSE_LOG_WINDOW, first: int = CLOSE_LOG_FIRST) -> None:
+        self.log = log
+        self.window = window
+        self.first = first
+        self._since: float | None = None  # the first close of the current window
+        self._reasons: Counter[str] = Counter()
+        self._shown = 0  # closes of this window logged one by one above DEBUG
+        self._hidden = 0  # ... and those that would have been, past `first`
+
+    def closed(self, what: str, reason: CloseReason, detail: str, now: float) -> None:
+        """A connection (described by `what`) closed for `reason`."""
+        if self._since is None:
+            self._since = now
+        self._reasons[reason.value] += 1
+        level = logging.DEBUG
+        if reason in NOISY_CLOSES or reason is CloseReason.IDLE_TIMEOUT:
+            if self._shown < self.first:
+                self._shown += 1
+                level = logging.WARNING if reason in NOISY_CLOSES else logging.INFO
+            else:
+                self._hidden += 1
+        self.log.log(level, "closed %s: reason=%s%s", what, reason.value, f" ({detail})" if detail else "")
+
+    def tick(self, now: float) -> None:
+        """Log the summary of a window that is over (nothing if no connection closed)."""
+        if self._since is None or now - self._since < self.window:
+            return
+        reasons = ", ".join(f"{r} {n}" for r, n in self._reasons.most_common())
+        hidden = f"; {self._hidden} not logged one by one" if self._hidden else ""
+        self.log.info(
+            "%d client connections closed in the last %.0f s (%s%s)",
+            self._reasons.total(), now - self._since, reasons, hidden,
+        )  # fmt: skip
+        self._since = None
+        self._reasons.clear()
+        self._shown = self._hidden = 0
+
+
 class Guard:
     """The security and limit decisions of one broker (see the module docstring)."""
 
@@ -153,6 +205,7 @@ class Guard:
         s = config.space
         self._bounds = (s.xmin, s.xmax, s.ymin, s.ymax)
         self._next_sweep = 0.0
+        self.closes = CloseLog(log)
 
     @property
     def name(self) -> str | None:
@@ -355,8 +408,10 @@ class Guard:
                     why = f"no request for {silent:.1f} s (--idle-timeout {idle:g})"
                     link.close_soon(CloseReason.IDLE_TIMEOUT, why)
 
-    def link_closed(self, link: PeerLink, reason: CloseReason) -> None:
-        """Count why links close and forget per-connection state."""
+    def link_closed(self, link: PeerLink, reason: CloseReason, detail: str, now: float) -> None:
+        """Count why links close, log it if not a broker link's (PeerLink logs those), forget its state."""
+        if link.role != "broker":
+            self.closes.closed(repr(link), reason, detail, now)
         if reason is CloseReason.PROTOCOL_ERROR:
             self.counters["protocol_errors"] += 1
         elif reason is CloseReason.SLOW_CONSUMER:

@@ -107,7 +107,7 @@ class LinkHandler(Protocol):
 
 
 # Close reasons worth a warning on any link: the peer misbehaved or was turned away.
-_NOISY: Final = frozenset(
+NOISY_CLOSES: Final = frozenset(
     {
         CloseReason.PROTOCOL_ERROR,
         CloseReason.HELLO_TIMEOUT,
@@ -454,9 +454,11 @@ class PeerLink:
         for task in (self._read_task, self._watchdog_task):
             if task is not None and task is not current and not task.done():
                 task.cancel(f"link closed: {reason.value}")
-        noisy = reason in _NOISY or (failed and self.role == "broker")
-        level = logging.WARNING if noisy else logging.INFO
-        self._log.log(level, "closed %r: reason=%s%s", self, reason.value, f" ({detail})" if detail else "")
+        if self.role == "broker":
+            # Client, admin and never-introduced connections are logged by the handler, summarised
+            # (broker/guard.py CloseLog): a line each would let a connection flood fill the disk.
+            level = logging.WARNING if reason in NOISY_CLOSES or failed else logging.INFO
+            self._log.log(level, "closed %r: reason=%s%s", self, reason.value, f" ({detail})" if detail else "")
         try:
             self._handler.on_closed(self, reason, detail)
         finally:

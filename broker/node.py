@@ -290,6 +290,7 @@ class Broker(Membership, Routing):
             await asyncio.sleep(PUBSUB_TICK)
             self.pubsub.tick()
             self.guard.sweep_idle(self.links, self._now(), self._subscribed)
+            self.guard.closes.tick(self._now())
             self.trimmer.maybe_trim(self._now())
 
     def _subscribed(self, link: PeerLink) -> bool:
@@ -302,7 +303,7 @@ class Broker(Membership, Routing):
         self.trimmer.closed()
         self._dirty.discard(link)
         self._congested.discard(link)
-        self.guard.link_closed(link, reason)
+        self.guard.link_closed(link, reason, detail, self._now())
         sid = self._session_of.pop(link, None)
         if sid is not None:
             del self.sessions[sid]
