@@ -93,6 +93,7 @@ class Broker(Membership, Routing):
         self._reconcile_handle: asyncio.Handle | None = None
         self._listener: Listener | None = None
         self._closing = False
+        self._handing_off = False
         self._peer_up = asyncio.Event()
         self.joined = not config.join  # the first broker of an overlay is part of it from the start
         # Client sessions (pub/sub) by id; ids carry a per-process prefix so a restarted broker with the same
@@ -192,8 +193,10 @@ class Broker(Membership, Routing):
 
     async def shutdown(self) -> None:
         """Leave gracefully: stop accepting, send LEAVE to every neighbour, drain, close, cancel tasks."""
-        if self._closing:
+        if self._closing or self._handing_off:
             return
+        self._handing_off = True
+        await self._hand_off()
         self._closing = True
         self.event("leave")
         if self._reconcile_handle is not None:
@@ -216,6 +219,26 @@ class Broker(Membership, Routing):
         self.pubsub.close()
         await self._stop_observability()
         self.log.info("left the overlay")
+
+    async def _hand_off(self) -> None:
+        """Before leaving: offer every topic held to the brokers that hold it once this one is gone, and wait
+        (at most handoff_timeout) until each confirmed it holds everything (docs/storage.md)."""
+        if not self.peers:
+            return
+        started = time.monotonic()
+        offers = self.pubsub.hand_off()
+        deadline = started + self.pubsub.config.handoff_timeout
+        # The offers are answered (and repeated) by the pub/sub engine on the running loop; this only watches the
+        # count, which has no event of its own.
+        while self.pubsub.handing_off() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        left = self.pubsub.handing_off()
+        took = time.monotonic() - started
+        self.event("handoff", seconds=round(took, 3))
+        if left:
+            self.log.warning("%d of %d hand-off offers unconfirmed after %.1f s; leaving anyway", left, offers, took)
+        elif offers:
+            self.log.info("handed %d topic copies to their next holders in %.3f s", offers, took)
 
     # ------------------------------------------------------------------------------------------------ join
 
@@ -396,8 +419,8 @@ class Broker(Membership, Routing):
     ) -> None:
         """Record an event in the metrics log (docs/logs.md), if there is one.
 
-        kind: join, leave, failure, heal, takeover, delegation, move, retire; load in bytes for delegation
-        and move (it feeds V_ML, eq. 13); frm/to the old and new topic coordinate.
+        kind: join, leave, failure, heal, takeover, sync, handoff, delegation, move, retire; load in bytes for
+        delegation and move (it feeds V_ML, eq. 13); frm/to the old and new topic coordinate.
         """
         if self.eventlog is not None:
             self.eventlog.event(kind, topic=topic, load=load, frm=frm, to=to, peer=peer, seconds=seconds)

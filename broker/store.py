@@ -15,13 +15,14 @@ import bisect
 import contextlib
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageFull, TopicMeta
 from overlay.pubsub import Record, record_size
+from overlay.seqset import Digest, SeqRanges, digest_of, lacks
 
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
 # are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
@@ -77,6 +78,9 @@ class TopicLog:
     rows: deque[_Row] = field(default_factory=deque)  # stored messages, oldest first; records() as Records
     size: int = 0
     last_seq: dict[str, int] = field(default_factory=dict)  # publisher -> highest seq stored
+    # publisher -> every seq stored (expired ones too): what a merge skips.  last_seq alone would refuse the
+    # stretch a replica missed once it holds anything newer, and that stretch is what a re-sync brings.
+    held: dict[str, SeqRanges] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # publisher -> when it last published
     subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     # After the last message expired the topic is still known (subscribers, dedup state) but weighs nothing.
@@ -109,6 +113,9 @@ class TopicLog:
 
     def _roll_back(self) -> frozenset[tuple[str, int]]:
         lost = frozenset((r[1], r[2]) for r in self._staged)
+        for pub, seq in lost:
+            if (h := self.held.get(pub)) is not None:
+                h.discard(seq)
         kept = deque(r for r in self.rows if (r[1], r[2]) not in lost)
         self.size -= sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
         self.rows = kept
@@ -126,8 +133,20 @@ class TopicLog:
         return {p: (s, self.last_seen.get(p, 0.0)) for p, s in self.last_seq.items()}
 
     def is_duplicate(self, publisher: str, seq: int) -> bool:
-        """True if (publisher, seq) was stored already (re-sends after a failover are dropped here)."""
+        """True if the publisher already got seq stored here or at the primary this replica copies (a re-send
+        after a failover): publishers number their messages in order, so the highest seq decides."""
         return seq <= self.last_seq.get(publisher, -1)
+
+    def holds(self, publisher: str, seq: int) -> bool:
+        """True if (publisher, seq) itself was stored here (what a merge of another replica's records skips)."""
+        h = self.held.get(publisher)
+        return h is not None and seq in h
+
+    def _held(self, publisher: str) -> SeqRanges:
+        h = self.held.get(publisher)
+        if h is None:
+            h = self.held[publisher] = SeqRanges()
+        return h
 
     def append(self, msg: StoredMessage, now: float) -> bool:
         """Store msg unless it is a duplicate; returns whether it was stored.  Expires what it pushes out."""
@@ -139,6 +158,7 @@ class TopicLog:
         self.rows.append(row)
         self.size += record_size(msg.publisher, msg.payload)
         self.last_seq[msg.publisher] = msg.seq
+        self._held(msg.publisher).add(msg.seq)
         self.last_seen[msg.publisher] = now
         if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
             self.persist()  # every record on the disk before the broker goes on (StorageFull: rolled back)
@@ -162,6 +182,7 @@ class TopicLog:
             for p in stale:
                 del self.last_seen[p]
                 self.last_seq.pop(p, None)
+                self.held.pop(p, None)
         if freed and self.journal is not None:
             self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
         return freed
@@ -178,23 +199,38 @@ class TopicLog:
         """Every stored message, oldest first."""
         return [_as_record(m) for m in self.rows]
 
+    def digest(self) -> Digest:
+        """Per publisher, the stretches of sequence numbers stored here (what a re-sync compares)."""
+        return digest_of(self.held)
+
+    def missing_from(self, theirs: Mapping[str, SeqRanges]) -> list[StoredMessage]:
+        """The stored messages a replica whose digest is `theirs` lacks, oldest first."""
+        return [_as_record(m) for m in self.rows if lacks(theirs, m[1], m[2])]
+
     @property
     def last_ts(self) -> float | None:
         """Timestamp of the newest stored message, None when nothing is stored."""
         return self.rows[-1][0] if self.rows else None
 
     def clear(self) -> None:
-        """Forget the stored messages (a full copy replaces them); dedup state stays."""
+        """Forget the stored messages; the publishers' sequence numbers (dedup state) stay."""
         self.rows.clear()
         self.size = 0
+        self.held.clear()
         if self.journal is not None:
             self._staged.clear()
             self._staged_prev.clear()
             self.journal.rewrite((), self.dedup_state())
 
     def merge(self, msgs: Iterable[StoredMessage], now: float) -> int:
-        """Add replicated or handed-over messages (any order, duplicates ignored); returns how many were new."""
-        new = [m for m in msgs if not self.is_duplicate(m.publisher, m.seq)]
+        """Add another replica's messages as a set union by (publisher, seq), in any order; returns how many
+        were new.  A stretch this replica missed is filled in even when it already holds newer messages."""
+        new: list[StoredMessage] = []
+        for m in msgs:
+            h = self._held(m.publisher)
+            if m.seq not in h:
+                h.add(m.seq)
+                new.append(m)
         if not new:
             return 0
         if any(new[i].ts > new[i + 1].ts for i in range(len(new) - 1)):
@@ -298,6 +334,8 @@ class TopicStore:
             log.size = sum(record_size(r[1], r[3]) for r in rec.rows)
             log.last_seq = dict(rec.last_seq)
             log.last_seen = dict(rec.last_seen)
+            for _, pub, seq, _ in rec.rows:
+                log._held(pub).add(seq)
             log.expire(now)
             self._topics[rec.meta.name] = log
             metas.append(rec.meta)

@@ -40,7 +40,7 @@ POLL_INTERVAL: Final = 0.02
 # need well over 10 s, so readiness waits are generous.
 READY_TIMEOUT: Final = 60.0
 # SIGTERM gives a broker this long to send LEAVE and drain before SIGKILL.
-STOP_GRACE: Final = 5.0
+STOP_GRACE: Final = 10.0
 # New brokers started at once; more only queue on the CPU behind numpy/scipy imports.
 START_BATCH: Final = 8
 STATE_FILE: Final = "cluster.json"

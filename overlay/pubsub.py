@@ -25,10 +25,12 @@ from overlay.protocol import (
     dec_float,
     dec_list,
     dec_node,
+    dec_str,
     enc_node,
     register_field_type,
     register_message,
 )
+from overlay.seqset import Digest
 
 Coord: TypeAlias = tuple[float, float]
 
@@ -192,6 +194,42 @@ def _dec_bytes_tuple(v: Any) -> tuple[bytes, ...]:
 
 
 register_field_type("tuple[bytes, ...]", list, _dec_bytes_tuple)
+
+
+# A digest names every publisher of a topic (dedup state is kept for a day), so it may be longer than other
+# lists; the frame size bounds it in any case.
+MAX_DIGEST_ENTRIES: Final = 1 << 16
+
+
+def _dec_digest(v: Any) -> Digest:
+    if type(v) is not dict:
+        raise TypeError(f"a digest is a map, got {type(v).__name__}")
+    if len(v) > MAX_DIGEST_ENTRIES:
+        raise ValueError(f"digest of {len(v)} publishers exceeds {MAX_DIGEST_ENTRIES}")
+    out: Digest = {}
+    for pub, pairs in v.items():
+        if type(pairs) is not list or len(pairs) > MAX_DIGEST_ENTRIES:
+            raise ValueError("a digest maps a publisher to at most 65536 ranges")
+        ranges = []
+        for pair in pairs:
+            lo, hi = dec_list(pair)
+            if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi:
+                raise ValueError("a digest range is [lo, hi] with 0 <= lo <= hi")
+            ranges.append((lo, hi))
+        out[dec_str(pub)] = tuple(ranges)
+    return out
+
+
+register_field_type(
+    "Digest",
+    lambda d: {pub: [list(r) for r in ranges] for pub, ranges in d.items()},
+    _dec_digest,
+)
+register_field_type(
+    "Digest | None",
+    lambda d: None if d is None else {pub: [list(r) for r in ranges] for pub, ranges in d.items()},
+    lambda v: None if v is None else _dec_digest(v),
+)
 register_field_type(
     "float | None",
     lambda v: v,
@@ -507,6 +545,9 @@ class Replicate(Message):
     handover: bool = False
     delivered_upto: float = 0.0
     waiters: tuple[Waiter, ...] = ()
+    # A re-sync between holders (an answer to PULL or OFFER): records to merge; `subscribers` are added to the
+    # receiver's, never replace them (the sender need not be the primary).
+    sync: bool = False
 
 
 @register_message
@@ -532,3 +573,24 @@ class Pull(Message):
     topic: str
     coord: Coord
     origin: NodeInfo
+    # What the asking node already holds: the answer carries only the rest (None: everything).
+    have: Digest | None = None
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Offer(Message):
+    """A holder -> a broker that holds (or must now hold) the topic: "I hold `have`".  The receiver answers
+    REPLICATED (corr) when it holds all of it already, else PULL (same corr, its own digest), which the offerer
+    answers with the missing records (REPLICATE, sync) and the receiver confirms with REPLICATED (corr).  Used
+    when a broker stops holding a topic (a join or leave moved it out of the top ranks, a graceful shutdown),
+    and between primary and replicas to repair gaps (anti-entropy)."""
+
+    op: ClassVar[Literal["offer"]] = "offer"
+    corr: int
+    topic: str
+    coord: Coord
+    origin: NodeInfo
+    have: Digest
+    # The offerer is shutting down: the receiver ranks itself as if the offerer were gone already.
+    leaving: bool = False

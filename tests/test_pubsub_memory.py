@@ -39,6 +39,7 @@ class Net:
         self.deferred: deque[Callable[[], None]] = deque()
         self.nodes: dict[str, Node] = {}
         self.blackhole: set[Coord] = set()  # destinations whose messages are lost
+        self.level = resilience
         for i, c in enumerate(coords):
             nid = f"n{i}"
             self.nodes[nid] = Node(self, NodeInfo(nid, c, f"127.0.0.1:{7000 + i}"), resilience)
@@ -71,6 +72,27 @@ class Net:
         for n in self.nodes.values():
             if n.alive:
                 n.ps.tick()
+        self.run()
+
+    def join(self, coord: Coord) -> Node:
+        """A new broker at coord; every broker's view changes (a join is no failure)."""
+        nid = f"n{len(self.nodes)}"
+        node = self.nodes[nid] = Node(self, NodeInfo(nid, coord, f"127.0.0.1:{7000 + len(self.nodes)}"), self.level)
+        for n in self.nodes.values():
+            if n.alive:
+                n.ps.view_changed()
+        self.run()
+        return node
+
+    def leave(self, nid: str) -> None:
+        """A graceful leave: the broker hands its topics off (offers answered), then the others re-rank."""
+        self.nodes[nid].ps.hand_off()
+        self.run()
+        assert self.nodes[nid].ps.handing_off() == 0
+        self.nodes[nid].alive = False
+        for n in self.nodes.values():
+            if n.alive:
+                n.ps.view_changed()
         self.run()
 
 
@@ -167,7 +189,7 @@ def test_duplicates_are_reacknowledged_not_stored_and_gaps_are_refused() -> None
 
 
 def locate(net: Net, topic: str) -> Located:
-    n = net.nodes["n0"]
+    n = next(x for x in net.nodes.values() if x.alive)
     n.request("loc", Locate(99, topic))
     out = [m for m in n.inbox["loc"] if isinstance(m, Located)][-1]
     n.inbox["loc"].clear()
@@ -236,9 +258,10 @@ def test_level_one_loss_is_visible() -> None:
     assert any(isinstance(m, Failed) and m.code == "unknown_topic" for m in pub.inbox["f"])
 
 
-def test_level_two_does_not_copy_history_after_a_failure_but_level_three_does() -> None:
-    # Sec. IV-B: after the first failure only level 3 has the capacity to copy a topic's history to the new
-    # secondary; so a second failure loses the old history at level 2 and nothing at level 3.
+def test_every_level_above_one_copies_history_to_the_new_secondary_after_a_failure() -> None:
+    # Data follows membership (docs/storage.md): after the first failure the new secondary receives the whole
+    # history at level 2 as at level 3, so a later second failure loses nothing either (the paper copies it
+    # only at level 3, Sec. IV-B; a rolling restart spends a "failure" at every step).
     fetched = {}
     for level in (2, 3):
         net = Net(grid(12, seed=4), resilience=level)
@@ -257,7 +280,7 @@ def test_level_two_does_not_copy_history_after_a_failure_but_level_three_does() 
         pub.request("f", Fetch(1, topic))
         fetched[level] = [r.seq for m in pub.inbox["f"] if isinstance(m, Fetched) for r in m.records]
     assert fetched[3] == list(range(30))
-    assert fetched[2] == list(range(20, 30))
+    assert fetched[2] == list(range(30))
 
 
 # ---- topic delegation (Sec. III) on the in-memory overlay ---------------------------------------------------
@@ -387,3 +410,126 @@ def test_batch_with_an_oversized_payload_is_refused_at_that_message() -> None:
     nacks = [m for m in pub.inbox["p"] if isinstance(m, Nack)]
     assert [(n.seq, n.code) for n in nacks] == [(2, "too_large")]
     assert "grid/c/v" not in pub.ps.store  # nothing of the batch was stored
+
+
+# ---- data follows membership (docs/storage.md) -------------------------------------------------------------
+
+
+def _fetch_all(node: Node, topic: str) -> list[int]:
+    node.inbox["f"] = []
+    node.request("f", Fetch(99, topic, 0.0, 512))
+    return sorted(r.seq for m in node.inbox["f"] if isinstance(m, Fetched) for r in m.records)
+
+
+def _holders(net: Net, topic: str) -> dict[str, list[int]]:
+    return {
+        nid: sorted(r[2] for r in n.ps.store.get(topic).rows)
+        for nid, n in net.nodes.items()
+        if n.alive and topic in n.ps.store
+    }
+
+
+def _near(c: Coord, d: float) -> Coord:
+    return (min(max(c[0] + d, 0.001), 0.999), min(max(c[1] - d, 0.001), 0.999))
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_brokers_joining_next_to_a_topic_serve_its_history_and_the_old_holders_may_then_fail(level: int) -> None:
+    # Two brokers join, each closer to C(t) than everybody before: each becomes primary in turn and the former
+    # holders are ranked out.  Then every broker that held the topic before the joins fails at once: the
+    # newcomers still serve all of it (they were handed the history before the old holders let go).
+    net = Net(grid(10, seed=5), resilience=level)
+    topic = "grid/joins/voltage"
+    c = geohash(topic)
+    pub = net.nodes["n9"] if locate(net, topic).primary.id != "n9" else net.nodes["n8"]
+    for i in range(40):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    before = set(_holders(net, topic))
+    a = net.join(_near(c, 0.02))
+    b = net.join(_near(c, 0.005))
+    assert locate(net, topic).primary.id == b.me.id
+    assert {nid for nid in _holders(net, topic)} <= {a.me.id, b.me.id} | before
+    for nid in before - {pub.me.id}:
+        net.kill(nid)
+    assert _fetch_all(pub, topic) == list(range(40))
+    assert sorted(r[2] for r in b.ps.store.get(topic).rows) == list(range(40))
+
+
+def test_a_ranked_out_copy_hands_its_records_on_before_it_lets_go() -> None:
+    # Level 2: a join between the primary and C(t) ranks the old secondary out.  It offers what it holds to the
+    # new holders and drops the topic only once they confirmed; the primary then fails: nothing is lost.
+    net = Net(grid(10, seed=6), resilience=2)
+    topic = "grid/retire/current"
+    c = geohash(topic)
+    pub = net.nodes["n9"] if locate(net, topic).primary.id != "n9" else net.nodes["n8"]
+    for i in range(25):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    old = locate(net, topic)
+    assert old.secondary is not None
+    newcomer = net.join(_near(c, 0.001))
+    assert topic not in net.nodes[old.secondary.id].ps.store or old.secondary.id in {
+        n.id for n in (locate(net, topic).secondary, locate(net, topic).primary) if n is not None
+    }
+    net.kill(old.primary.id)
+    net.tick(0.6)
+    assert _fetch_all(pub, topic) == list(range(25))
+    assert sorted(r[2] for r in newcomer.ps.store.get(topic).rows) == list(range(25))
+
+
+def test_a_graceful_leave_at_level_one_loses_nothing() -> None:
+    # Level 1 keeps one copy: a primary that leaves gracefully hands its topics to the broker that is closest
+    # once it is gone, which serves the whole history (a crash at level 1 would lose it, and say so).
+    net = Net(grid(8, seed=7), resilience=1)
+    topic = "grid/leave/frequency"
+    primary = locate(net, topic).primary.id
+    pub = net.nodes[next(nid for nid in net.nodes if nid != primary)]
+    for i in range(30):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    net.leave(primary)
+    assert _fetch_all(pub, topic) == list(range(30))
+    pub.request("p", Publish(topic, "P", 30, b"x", 30))
+    assert any(isinstance(m, Ack) and m.seq == 30 for m in pub.inbox["p"])
+    assert _fetch_all(pub, topic) == list(range(31))
+
+
+def test_a_rolling_restart_of_every_holder_keeps_the_history() -> None:
+    # Every broker leaves and an empty one comes back at its coordinate, one after the other (a rolling
+    # restart without data directories): the history travels with the topic the whole way.
+    net = Net(grid(7, seed=8), resilience=2)
+    topic = "grid/rolling/power"
+    pub_id = "n0"
+    seq = 0
+    for step in range(7):
+        victim = f"n{step}"
+        if victim == pub_id:
+            pub_id = "n1"
+        for _ in range(10):
+            net.nodes[pub_id].request("p", Publish(topic, "P", seq, b"x", seq))
+            seq += 1
+        coord = net.nodes[victim].me.coord
+        net.leave(victim)
+        fresh = net.join(coord)
+        net.tick(0.6)
+        assert _fetch_all(fresh, topic) == list(range(seq)), f"after restarting {victim}"
+    assert all(rows == list(range(seq)) for rows in _holders(net, topic).values())
+
+
+def test_anti_entropy_fills_a_stretch_the_secondary_missed() -> None:
+    net = Net(grid(8, seed=9), resilience=2)
+    topic = "grid/repair/voltage"
+    loc = locate(net, topic)
+    assert loc.secondary is not None
+    sec = net.nodes[loc.secondary.id]
+    pub = net.nodes[next(nid for nid in net.nodes if nid not in (loc.primary.id, loc.secondary.id))]
+    for i in range(10):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    # The secondary loses five records (a damaged disk stretch, say): the primary's digest shows the gap and
+    # the next anti-entropy round sends exactly those again.
+    log = sec.ps.store.get(topic)
+    log.rows = type(log.rows)(r for r in log.rows if not 3 <= r[2] < 8)
+    for s in range(3, 8):
+        log.held["P"].discard(s)
+    for i in range(10, 12):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    net.tick(6.0)
+    assert sorted(r[2] for r in log.rows) == list(range(12))

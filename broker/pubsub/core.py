@@ -125,6 +125,9 @@ class TopicTable:
             "moves_aborted": 0,
             "delegations": 0,
             "forwarded_requests": 0,
+            "syncs": 0,  # pulls finished by a new, returning or taking-over primary
+            "offers": 0,  # OFFERs sent (retiring, demoted, shutting down, anti-entropy)
+            "synced_records": 0,  # records another holder lacked, sent by this one (PULL and OFFER answers)
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event
@@ -158,6 +161,13 @@ class TopicTable:
             if n.id == me:
                 return i
         return 0
+
+    def holders(self, coord: Coord, *, without_me: bool = False) -> list[NodeInfo]:
+        """The brokers that keep a topic at coord: N1 .. N_resilience (this one left out when it is leaving)."""
+        view = self.ov.view()
+        me = self.ov.me.id
+        ids = [i for i in closest({nid: n.coord for nid, n in view.items()}, coord, 4) if not (without_me and i == me)]
+        return [view[i] for i in ids[: self.config.resilience]]
 
     def secondary(self, r: Replica) -> NodeInfo | None:
         """The broker that must hold a copy of r (None at resilience 1 or alone)."""

@@ -43,7 +43,7 @@ from overlay.delegation import (
 )
 from overlay.geometry import Coord
 from overlay.protocol import Message, NodeInfo
-from overlay.pubsub import Delegation, Pull, Replicate, Replicated, SessionGone, TopicReply, TopicRequest
+from overlay.pubsub import Delegation, Offer, Pull, Replicate, Replicated, SessionGone, TopicReply, TopicRequest
 
 Handler = Callable[[Any], None]
 
@@ -76,6 +76,7 @@ class PubSub:
             Replicate: self.replication.replicate_arrived,
             Replicated: self.replication.replicated_arrived,
             Pull: self.replication.pull_arrived,
+            Offer: self.replication.offer_arrived,
             Lease: self.home.lease_arrived,
             Leased: self.moves.leased_arrived,
             Activate: self.moves.activate_arrived,
@@ -164,6 +165,15 @@ class PubSub:
     def resume(self) -> None:
         """The broker has joined (or is alone): recovered topics sync, hold or go (holder.resume)."""
         self.holder.resume()
+
+    def hand_off(self) -> int:
+        """A graceful shutdown begins: offer every topic held to the brokers that hold it next; returns how many
+        offers wait for confirmation (`handing_off`).  The broker leaves once that is 0 or time is up."""
+        return self.replication.hand_off()
+
+    def handing_off(self) -> int:
+        """Offers of a graceful shutdown (or of retiring replicas) not yet confirmed."""
+        return self.replication.handing_off()
 
     def close(self) -> None:
         """Write and close the disk journals (graceful shutdown)."""

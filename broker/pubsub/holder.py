@@ -369,14 +369,13 @@ class HolderRole:
                     r.enter(Transition.CAUGHT_UP)
                     self.release_queue(r)
                     self.replication.flush(r)
-            elif r.rank == 2 or (r.rank == 3 and self.t.config.resilience >= 3):
+            elif self.replication.keeps(r.rank):
                 r.enter(Transition.DEMOTE)
                 self.release_queue(r)
+                # It may hold what the primary lacks (everything was stopped and started again): offer it.
+                self.replication.offer(r, self.t.holders(r.coord)[:1], track=False)
             else:
-                queued, r.queued = r.queued, []
-                self.t.drop(r)
-                for access, session, req in queued:
-                    self.handle_request(access, session, req)
+                self.replication.retire(r)  # what it kept may be all that is left of some records: hand it on
 
     @staticmethod
     def _wait(r: Replica, rec: Record, access: NodeInfo, session: str) -> None:

@@ -143,7 +143,7 @@ class MoveRole:
         if r is None:
             r = self.holder.replica(m.topic, m.coord)
         if m.full:
-            r.log.clear()
+            # The hand-over carries the whole topic; what a stale copy here holds besides stays (a set union).
             r.waiting.clear()
             r.first_waiting.clear()
             r.waiter_max.clear()

@@ -15,12 +15,17 @@ or the coordinate changes.  Its `stage` is what it is doing about that, and it c
     HANDING_OVER  old primary of a move: the new coordinate's holders are being filled; requests wait
     RECEIVING     new primary of a move: holds the hand-over, waits for its own replica and for ACTIVATE
     RECOVERING    read back from the data directory at start, not yet compared with the other holders: once
-                  the broker has joined it syncs (primary), holds (copy) or lets go (neither)
+                  the broker has joined it syncs (primary), holds (copy) or retires (neither)
+    RETIRING      no longer among the topic's holders (a join or leave moved it out of the top ranks): offers
+                  what it holds to the brokers that hold the topic now and lets go once each has confirmed it
+                  holds all of it (a DHT's key transfer; Dynamo's hinted hand-off); serves nothing
     GONE          dropped from this broker (a late callback finds it so and does nothing)
 
 SYNCING, TAKING_OVER, PLACING, HANDING_OVER, RECEIVING and RECOVERING hold the topic's requests (`WAITING`).  The data
 that belongs to one stage lives on the replica only while it is in that stage: the pull bookkeeping
-(SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over (RECEIVING).
+(SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over (RECEIVING).  Offers (`offers`)
+belong to no stage: a holder also offers during a graceful shutdown and to repair gaps; a RETIRING replica is
+dropped once its last offer is confirmed.
 
 A recovered primary leaves RECOVERING through SYNCING, like a primary that joined: it serves only what the
 other holders and its disk hold together (storage-anchors: only a caught-up replica may lead).
@@ -49,6 +54,7 @@ class Stage(enum.Enum):
     HANDING_OVER = "handing_over"
     RECEIVING = "receiving"
     RECOVERING = "recovering"
+    RETIRING = "retiring"
     GONE = "gone"
 
 
@@ -68,6 +74,8 @@ class Transition(enum.Enum):
     HANDED_OVER = "handed_over"  # the new primary confirmed: stay a copy at the new coordinate
     RECEIVE = "receive"  # a hand-over arrived: hold it until ACTIVATE
     ACTIVATE = "activate"  # the old primary let go: serve
+    RETIRE = "retire"  # no longer ranked: offer the records to the topic's holders before letting go
+    KEEP = "keep"  # ranked again before it let go: a copy again
     DROP = "drop"  # no longer this broker's to hold
 
 
@@ -105,7 +113,18 @@ _TRANSITIONS: Final[dict[tuple[Stage, Transition], Stage]] = {
     (_S.RECOVERING, _T.SYNC): _S.SYNCING,
     (_S.RECOVERING, _T.CAUGHT_UP): _S.SERVING,  # primary with nobody to ask: its disk is all there is
     (_S.RECOVERING, _T.DEMOTE): _S.HOLDING,
+    (_S.RECOVERING, _T.RETIRE): _S.RETIRING,
     (_S.RECOVERING, _T.DROP): _S.GONE,
+    # Whatever a replica was doing, once the view ranks it out it hands its records on before it goes
+    # (HANDING_OVER and RECEIVING finish first: a move settles the roles itself).
+    (_S.HOLDING, _T.RETIRE): _S.RETIRING,
+    (_S.SERVING, _T.RETIRE): _S.RETIRING,
+    (_S.SYNCING, _T.RETIRE): _S.RETIRING,
+    (_S.TAKING_OVER, _T.RETIRE): _S.RETIRING,
+    (_S.PLACING, _T.RETIRE): _S.RETIRING,
+    (_S.RETIRING, _T.RETIRE): _S.RETIRING,  # the holders changed again: offer to the new ones
+    (_S.RETIRING, _T.KEEP): _S.HOLDING,
+    (_S.RETIRING, _T.DROP): _S.GONE,
 }
 # GONE is final: a replica dropped from the broker never comes back (a new one is made if needed).
 
@@ -210,6 +229,11 @@ class Replica:
     pull_retried: bool = False
     move: Move | None = None  # HANDING_OVER
     staged: Staged | None = None  # RECEIVING
+    # Offers of this replica's records not yet confirmed: corr -> the node offered to, and when they went out.
+    offers: dict[int, str] = field(default_factory=dict)
+    offered_at: float = 0.0
+    # Stored something since the primary last compared digests with its copies (anti-entropy).
+    unchecked: bool = False
 
     def enter(self, transition: Transition) -> Stage:
         """Take a transition of the table; the stage-bound data of the stage left is cleared."""
@@ -230,6 +254,8 @@ class Replica:
 
     def settle(self) -> None:
         """After the rank changed: a steady copy that became closest serves, a steady primary that did not holds."""
+        if self.stage is Stage.RETIRING and self.rank != 0:
+            self.enter(Transition.KEEP)
         if self.stage is Stage.HOLDING and self.rank == 1:
             self.enter(Transition.PROMOTE)
         elif self.stage is Stage.SERVING and self.rank != 1:

@@ -6,9 +6,15 @@ for the topics it holds (`view_changed`): a secondary that became closest takes 
 what the other holders have, then re-delivers the last moments, which subscribers de-duplicate by (publisher,
 seq)); a broker that became closest without holding the topic pulls it first (SYNCING, Sec. III-C).
 
-Level 2 versus 3 (Sec. IV-B): after a *failure*, the new secondary receives only new messages at level 2 (its
-capacity L2_N has no room for more), but the full history at level 3, so that a second failure loses
-nothing.  After a join, a new secondary always receives the full history, since no failure has been spent.
+Data follows membership (docs/storage.md): a new secondary always receives the whole history, after a join
+or a failure alike, so that every acknowledged message survives any later single change (the paper's level 2
+copies history only at level 3, Sec. IV-B; a cluster that restarts its brokers one by one spends a "failure"
+at every step).  A broker that the view ranks out of a topic's holders does not drop it at once: it RETIRES,
+offering its records (OFFER: a digest of what it holds) to the topic's holders now, which pull what they lack,
+and drops the topic once each confirmed.  A primary that was demoted offers to the new primary, so what only
+it had (a partition's other side) is merged.  Pulls carry the asker's digest, so a restarted broker fetches
+only what it missed.  Anti-entropy: a primary compares digests with its secondary now and then for the topics
+that changed, and sends what the copy lacks.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import TYPE_CHECKING
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import PULLING, Replica, Stage, Transition
 from broker.pubsub.settings import MAX_RTO
-from overlay.pubsub import Publish, Pull, Replicate, Replicated, Subscribe
+from overlay.protocol import NodeInfo
+from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, Subscribe
+from overlay.seqset import covers, ranges_of
 
 if TYPE_CHECKING:
     from broker.pubsub.holder import HolderRole
@@ -35,6 +43,8 @@ class ReplicationRole:
 
     def __init__(self, table: TopicTable) -> None:
         self.t = table
+        self._last_anti_entropy = 0.0
+        self._leaving: set[str] = set()  # brokers that announced a graceful shutdown and are still in the view
         # Wired by the engine.
         self.holder: HolderRole
         self.moves: MoveRole
@@ -60,8 +70,9 @@ class ReplicationRole:
             return
         if r.replica != sec.id:
             r.replica = None
-        # A back-fill replaces whatever the secondary had with the whole history; otherwise it merges.
+        # A back-fill sends the whole history (the secondary merges it with what it has), else what is new.
         full = r.backfill
+        r.unchecked = True  # the next anti-entropy round compares digests with the secondary
         records = r.log.records() if full else list(r.outbox)
         batches = chunks(records)
         corr = 0
@@ -96,9 +107,14 @@ class ReplicationRole:
         r = self.t.replicas.get(m.topic)
         if r is None:
             return
-        if m.corr in r.pulling:
+        if r.pulling.get(m.corr) == m.node:
             del r.pulling[m.corr]  # the asked node holds nothing of it
             self.pull_progress(r)
+            return
+        if r.offers.get(m.corr) == m.node:
+            del r.offers[m.corr]  # that holder now has everything this one offered
+            if r.stage is Stage.RETIRING and not r.offers:
+                self.let_go(r)
             return
         if r.stage is Stage.HANDING_OVER:
             self.moves.handover_confirmed(r, m.corr)
@@ -133,16 +149,19 @@ class ReplicationRole:
             if m.corr:
                 self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
             return
-        if r is not None and m.corr in r.pulling and not same(m.coord, r.coord):
+        answers_pull = r is not None and r.pulling.get(m.corr) == m.origin.id
+        if r is not None and answers_pull and not same(m.coord, r.coord):
             # The asked node knows the topic at another coordinate: a delegate list, not data for us.
             self.home.learn_delegates(m.topic, list(m.delegates))
             del r.pulling[m.corr]
             self.pull_progress(r)
             return
+        created = r is None
         r = self.holder.replica(m.topic, m.coord)
-        if m.full and m.corr not in r.pulling and r.rank != 1:
-            r.log.clear()
-        r.log.merge(m.records, now)
+        # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
+        # here and never replaces it, so nothing another holder lacked is lost by a re-sync.
+        if r.log.merge(m.records, now):
+            r.unchecked = True
         for pub, seq in m.last_seq.items():
             if seq > r.log.last_seq.get(pub, -1):
                 r.log.last_seq[pub] = seq
@@ -150,16 +169,17 @@ class ReplicationRole:
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
         subs = {(s.access.id, s.session): s for s in m.subscribers}
-        if r.rank == 1:
-            r.subscribers.update(subs)  # handed over to us: keep what we had as well
+        if r.rank == 1 or m.sync:
+            r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
         else:
             r.subscribers = subs
         r.coord = m.coord
-        r.delegates = list(m.delegates)
+        if not m.sync or created:
+            r.delegates = list(m.delegates)
         r.rank = self.t.rank_of_me(r.coord)
         r.settle()
         stored = self.holder.persist(r)
-        if m.corr in r.pulling:
+        if answers_pull:
             del r.pulling[m.corr]
             self.pull_progress(r)
             return
@@ -167,6 +187,12 @@ class ReplicationRole:
             # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
             # acknowledges it nor forgets it (it re-sends).
             self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
+        if m.sync and r.stage is Stage.HOLDING and not self.keeps(r.rank) and m.origin.id not in self._leaving:
+            self.retire(r)  # offered by a broker whose view ranks this one, but ours does not (yet)
+        elif m.sync and created and r.rank == 1:
+            # A broker that joined closest to the topic learns of it from an offer: it serves only once it holds
+            # what every other holder has (storage-anchors: leadership only to a caught-up replica).
+            self.start_pull(r, takeover=False)
 
     # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------
     def start_pull(self, r: Replica, *, takeover: bool) -> bool:
@@ -180,10 +206,11 @@ class ReplicationRole:
         r.enter(Transition.TAKE_OVER if takeover else Transition.SYNC)
         r.pull_started = self.t.ov.now()
         r.pull_retried = False
+        have = r.log.digest()  # the answers carry only what this broker lacks (a restart fetches its gap)
         for n in others:
             corr = self.t.next_corr()
             r.pulling[corr] = n.id
-            self.t.ov.route(n.coord, Pull(corr, r.name, r.coord, self.t.ov.me))
+            self.t.ov.route(n.coord, Pull(corr, r.name, r.coord, self.t.ov.me, have))
         return True
 
     def pull_arrived(self, p: Pull) -> None:
@@ -197,13 +224,22 @@ class ReplicationRole:
         if r is None or (not r.log.rows and not r.subscribers and not r.log.last_seq):
             self.t.ov.route(p.origin.coord, Replicated(p.corr, p.topic, me.id))
             return
-        batches = chunks(r.log.records())
+        self._send_sync(
+            r, p.origin, p.corr, r.log.records() if p.have is None else r.log.missing_from(ranges_of(p.have))
+        )
+        self.t.counters["handovers"] += 1
+
+    def _send_sync(self, r: Replica, to: NodeInfo, corr: int, records: list[Record]) -> None:
+        """Records another holder lacks, with the subscribers and dedup state (the last frame carries corr)."""
+        me = self.t.ov.me
+        self.t.counters["synced_records"] += len(records)
+        batches = chunks(records)
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             self.t.ov.route(
-                p.origin.coord,
+                to.coord,
                 Replicate(
-                    p.corr if last else 0,
+                    corr if last else 0,
                     r.name,
                     r.coord,
                     me,
@@ -212,9 +248,72 @@ class ReplicationRole:
                     tuple(r.delegates),
                     False,
                     dict(r.log.last_seq),
+                    sync=True,
                 ),
             )
-        self.t.counters["handovers"] += 1
+
+    # ---- offers: handing records on to the topic's holders -----------------------------------------------
+    def keeps(self, rank: int) -> bool:
+        """A broker of this rank keeps a copy of the topic (primary, secondary, tertiary at level 3)."""
+        return 1 <= rank <= max(2, self.t.config.resilience) and (rank == 1 or self.t.config.resilience >= 2)
+
+    def offer(self, r: Replica, targets: list[NodeInfo], *, track: bool = True, leaving: bool = False) -> None:
+        """OFFER r's records to targets; tracked offers wait for REPLICATED and are repeated on a time-out."""
+        if track:
+            r.offers.clear()
+            r.offered_at = self.t.ov.now()
+        have = r.log.digest()
+        me = self.t.ov.me
+        self.t.counters["offers"] += len(targets)
+        for n in targets:
+            corr = self.t.next_corr()
+            if track:
+                r.offers[corr] = n.id
+            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving))
+
+    def offer_arrived(self, m: Offer) -> None:
+        """OFFER: confirm when everything offered is here already, else ask for what is missing."""
+        me = self.t.ov.me
+        if m.leaving:
+            self._leaving.add(m.origin.id)  # its records are to stay here although the view still ranks it
+        r = self.t.replicas.get(m.topic)
+        if r is not None and same(r.coord, m.coord) and r.stage is not Stage.GONE:
+            if covers(r.log.held, ranges_of(m.have)):
+                self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, me.id))
+                return
+            self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, r.log.digest()))
+            return
+        # Nothing of it here (or at another coordinate): ask for all of it; the answer makes the replica.
+        self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, {}))
+
+    def retire(self, r: Replica) -> None:
+        """Ranked out of the topic's holders: offer the records to the holders now, let go once confirmed."""
+        targets = self.t.holders(r.coord, without_me=True)
+        if not targets or not (r.log.rows or r.log.last_seq or r.subscribers):
+            self.let_go(r)  # nothing to hand on, or nobody to hand it to
+            return
+        r.enter(Transition.RETIRE)
+        self.offer(r, targets)
+
+    def let_go(self, r: Replica) -> None:
+        """Drop r; requests that waited for it go where the topic is now."""
+        queued, r.queued = r.queued, []
+        self.t.drop(r)
+        for access, session, req in queued:
+            self.holder.handle_request(access, session, req)
+
+    def hand_off(self) -> int:
+        """A graceful shutdown: offer every topic held to the brokers that hold it once this one is gone;
+        returns how many offers wait for confirmation (`handing_off`)."""
+        for r in list(self.t.replicas.values()):
+            if r.stage is Stage.GONE or not (r.log.rows or r.log.last_seq or r.subscribers):
+                continue
+            self.offer(r, self.t.holders(r.coord, without_me=True), leaving=True)
+        return sum(len(r.offers) for r in self.t.replicas.values())
+
+    def handing_off(self) -> int:
+        """Offers not yet confirmed."""
+        return sum(len(r.offers) for r in self.t.replicas.values())
 
     def pull_progress(self, r: Replica) -> None:
         """Once every asked holder answered (or the pull timed out): serve, place, or forward."""
@@ -229,6 +328,8 @@ class ReplicationRole:
                 self.holder.forward_request(access, session, req, dl[-1].coord, via_home=True)
             return
         took_over = r.stage is Stage.TAKING_OVER
+        self.t.counters["syncs"] += 1
+        self.t.event("sync", topic=r.name, seconds=round(self.t.ov.now() - r.pull_started, 6))
         if took_over:
             r.enter(Transition.CAUGHT_UP)
             self.redeliver(r)
@@ -262,40 +363,70 @@ class ReplicationRole:
     # ---- overlay changes -------------------------------------------------------------------------------
     def view_changed(self, failed: Collection[str]) -> None:
         """Re-rank every topic held: take-over, new secondary, or drop (moves in progress finish first)."""
+        self._leaving &= set(self.t.ov.view())
         for r in list(self.t.replicas.values()):
             old = r.rank
             r.rank = self.t.rank_of_me(r.coord)
             if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.RECOVERING):
                 continue  # finishes (or times out, or resumes once joined) as it is; roles are settled then
+            if r.stage is Stage.RETIRING:
+                if not self.keeps(r.rank):
+                    self.retire(r)  # the holders changed: offer to the new ones
+                    continue
+                r.enter(Transition.KEEP)  # ranked again before it let go: a copy, or the primary below
+                old = 0
             if r.rank == 1:
                 if old != 1 and r.stage is not Stage.PLACING:
                     self.take_over(r)
                 sec = self.t.secondary(r)
                 if sec is not None and r.replica != sec.id:
-                    lost_by_failure = r.replica in failed or (old != 1 and bool(failed))
-                    # Sec. IV-B: only level 3 provisions the capacity to copy history after a failure.
-                    r.backfill = self.t.config.resilience >= 3 or not lost_by_failure
+                    # A new secondary gets the whole history, after a failure too (module docstring).
+                    r.backfill = True
                     r.replica = None
                     if r.inflight is not None and r.inflight[1] != sec.id:
                         r.inflight = None  # re-sent to the new secondary below
                         r.outbox = list(r.undelivered)
                     r.meta_dirty = True
                 self.flush(r)
-            elif r.rank in (2, 3) and (r.rank == 2 or self.t.config.resilience >= 3):
+            elif self.keeps(r.rank):
+                was_primary = r.stage is not Stage.HOLDING
                 r.settle()
+                if r.stage is not Stage.HOLDING:
+                    r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
                 r.inflight = None
                 r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
                 r.first_waiting.clear()
                 r.waiter_max.clear()
                 r.outbox.clear()
                 r.undelivered.clear()
+                if was_primary or old == 1:
+                    # What only this former primary holds (the other side of a healed partition, the last
+                    # batches it stored) goes to the new one.
+                    self.offer(r, self.t.holders(r.coord)[:1], track=False)
+                queued, r.queued = r.queued, []
+                for access, session, req in queued:
+                    self.holder.handle_request(access, session, req)
             else:
-                self.t.drop(r)
+                self.retire(r)
 
     # ---- time ------------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Re-send unconfirmed batches, finish or repeat pulls that are slow."""
+        """Re-send unconfirmed batches, finish or repeat pulls that are slow, repeat offers, anti-entropy."""
+        anti_entropy = now - self._last_anti_entropy >= self.t.config.anti_entropy_interval
+        if anti_entropy:
+            self._last_anti_entropy = now
         for r in list(self.t.replicas.values()):
+            if r.offers and now - r.offered_at > self.t.config.offer_timeout:
+                if r.stage is Stage.RETIRING:
+                    self.retire(r)  # to whoever holds the topic by now
+                else:
+                    view = self.t.ov.view()
+                    self.offer(r, [view[nid] for nid in r.offers.values() if nid in view])
+            if anti_entropy and r.unchecked and r.stage is Stage.SERVING and r.inflight is None:
+                r.unchecked = False
+                sec = self.t.secondary(r)
+                if sec is not None and r.replica == sec.id:
+                    self.offer(r, [sec], track=False)
             if r.inflight is not None and now - r.inflight[2] > r.rto:
                 log.warning("replica %s of %s did not confirm within %.1f s; re-sending", r.inflight[1], r.name, r.rto)
                 r.rto = min(r.rto * 2, MAX_RTO)

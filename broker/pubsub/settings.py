@@ -36,6 +36,15 @@ MOVE_TIMEOUT: Final = 5.0
 # A former primary forwards requests that still reach it for this long after a move (clients it could not
 # redirect, the home's list not yet updated), then forgets the topic.
 FORWARD_TTL: Final = 60.0
+# A holder that offered its records (leaving the top ranks, shutting down) offers again to whoever holds the
+# topic by then when an offer is not confirmed in this long.
+OFFER_TIMEOUT: Final = 2.0
+# A primary compares digests with its copies this often, for the topics that stored something since the last
+# comparison (anti-entropy: a stretch a copy missed is sent again; an idle topic costs nothing).
+ANTI_ENTROPY_INTERVAL: Final = 5.0
+# A graceful shutdown waits at most this long for the topics' next holders to confirm they hold everything
+# (with the links' drain time it stays within the 10 s a supervisor such as Docker grants before SIGKILL).
+HANDOFF_TIMEOUT: Final = 2.5
 # Coordinates closer than this are the same coordinate (they travel as floats through JSON and msgpack).
 SAME_COORD: Final = 1e-12
 
@@ -50,6 +59,9 @@ class PubSubConfig:
     pull_timeout: float = PULL_TIMEOUT
     redeliver_window: float = REDELIVER_WINDOW
     move_timeout: float = MOVE_TIMEOUT
+    offer_timeout: float = OFFER_TIMEOUT
+    anti_entropy_interval: float = ANTI_ENTROPY_INTERVAL
+    handoff_timeout: float = HANDOFF_TIMEOUT
     forward_ttl: float = FORWARD_TTL
     move_cooldown: float = defaults.MOVE_COOLDOWN
     space: Space = UNIT_SQUARE
