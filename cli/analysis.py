@@ -1,7 +1,9 @@
 """Analysis subcommands of the `sedax` CLI: `analyze` (PySpark job over metrics logs) and `viz` (overlay picture).
 
 `cli/main.py` calls `register(subparsers)`; each subcommand sets `func(args) -> int` (the exit code).
-Exit code 2 means a usage problem the message explains (missing log directory, no logs, bad output name).
+Exit code 2 means a usage problem the message explains (missing log directory, no logs, bad output name),
+1 that the input holds no metrics-log record or the analysis failed.  `analyze` says on stderr what it
+reads and where it writes before Spark starts (-q for none); stdout carries only its result line.
 PySpark, numpy and matplotlib are imported inside the handlers, so `sedax --help` stays cheap.
 
 Also runnable on its own: `python -m cli.analysis analyze LOG_DIR --out DIR`.
@@ -11,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from cli.args import EXIT_FAILED, UsageError, address, credentials, seconds
 from net.credentials import add_credential_flags
+from overlay.logschema import SCHEMA
 
 EXIT_USAGE: Final = 2
 LEVELS: Final = ("L1", "L2", "L3")
+# Lines (and bytes) read from the start of each local *.jsonl file to tell a metrics log from anything else
+# before Spark starts: the JVM takes up to minutes on a small machine only to find that nothing was usable.
+SNIFF_LINES: Final = 100
+SNIFF_BYTES: Final = 1 << 20
 
 
 def _fail(msg: str) -> int:
@@ -33,10 +41,67 @@ def _missing_dirs(paths: Sequence[str]) -> list[str]:
     return [p for p in paths if "://" not in p and not Path(p).exists()]
 
 
+def _jsonl_files(paths: Sequence[str]) -> Iterator[Path]:
+    """The local *.jsonl files below paths (the files Spark reads, analysis.job.read_logs)."""
+    for p in paths:
+        local = Path(p)
+        if local.is_file():
+            if local.name.endswith(".jsonl"):
+                yield local
+        elif local.is_dir():
+            yield from sorted(f for f in local.rglob("*.jsonl") if f.is_file())
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        rec = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
+    return isinstance(rec, dict) and rec.get("schema") == SCHEMA
+
+
+def _starts_like_a_log(path: Path) -> bool:
+    """Whether one of the first lines of path is a metrics-log record (docs/logs.md)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError:
+        return True  # unreadable here: Spark reports it
+    return any(_is_record(line) for line in head.splitlines()[:SNIFF_LINES])
+
+
+def _input_problem(paths: Sequence[str], files: list[Path]) -> str | None:
+    """Why the local inputs (their *.jsonl files) hold nothing to analyse, found before Spark starts."""
+    if any("://" in p for p in paths):
+        return None  # remote paths (hdfs://, s3a://) are Spark's to read
+    if not files or any(_starts_like_a_log(f) for f in files):
+        return None  # no *.jsonl at all is analysis.job.check_inputs' usage error
+    return (
+        f"no metrics-log records in {', '.join(paths)}: the first lines of its {len(files)} *.jsonl file(s) are "
+        f"not of the metrics-log schema {SCHEMA} (docs/logs.md); point it at the --log-dir of brokers or of "
+        "`sedax sim`"
+    )
+
+
+def _progress(args: argparse.Namespace, text: str) -> None:
+    """A stage of the analysis on stderr (stdout carries only the result line)."""
+    if not args.quiet:
+        print(f"sedax analyze: {text}", file=sys.stderr, flush=True)
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     missing = _missing_dirs(args.log_dirs)
     if missing:
         return _fail(f"log directory not found: {', '.join(missing)}")
+    files = list(_jsonl_files(args.log_dirs))
+    if (problem := _input_problem(args.log_dirs, files)) is not None:
+        print(f"sedax: error: {problem}", file=sys.stderr)
+        return EXIT_FAILED
+    if files:
+        size = sum(f.stat().st_size for f in files)
+        _progress(args, f"reading {len(files)} *.jsonl file(s), {size / 1e6:.1f} MB, with Spark "
+                  f"({args.master or 'local[*]'}); tables{'' if args.no_plots else ', plots'} and summary.md "
+                  f"go to {args.out} ...")  # fmt: skip
     from analysis.job import AnalysisInputError, run_analysis
 
     try:
@@ -122,6 +187,7 @@ def register(subparsers: Any) -> None:
     a.add_argument("--driver-memory", default="1g", help="spark.driver.memory when starting Spark (default 1g)")
     a.add_argument("--no-ccdf-per-step", action="store_true", help="skip the large per-step CCDF table")
     a.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    a.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr (errors still are)")
     a.set_defaults(func=_cmd_analyze)
 
     v = subparsers.add_parser(

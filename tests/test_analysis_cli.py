@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +74,34 @@ def test_module_entry_point(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "sedax: error: log directory not found" in proc.stderr
+
+
+def test_progress_goes_to_stderr_before_spark_starts(tmp_path: Path) -> None:
+    """The stage line names the files, their size and where the outputs go; stdout stays the result alone."""
+    from overlay.logschema import base_record
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rec = base_record("snapshot", "r1", "sim", 0.0, 0, "n0")
+    (logs / "sim-r1.jsonl").write_text(json.dumps(rec) + "\n")
+    # Its own process group, so that the JVM it may have started goes with it.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "analyze", str(logs), "--out", str(tmp_path / "o"), "--no-plots"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # the CLI's first line, written before pyspark is imported
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    assert first.startswith("sedax analyze: reading 1 *.jsonl file(s)"), first
+    assert str(tmp_path / "o") in first and "plots" not in first
+    assert out == ""
+
+
+def test_quiet_leaves_out_the_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    cli_analysis._progress(argparse.Namespace(quiet=True), "reading")
+    assert capsys.readouterr().err == ""
+    cli_analysis._progress(argparse.Namespace(quiet=False), "reading")
+    assert capsys.readouterr().err == "sedax analyze: reading\n"

@@ -232,3 +232,30 @@ def test_random_arguments_never_end_in_a_traceback(command: str, rest: list[str]
     except SystemExit as exc:
         code = int(exc.code or 0) if not isinstance(exc.code, str) else 2
     assert code in (0, 1, 2)
+
+
+# ---- sedax analyze over input that is not a metrics log ----------------------------------------------------
+
+ANALYZE_PROBE = """
+import sys
+from cli.main import main
+code = main(sys.argv[1:])
+print(code, "pyspark" in sys.modules)
+"""
+
+
+def test_analyze_over_garbage_is_one_line_before_spark_starts(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    (logs / "deep").mkdir(parents=True)
+    (logs / "a.jsonl").write_bytes(random.Random(1).randbytes(5000))
+    (logs / "deep" / "b.jsonl").write_text('hello\n{"x": 1}\n[1, 2]\n\n{"schema": 2, "type": "event"}\n')
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-c", ANALYZE_PROBE, "analyze", str(logs), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert res.stdout.split() == ["1", "False"], res.stdout + res.stderr  # exit 1, and Spark was never loaded
+    line = _one_line_error(res.stderr)
+    assert "no metrics-log records" in line and "2 *.jsonl file(s)" in line and "--log-dir" in line
+    assert res.stderr.strip() == line
+    assert not out.exists()
