@@ -1,7 +1,8 @@
-"""`sedax topics`: every topic of the cluster with its coordinate, holders, stored bytes and subscribers.
+"""`sedax topics`: every topic of the cluster with its coordinate, holders, stored bytes, subscribers and rate.
 
 The overlay is crawled from one broker (client/crawl.py: STATUS of every broker reachable from it); each
-broker's STATUS lists the topics it holds and its role for each (primary, secondary, tertiary, delegate, home).
+broker's STATUS lists the topics it holds and its role for each (primary, secondary, tertiary, delegate, home),
+and for those it is primary of how many messages it stored in the last RATE_WINDOW seconds (the rate).
 Each topic is then located once (LOCATE, answered by its primary) for its coordinate and subscriber count.
 """
 
@@ -25,13 +26,17 @@ from client.admin import AdminError
 from client.client import Client, ClientError
 from client.crawl import crawl
 from net.credentials import Credentials
+from overlay.protocol import RATE_WINDOW
 
 # LOCATE requests in flight at once.
 LOCATE_PARALLEL = 32
 
 
 async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> list[dict[str, Any]]:  # noqa: ASYNC109
-    """One dict per topic (sorted by name): name, coord, home, holders by role, bytes, subscribers."""
+    """One dict per topic (sorted by name): name, coord, home, holders by role, bytes, subscribers, rate.
+
+    rate is msg/s over the last RATE_WINDOW s, None if the topic's primary is a broker too old to say.
+    """
     found = None
     last: AdminError | None = None
     for addr in addrs:  # the first broker that answers is the crawl's start
@@ -45,11 +50,14 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
         raise last
     holders: dict[str, dict[str, list[str]]] = {}
     sizes: dict[str, int] = {}
+    recent: dict[str, int] = {}
     for nid, st in sorted(found.statuses.items()):
         for h in st.held:
             holders.setdefault(h.topic, {}).setdefault(h.role, []).append(nid)
             if h.role in ("primary", "delegate"):
                 sizes[h.topic] = max(sizes.get(h.topic, 0), h.size)
+        for topic, n in st.recent.items():  # two primaries for a moment during a move: the larger count
+            recent[topic] = max(recent.get(topic, 0), n)
     sem = asyncio.Semaphore(LOCATE_PARALLEL)
     out: list[dict[str, Any]] = []
     async with Client(addrs, request_timeout=timeout, reconnect=False, credentials=creds) as c:
@@ -73,6 +81,7 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
     for row in located:
         topic = row["topic"]
         row.setdefault("bytes", sizes.get(topic, 0))
+        row["rate"] = round(recent[topic] / RATE_WINDOW, 3) if topic in recent else None
         row["holders"] = {role: ids for role, ids in sorted(holders[topic].items())}
         out.append(row)
     return out
@@ -93,20 +102,23 @@ def _cmd_topics(args: argparse.Namespace) -> int:
     if not rows:
         print("no topics")
         return 0
-    print(f"{'TOPIC':<36} {'COORD':<17} {'PRIMARY':<10} {'SECONDARY':<10} {'BYTES':>12} {'SUBS':>5}")
+    print(f"{'TOPIC':<36} {'COORD':<17} {'PRIMARY':<10} {'SECONDARY':<10} {'BYTES':>12} {'SUBS':>5} {'MSG/S':>9}")
     for r in rows:
         coord = f"{r['coord'][0]:.4f},{r['coord'][1]:.4f}" if "coord" in r else "?"
         h = r["holders"]
         primary = ",".join(h.get("primary", []) or h.get("delegate", [])) or "-"
         secondary = ",".join(h.get("secondary", [])) or "-"
         subs = r.get("subscribers", "?")
-        print(f"{r['topic']:<36} {coord:<17} {primary:<10} {secondary:<10} {r['bytes']:>12} {subs:>5}")
+        rate = "-" if r["rate"] is None else f"{r['rate']:.2f}"
+        print(f"{r['topic']:<36} {coord:<17} {primary:<10} {secondary:<10} {r['bytes']:>12} {subs:>5} {rate:>9}")
     return 0
 
 
 def register(subparsers: Any) -> None:
     """Add the `topics` subcommand."""
-    p = subparsers.add_parser("topics", help="list every topic of the cluster with its holders")
+    p = subparsers.add_parser(
+        "topics", help=f"list every topic of the cluster: holders, bytes, subscribers, msg/s over {RATE_WINDOW} s"
+    )
     add_broker_flag(p, what="any broker of the cluster (the overlay is crawled from the first that answers)")
     p.add_argument("--json", action="store_true", help="print one JSON list")
     p.add_argument("--timeout", type=seconds, default=5.0, help="seconds per broker request (5)")

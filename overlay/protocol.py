@@ -29,7 +29,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, TypeAlias, TypeVar, get_args
 
@@ -642,6 +642,11 @@ register_field_type(
 )
 
 
+# STATUS `recent` counts the messages a topic's primary stored in this many seconds before it answered:
+# `sedax topics` shows recent / RATE_WINDOW as the topic's rate (msg/s).
+RATE_WINDOW: Final = 60
+
+
 @register_message
 @dataclass(frozen=True, slots=True)
 class Status(Message):
@@ -657,6 +662,9 @@ class Status(Message):
     counters: dict[str, int]
     resilience: int
     held: tuple[TopicHeld, ...] = ()
+    # Per topic held as primary or delegate: messages stored in the last RATE_WINDOW s (and still kept).  A
+    # STATUS of a broker that predates the field decodes to {}: the CLI then shows no rate.
+    recent: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)

@@ -10,12 +10,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client
 from overlay.geometry import closest
+from overlay.protocol import RATE_WINDOW, NodeInfo, Status, TopicHeld, decode_message, encode_message
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +57,10 @@ async def test_route_json(cluster3: LocalCluster) -> None:
     assert r["node"]["listen"] == cluster3.nodes[int(want[1:])].listen
     assert r["hops"] == len(r["path"]) - 1 == 1
     assert [p["id"] for p in r["path"]] == [src.node_id, want]
+    text = await asyncio.to_thread(_cli, "route", "0.5,0.9", "--broker", src.listen)
+    assert (
+        text.returncode == 0 and f"-> {want} at " in text.stdout and text.stdout.splitlines()[0].endswith(" in 1 hop")
+    )
 
 
 @pytest.mark.parametrize(
@@ -129,6 +135,25 @@ async def test_topics_lists_every_topic_with_its_holders(cluster3: LocalCluster)
         assert r["bytes"] > 0 and r["subscribers"] == (1 if i == 0 else 0)
     assert rows[names[3]]["bytes"] > rows[names[0]]["bytes"]
     assert text.returncode == 0 and all(t in text.stdout for t in names)
+    # Rate: topic i got i + 1 messages just now, so (i + 1) / RATE_WINDOW msg/s.
+    assert [rows[t]["rate"] for t in names] == [round((i + 1) / RATE_WINDOW, 3) for i in range(4)]
+    lines = text.stdout.splitlines()
+    assert lines[0].split()[-1] == "MSG/S"
+    assert [ln.split()[-1] for ln in lines if ln.startswith(names[3])] == [f"{4 / RATE_WINDOW:.2f}"]
+    # status names the topics a broker holds, in text, without a Python dict.
+    holder = next(bp for bp in cluster3.nodes if bp.node_id == rows[names[0]]["holders"]["primary"][0])
+    status = await asyncio.to_thread(_cli, "status", "--broker", holder.listen)
+    assert status.returncode == 0 and names[0] in status.stdout and "{" not in status.stdout, status.stdout
+
+
+def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
+    st = Status(
+        1, NodeInfo("n0", (0.5, 0.5), "127.0.0.1:7000"), (), (), ("t",), {}, {}, 2, (TopicHeld("t", "primary", 9),)
+    )
+    wire = msgpack.unpackb(encode_message(st))
+    del wire["recent"]  # what a broker from before the field sends
+    old = decode_message(msgpack.packb(wire))
+    assert isinstance(old, Status) and old.recent == {} and old.held == st.held
 
 
 async def _holders_of(cluster: LocalCluster, topic: str) -> list[str]:
