@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from cli import analysis as cli_analysis
 from cli import certs as cli_certs
+from cli import completion as cli_completion
 from cli import demo
 from cli import overlay as cli_overlay
 from cli import pubsub as cli_pubsub
@@ -55,6 +56,7 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
         sim_cli.register(sub)
     cli_analysis.register(sub)
     cli_certs.register(sub)
+    cli_completion.register(sub)
     return parser
 
 

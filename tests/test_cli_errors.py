@@ -81,6 +81,7 @@ def _one_line_error(err: str) -> str:
         (["status", "--broker", f"{DEAD},127.0.0.1:2"], 1, "127.0.0.1:2"),
         (["cluster", "up", "--coords", "/nonexistent"], 1, "cannot read --coords"),
         (["cluster", "down", "--state-dir", "/nonexistent"], 1, "no readable cluster state"),
+        (["completion", "fish"], 2, "invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_with_the_right_exit_code(
