@@ -217,7 +217,8 @@ TOKENS = st.sampled_from(
      "--rate", "--json", "--ca", "/nonexistent", "--cert", "--key", "--token", "x", "--insecure", "t", "a/b",
      "", " ", "0.5,0.5", "1e13,0", ",", "--all", "--topics", "--prefix", "#", "+", "\x00", "é", "--help-me"]
 )  # fmt: skip
-COMMANDS = ["pub", "sub", "locate", "status", "route", "move", "balance", "load", "topics-nope", "cluster"]
+COMMANDS = ["pub", "sub", "locate", "status", "route", "move", "balance", "load", "topics", "topics-nope", "cluster",
+            "completion"]  # fmt: skip
 
 
 @settings(max_examples=150, deadline=None)
