@@ -197,9 +197,15 @@ class LocalCluster:
         return [ready[int(i)] for i in picks]
 
     def spawn(
-        self, coord: Coord | None = None, join: Sequence[str] | None = None, *extra: str, index: int | None = None
+        self,
+        coord: Coord | None = None,
+        join: Sequence[str] | None = None,
+        *extra: str,
+        index: int | None = None,
+        listen: str = "127.0.0.1:0",
     ) -> BrokerProcess:
-        """Start one broker process without waiting for it (see `add`); index: start broker `index` again."""
+        """Start one broker process without waiting for it (see `add`); index: start broker `index` again;
+        listen: its address (the default lets the OS choose a port)."""
         assert self.state_dir is not None
         again = index is not None
         index = len(self.nodes) if index is None else index
@@ -207,7 +213,7 @@ class LocalCluster:
         node_id = f"n{index}"
         joins = list(join) if join is not None else self._join_addresses()
         args = [sys.executable, "-m", "broker", "--coord", f"{c[0]!r},{c[1]!r}", "--node-id", node_id]
-        args += ["--listen", "127.0.0.1:0", "--resilience", str(self.resilience), *self.tls_args(node_id)]
+        args += ["--listen", listen, "--resilience", str(self.resilience), *self.tls_args(node_id)]
         if self.data_dirs:
             args += ["--data-dir", str(self.data_dir(index))]
         if self.space != UNIT_SQUARE:
@@ -243,13 +249,14 @@ class LocalCluster:
         return self.state_dir / "data" / f"n{index}"
 
     async def restart(self, i: int, *extra: str) -> BrokerProcess:
-        """Start broker i again (after stop or kill): same coordinate, node id and data directory; it joins
-        through the running brokers, or starts alone if none runs."""
+        """Start broker i again (after stop or kill): same coordinate, node id, address and data directory (as an
+        operator restarts a broker, so clients find it where it was); it joins through the running brokers, or
+        starts alone if none runs."""
         old = self.nodes[i]
         if old.alive:
             raise ClusterError(f"broker {i} is still running: stop or kill it first")
         joins = [bp.listen for bp in self.nodes if bp.listen and bp.alive and bp.index != i][:3]
-        bp = self.spawn(old.coord, joins, *extra, index=i)
+        bp = self.spawn(old.coord, joins, *extra, index=i, listen=old.listen or "127.0.0.1:0")
         await self.wait_ready(bp)
         return bp
 

@@ -28,7 +28,7 @@ import os
 import random
 import secrets
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Self
@@ -146,8 +146,14 @@ class Subscription:
         self._maxsize = maxsize
         self._wakeup = asyncio.Event()
         self._last_seq: dict[str, int] = {}
+        self._last_ts: dict[str, float] = {}  # publisher -> ts of its last message handed out
+        # Messages held back behind a gap in their publisher's sequence while the client fetches what is
+        # missing (a DELIVER lost with a dying link or access broker): publisher -> seq -> record.
+        self._behind: dict[str, dict[int, Record]] = {}
+        self._repairing = False
         self.dropped = 0  # messages dropped because the consumer was too slow
         self.duplicates = 0  # re-deliveries after a failover, suppressed by (publisher, seq)
+        self.repaired = 0  # messages missing from the live stream that a FETCH filled in
         self.gaps = 0  # missing sequence numbers: messages lost with a failed broker (resilience level 1)
         self.closed = False
         self._warned = False
@@ -169,6 +175,36 @@ class Subscription:
         if last is not None and d.seq <= last:
             self.duplicates += 1
             return
+        behind = self._behind.get(d.publisher)
+        if behind is not None or (last is not None and d.seq > last + 1):
+            # A gap: hold this publisher's messages back and fetch what is missing; the publisher's order
+            # holds, and a message the live stream lost on the way still arrives (`_repair`).
+            if behind is None:
+                behind = self._behind[d.publisher] = {}
+            if d.seq not in behind:
+                behind[d.seq] = d
+            if not self._repairing:
+                self._repairing = True
+                self._client._spawn(self._client._repair(self))
+            return
+        self._hand_out(d)
+
+    def _release(self, publisher: str, fetched: Iterable[Record]) -> None:
+        """After a repair FETCH: hand out the held-back messages of publisher with what the fetch found, in
+        order; what is still missing was lost with a failed broker (counted and logged once)."""
+        behind = self._behind.pop(publisher, {})
+        last = self._last_seq.get(publisher, -1)
+        for rec in fetched:
+            if rec.publisher == publisher and rec.seq > last and rec.seq not in behind:
+                behind[rec.seq] = rec
+                self.repaired += 1
+        for seq in sorted(behind):
+            self._hand_out(behind[seq])
+
+    def _hand_out(self, d: Record) -> None:
+        last = self._last_seq.get(d.publisher)
+        if last is not None and d.seq <= last:
+            return
         if last is not None and d.seq > last + 1:
             self.gaps += d.seq - last - 1
             log.warning(
@@ -179,6 +215,7 @@ class Subscription:
                 d.seq,
             )
         self._last_seq[d.publisher] = d.seq
+        self._last_ts[d.publisher] = d.ts
         if self.since is None or d.ts > self.since:
             self.since = d.ts
         if len(self._queue) >= self._maxsize:
@@ -561,6 +598,34 @@ class Client:
         await self._catch_up(sub)
         if not sub.closed:
             await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+
+    async def _repair(self, sub: Subscription) -> None:
+        """Fetch what the live stream of sub lost before the messages it holds back (`Subscription._deliver`).
+
+        Per publisher with a gap, the stored messages from its last handed-out one up to the first held back
+        are read with FETCH; whatever the holders do not have either was lost with a failed broker."""
+        try:
+            while sub._behind and not sub.closed:
+                publisher = next(iter(sub._behind))
+                upto = min(r.ts for r in sub._behind[publisher].values())
+                since = sub._last_ts.get(publisher, 0.0)
+                found: list[Record] = []
+                try:
+                    while since < upto:
+                        reply = await self._request(Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE))
+                        assert isinstance(reply, Fetched)
+                        found += [r for r in reply.records if r.publisher == publisher and r.ts < upto]
+                        if not reply.more or not reply.records:
+                            break
+                        since = reply.records[-1].ts
+                except (RequestFailed, TimeoutError, ClientError) as exc:
+                    log.warning("topic %s: could not fetch the messages missing from the stream: %s", sub.topic, exc)
+                sub._release(publisher, found)
+        finally:
+            sub._repairing = False
+        if sub._behind and not sub.closed:  # more arrived behind a new gap while the last fetch ran
+            sub._repairing = True
+            self._spawn(self._repair(sub))
 
     async def _catch_up(self, sub: Subscription, wait: bool = True) -> bool:
         """Read what was stored since sub.since page by page, as fast as the consumer takes it.
