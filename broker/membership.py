@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final
 
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.routing import MAX_PENDING
-from net.credentials import connect_broker, peer_cert
+from net.credentials import connect_broker, peer_cert, source_address
 from net.transport import StreamTransport
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
@@ -46,6 +46,13 @@ from overlay.protocol import (
 # A join that found no address answering is tried again after this pause, doubling up to the maximum.
 JOIN_RETRY_FIRST: Final = 0.25
 JOIN_RETRY_MAX: Final = 2.0
+# A neighbour that *failed* (not one that left) may be alive on the other side of a partition.  Once its
+# tombstone lapses it is dialled again now and then, the pause doubling from REDIAL_FIRST to REDIAL_MAX, for
+# REDIAL_FOR seconds: when the partition heals, the two overlays find each other and merge into one Delaunay
+# overlay (their brokers exchange views), and pub/sub merges the two histories of every topic.
+REDIAL_FIRST: Final = 1.0
+REDIAL_MAX: Final = 10.0
+REDIAL_FOR: Final = 600.0
 
 if TYPE_CHECKING:
     from broker.config import BrokerConfig
@@ -91,6 +98,8 @@ class Membership:
     _advertised: frozenset[str]
     _known_ids: frozenset[str]
     _failed_since_view: set[str]
+    _lost: dict[str, tuple[NodeInfo, float, float, float]]  # failed neighbour -> (info, next dial, pause, until)
+    _redial_handle: asyncio.TimerHandle | None
     _reconcile_handle: asyncio.Handle | None
     _closing: bool
     _peer_up: asyncio.Event
@@ -151,7 +160,9 @@ class Membership:
     async def _join_via(self, addr: str) -> JoinAccept:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.config.connect_timeout):
-            reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
+            reader, writer = await connect_broker(
+                host, port, self.guard.dial_context, self.config.connect_timeout, source_address(self.info.listen)
+            )
         link = self._new_link(StreamTransport(reader, writer), outbound=True)
         hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
         try:
@@ -287,32 +298,59 @@ class Membership:
         if self.stats.healing_since is not None:
             self._check_healed(frozen)
 
-    async def _dial(self, info: NodeInfo) -> None:
+    async def _dial(self, info: NodeInfo, *, quiet: bool = False) -> None:
         try:
             host, port = parse_address(info.listen)
             async with asyncio.timeout(self.config.connect_timeout):
-                reader, writer = await connect_broker(host, port, self.guard.dial_context, self.config.connect_timeout)
+                reader, writer = await connect_broker(
+                    host, port, self.guard.dial_context, self.config.connect_timeout, source_address(self.info.listen)
+                )
             problem = self.guard.dialled_peer_problem(peer_cert(writer.get_extra_info("peercert")), info.id)
             if problem is not None:
                 writer.transport.abort()
-                self._give_up(info.id, problem)
+                self._give_up(info.id, problem, quiet=quiet)
                 return
             link = self._new_link(StreamTransport(reader, writer), outbound=True)
             hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
             ok = await link.open(hello)
             if ok.node.id != info.id:
                 await link.aclose(CloseReason.UNLINKED, f"expected {info.id} at {info.listen}, found {ok.node.id}")
-                self._give_up(info.id, f"{info.listen} is now {ok.node.id}")
+                self._give_up(info.id, f"{info.listen} is now {ok.node.id}", quiet=quiet)
         except HandshakeRefused as exc:
-            self._give_up(info.id, str(exc))
+            self._give_up(info.id, str(exc), quiet=quiet)
         except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
-            self._give_up(info.id, repr(exc))
+            self._give_up(info.id, repr(exc), quiet=quiet)
         finally:
             self._dialing.pop(info.id, None)
             self._schedule_reconcile()
 
-    def _give_up(self, nid: str, why: str) -> None:
+    def _schedule_redial(self) -> None:
+        if self._redial_handle is not None or self._closing or not self._lost:
+            return
+        due = min(t for _, t, _, _ in self._lost.values())
+        self._redial_handle = asyncio.get_running_loop().call_at(max(due, self._now()), self._redial)
+
+    def _redial(self) -> None:
+        """Dial the failed neighbours that are due (see REDIAL_FIRST); a link that comes up merges the views."""
+        self._redial_handle = None
+        if self._closing:
+            return
+        now = self._now()
+        known = self.view.known()
+        for nid, (info, due, pause, until) in list(self._lost.items()):
+            if nid in self.peers or nid in known or now > until:
+                del self._lost[nid]  # back in this overlay (or given up on)
+            elif due <= now and nid not in self._dialing:
+                self._lost[nid] = (info, now + pause, min(pause * 2, REDIAL_MAX), until)
+                self._dialing[nid] = self.tasks.spawn(self._dial(info, quiet=True), f"redial-{nid}")
+        self._schedule_redial()
+
+    def _give_up(self, nid: str, why: str, *, quiet: bool = False) -> None:
         if nid in self.peers or self._closing:
+            return
+        if quiet:
+            self.log.debug("%s still unreachable (%s)", nid, why)
+            self.view.forget(nid, self._now(), self.config.tombstone_ttl)
             return
         self.log.info("cannot link to %s (%s); treating it as gone for %.1f s", nid, why, self.config.tombstone_ttl)
         self.view.forget(nid, self._now(), self.config.tombstone_ttl)
@@ -358,6 +396,11 @@ class Membership:
 
     def _note_failure(self, peer: str) -> None:
         self.event("failure", peer=peer)
+        info = self.view.nodes.get(peer)
+        if info is not None:
+            now = self._now()
+            self._lost[peer] = (info, now + self.config.tombstone_ttl, REDIAL_FIRST, now + REDIAL_FOR)
+            self._schedule_redial()
         if self.stats.healing_since is None:
             # time.monotonic, not the loop's clock: uvloop's has millisecond steps and a heal can take less.
             self.stats.healing_since = time.monotonic()

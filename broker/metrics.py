@@ -37,6 +37,8 @@ log = logging.getLogger("sedax.metrics")
 
 # ------------------------------------------------------------------------------------------- collector
 
+# Replica states always exported (broker/pubsub/replica.py OPERATOR_STATE), 0 when none is in them.
+REPLICA_STATES: Final = ("caught_up", "recovering", "syncing", "retiring")
 # Counter keys (Observed.counter_values) with their exported names (without `_total`) and help texts.
 COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "forwarded": ("sedax_forwarded_messages", "Routed messages this broker passed on toward their destination."),
@@ -119,6 +121,31 @@ class BrokerCollector:
             stored.add_metric([role], float(sizes[role]))
         yield topics
         yield stored
+
+        states: dict[str, int] = dict.fromkeys(REPLICA_STATES, 0)
+        behind = pending = 0
+        for state, late, waiting in b.replica_states().values():
+            states[state] = states.get(state, 0) + 1
+            behind += late
+            pending += waiting
+        replicas = GaugeMetricFamily(
+            "sedax_topic_replicas",
+            "Topic replicas held, by state with the other holders (caught_up, recovering, syncing, retiring, ...).",
+            labels=["state"],
+        )
+        for state, n in states.items():
+            replicas.add_metric([state], float(n))
+        yield replicas
+        yield GaugeMetricFamily(
+            "sedax_replication_behind_bytes",
+            "Bytes stored here not yet confirmed by the other holders (unconfirmed batches, records still offered).",
+            value=behind,
+        )
+        yield GaugeMetricFamily(
+            "sedax_sync_pending",
+            "Pulls and offers under way between this broker and a topic's other holders.",
+            value=pending,
+        )
 
         g = b.gauges()
         yield GaugeMetricFamily(

@@ -114,6 +114,8 @@ class Broker(Membership, Routing):
         self._session_of: dict[PeerLink, str] = {}
         self._known_ids: frozenset[str] = frozenset()
         self._failed_since_view: set[str] = set()
+        self._lost: dict[str, tuple[NodeInfo, float, float, float]] = {}
+        self._redial_handle: asyncio.TimerHandle | None = None
         self.port = PubSubPort(self)
         retention = Retention(config.retention_seconds, config.retention_bytes)
         disk = DiskStore(Path(config.data_dir), config.fsync_policy) if config.on_disk and config.data_dir else None
@@ -211,6 +213,8 @@ class Broker(Membership, Routing):
         self.event("leave")
         if self._reconcile_handle is not None:
             self._reconcile_handle.cancel()
+        if self._redial_handle is not None:
+            self._redial_handle.cancel()
         if self._listener is not None:
             self._listener.close()
         leave = Leave(tuple(self.view.infos(set(self.peers) | self._advertised)))
@@ -376,6 +380,7 @@ class Broker(Membership, Routing):
             **self._security_counters(),
         }
         held = sorted(self.pubsub.topics())
+        states = self.pubsub.replica_states()
         since = time.time() - RATE_WINDOW  # the clock records are stamped with (the pub/sub port's now())
         store = self.pubsub.store
         recent = {
@@ -394,7 +399,9 @@ class Broker(Membership, Routing):
             # unencodable: msgpack integers are 64-bit.
             counters={k: min(v, MAX_CORR) for k, v in counters.items()},
             resilience=self.config.resilience,
-            held=tuple(TopicHeld(name, role, size) for name, role, size in held[:1000]),
+            held=tuple(
+                TopicHeld(name, role, size, *states.get(name, ("caught_up", 0, 0))) for name, role, size in held[:1000]
+            ),
             recent=recent,
         )
 
@@ -454,6 +461,10 @@ class Broker(Membership, Routing):
     def held_topics(self) -> list[tuple[str, str, int]]:
         """(topic, role, stored bytes) of every topic held (stats.Observed)."""
         return self.pubsub.topics()
+
+    def replica_states(self) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pending) of every replica held (stats.Observed)."""
+        return self.pubsub.replica_states()
 
     def gauges(self) -> Gauges:
         """Neighbours, links and sessions right now (stats.Observed)."""

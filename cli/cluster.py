@@ -98,6 +98,8 @@ class LocalCluster:
             TLS unless the environment sets SEDAX_INSECURE (None).
         data_dirs: every broker keeps its topics on disk in state_dir/data/n<index> (docs/storage.md); a
             broker started again (`restart`) finds its data there.
+        hosts: every broker on a loopback address of its own, 127.0.0.(10 + index), from which it also dials its
+            peers, so that firewall rules (tests: nftables) can cut the links between chosen brokers.
         detached: leave the brokers running when this process exits (`sedax cluster up`, which hands them
             to `sedax cluster down`); otherwise (Linux) they get SIGTERM when their owner dies, even by SIGKILL.
     """
@@ -113,6 +115,7 @@ class LocalCluster:
     tls: bool | None = None
     detached: bool = False
     data_dirs: bool = False
+    hosts: bool = False
     _rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -155,11 +158,19 @@ class LocalCluster:
         cert, key = certs.ensure_issued(self.certs_dir, name, role)
         return Credentials(ca=str(certs.ca_paths(self.certs_dir)[0]), cert=str(cert), key=str(key))
 
-    def tls_args(self, name: str) -> list[str]:
-        """Broker flags for TLS as node name (certificate issued on first use), or --insecure."""
+    def host(self, index: int) -> str:
+        """The loopback address broker `index` listens on (127.0.0.1 unless `hosts`)."""
+        if not self.hosts:
+            return "127.0.0.1"
+        if index > 240:
+            raise ClusterError("hosts=True gives brokers 127.0.0.10 .. 127.0.0.250: at most 241 of them")
+        return f"127.0.0.{10 + index}"
+
+    def tls_args(self, name: str, host: str = "127.0.0.1") -> list[str]:
+        """Broker flags for TLS as node name (certificate issued on first use, valid for host), or --insecure."""
         if not self.tls:
             return ["--insecure"]
-        cert, key = certs.ensure_issued(self.certs_dir, name, "broker")
+        cert, key = certs.ensure_issued(self.certs_dir, name, "broker", [host])
         ca = certs.ca_paths(self.certs_dir)[0]
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
 
@@ -202,7 +213,7 @@ class LocalCluster:
         join: Sequence[str] | None = None,
         *extra: str,
         index: int | None = None,
-        listen: str = "127.0.0.1:0",
+        listen: str | None = None,
     ) -> BrokerProcess:
         """Start one broker process without waiting for it (see `add`); index: start broker `index` again;
         listen: its address (the default lets the OS choose a port)."""
@@ -211,9 +222,11 @@ class LocalCluster:
         index = len(self.nodes) if index is None else index
         c = coord if coord is not None else self._next_coord()
         node_id = f"n{index}"
+        listen = listen or f"{self.host(index)}:0"
         joins = list(join) if join is not None else self._join_addresses()
         args = [sys.executable, "-m", "broker", "--coord", f"{c[0]!r},{c[1]!r}", "--node-id", node_id]
-        args += ["--listen", listen, "--resilience", str(self.resilience), *self.tls_args(node_id)]
+        host = listen.rsplit(":", 1)[0]
+        args += ["--listen", listen, "--resilience", str(self.resilience), *self.tls_args(node_id, host)]
         if self.data_dirs:
             args += ["--data-dir", str(self.data_dir(index))]
         if self.space != UNIT_SQUARE:
@@ -256,7 +269,7 @@ class LocalCluster:
         if old.alive:
             raise ClusterError(f"broker {i} is still running: stop or kill it first")
         joins = [bp.listen for bp in self.nodes if bp.listen and bp.alive and bp.index != i][:3]
-        bp = self.spawn(old.coord, joins, *extra, index=i, listen=old.listen or "127.0.0.1:0")
+        bp = self.spawn(old.coord, joins, *extra, index=i, listen=old.listen or None)
         await self.wait_ready(bp)
         return bp
 

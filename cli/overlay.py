@@ -86,7 +86,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"loads (bytes): {loads}")
     print(f"topics ({len(st['topics'])}):")
     for t in sorted(st["topics"], key=lambda t: t["topic"]):
-        print(f"  {t['topic']:<40} {t['role']:<10} {t['size']:>12} B")
+        state = t["state"]
+        if t["behind"]:
+            state += f", {t['behind']} B behind"
+        if t["pending"]:
+            state += f", {t['pending']} pending"
+        print(f"  {t['topic']:<40} {t['role']:<10} {t['size']:>12} B  {state}")
     return 0
 
 

@@ -230,7 +230,17 @@ def status_json(st: Status) -> dict[str, object]:
         "coord": [st.node.coord[0], st.node.coord[1]],
         "listen": st.node.listen,
         "neighbours": [n.to_json() for n in st.neighbours],
-        "topics": [{"topic": h.topic, "role": h.role, "size": h.size} for h in st.held],
+        "topics": [
+            {
+                "topic": h.topic,
+                "role": h.role,
+                "size": h.size,
+                "state": h.state,
+                "behind": h.behind,
+                "pending": h.pending,
+            }
+            for h in st.held
+        ],
         "loads": dict(st.loads),
         "resilience": st.resilience,
         "counters": dict(st.counters),

@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import ipaddress
 import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
+
+from overlay.protocol import parse_address
 
 ENV_CA: Final = "SEDAX_CA"
 ENV_CERT: Final = "SEDAX_CERT"
@@ -173,16 +176,18 @@ async def open_stream(
 
 
 async def connect_broker(
-    host: str, port: int, ctx: ssl.SSLContext | None, handshake_timeout: float
+    host: str, port: int, ctx: ssl.SSLContext | None, handshake_timeout: float, source: str | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Plain TCP (ctx None), or TLS verifying the broker's certificate: CA, address (SAN) and OU=broker.
 
+    source: the local address to connect from (a broker's own listen address, `source_address`).
     Raises OSError (ssl.SSLError for a failed handshake, NotABroker) or TimeoutError.
     """
+    local = (source, 0) if source is not None else None
     if ctx is None:
-        return await asyncio.open_connection(host, port)
+        return await asyncio.open_connection(host, port, local_addr=local)
     reader, writer = await asyncio.open_connection(
-        host, port, ssl=ctx, server_hostname=host, ssl_handshake_timeout=handshake_timeout
+        host, port, ssl=ctx, server_hostname=host, ssl_handshake_timeout=handshake_timeout, local_addr=local
     )
     cert = peer_cert(writer.get_extra_info("peercert"))
     if cert is None or cert.role != ROLE_BROKER:
@@ -192,6 +197,18 @@ async def connect_broker(
             f"{cert.role if cert else '?'}, not a broker certificate (OU=broker) of the cluster CA"
         )
     return reader, writer
+
+
+def source_address(listen: str) -> str | None:
+    """The address a broker listening on `listen` connects to its peers from: the listen address itself when it
+    is a specific IP (a broker bound to one address of a multi-homed host talks from it, and firewall rules
+    that name a broker's address see all of its traffic); None (the kernel chooses) for a wildcard or a name."""
+    try:
+        host, _ = parse_address(listen)
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return None if ip.is_unspecified else str(ip)
 
 
 def add_credential_flags(parser: argparse.ArgumentParser) -> None:

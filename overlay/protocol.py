@@ -621,23 +621,36 @@ class StatusReq(Message):
 
 @dataclass(frozen=True, slots=True)
 class TopicHeld:
-    """A topic a broker holds, its role there (primary, delegate, secondary, tertiary, home) and its bytes."""
+    """A topic a broker holds, its role there (primary, delegate, secondary, tertiary, home) and its bytes.
+
+    `state` is where the replica stands with the other holders (docs/storage.md): caught_up, recovering (read
+    back from disk, not yet compared), syncing (pulling what it lacks before it serves), retiring (handing its
+    records on before it lets go), moving (a delegation hand-over), placing (Alg. 1 choosing a coordinate).
+    `behind` is the bytes not yet confirmed between it and the other holders (a primary: stored, not yet
+    confirmed by the secondary; a retiring copy: what it still offers), `pending` the pulls or offers under way.
+    """
 
     topic: str
     role: str
     size: int
+    state: str = "caught_up"
+    behind: int = 0
+    pending: int = 0
 
 
 def _dec_held(v: Any) -> TopicHeld:
     items = dec_list(v)
-    if len(items) != 3:
-        raise ValueError("a held topic is [topic, role, size]")
-    return TopicHeld(dec_str(items[0]), dec_str(items[1]), dec_int(items[2]))
+    if not 3 <= len(items) <= 6:
+        raise ValueError("a held topic is [topic, role, size, state, behind, pending] (the last three optional)")
+    state = dec_str(items[3]) if len(items) > 3 else "caught_up"
+    behind = dec_int(items[4]) if len(items) > 4 else 0
+    pending = dec_int(items[5]) if len(items) > 5 else 0
+    return TopicHeld(dec_str(items[0]), dec_str(items[1]), dec_int(items[2]), state, behind, pending)
 
 
 register_field_type(
     "tuple[TopicHeld, ...]",
-    lambda hs: [[h.topic, h.role, h.size] for h in hs],
+    lambda hs: [[h.topic, h.role, h.size, h.state, h.behind, h.pending] for h in hs],
     lambda v: tuple(_dec_held(x) for x in dec_list(v)),
 )
 

@@ -533,3 +533,28 @@ def test_anti_entropy_fills_a_stretch_the_secondary_missed() -> None:
         pub.request("p", Publish(topic, "P", i, b"x", i))
     net.tick(6.0)
     assert sorted(r[2] for r in log.rows) == list(range(12))
+
+
+def test_an_operator_sees_a_retiring_replica_until_its_records_are_confirmed() -> None:
+    net = Net(grid(10, seed=6), resilience=2)
+    topic = "grid/operator/view"
+    c = geohash(topic)
+    pub = net.nodes["n9"] if locate(net, topic).primary.id != "n9" else net.nodes["n8"]
+    for i in range(5):
+        pub.request("p", Publish(topic, "P", i, b"xyz", i))
+    old = locate(net, topic)
+    assert old.secondary is not None
+    sec = net.nodes[old.secondary.id]
+    assert sec.ps.replica_states()[topic] == ("caught_up", 0, 0)
+    # A join ranks the secondary out; its offers are lost on the way (a blackhole), so it stays RETIRING,
+    # with what it still offers as bytes behind and one offer per holder pending.
+    net.blackhole = {n.coord for n in net.live().values() if n.id != sec.me.id} | {_near(c, 0.001)}
+    net.join(_near(c, 0.001))
+    state, behind, pending = sec.ps.replica_states()[topic]
+    assert state == "retiring"
+    assert behind == sec.ps.store.get(topic).size > 0
+    assert pending == 2
+    # Once the network delivers again, the next offer is confirmed and the replica is gone.
+    net.blackhole = set()
+    net.tick(2.5)
+    assert topic not in sec.ps.replica_states()

@@ -211,6 +211,10 @@ class PubSub:
         """(topic, role, stored bytes) for every topic held (loads.py)."""
         return self.accounting.topics()
 
+    def replica_states(self) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pulls or offers pending) (loads.py)."""
+        return self.accounting.replica_states()
+
     def topic_coord(self, topic: str) -> Coord | None:
         return self.accounting.topic_coord(topic)
 

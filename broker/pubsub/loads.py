@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, same
-from broker.pubsub.replica import Stage
+from broker.pubsub.replica import OPERATOR_STATE, Stage
 from overlay.delegation import NodeLoad, TertiaryNote
 from overlay.geometry import Coord
 from overlay.load import failure_sums, l3_additional
@@ -55,6 +55,21 @@ class LoadRole:
             home = self.t.home(topic)
             if not same(dl[-1].coord, home) and self.t.closest_id(home) == me:
                 out.append((topic, "home", 0))
+        return out
+
+    def replica_states(self) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pulls or offers pending) for every replica held (TopicHeld says what
+        each means): what an operator watches while data follows a membership change."""
+        out = {}
+        for r in self.t.replicas.values():
+            state = OPERATOR_STATE[r.stage]
+            if r.stage is Stage.RETIRING:
+                behind = r.log.size
+            elif r.rank == 1:
+                behind = sum(len(x.payload) for x in r.undelivered)
+            else:
+                behind = 0
+            out[r.name] = (state, behind, len(r.pulling) + len(r.offers))
         return out
 
     def topic_coord(self, topic: str) -> Coord | None:

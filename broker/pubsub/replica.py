@@ -134,6 +134,20 @@ WAITING: Final = frozenset(
 )
 # Stages that pull the history from the other holders.
 PULLING: Final = frozenset({Stage.SYNCING, Stage.TAKING_OVER})
+# What an operator sees of a stage (`sedax status`, the metrics; overlay.protocol.TopicHeld): where the replica
+# stands with the topic's other holders.
+OPERATOR_STATE: Final[dict[Stage, str]] = {
+    Stage.HOLDING: "caught_up",
+    Stage.SERVING: "caught_up",
+    Stage.SYNCING: "syncing",
+    Stage.TAKING_OVER: "syncing",
+    Stage.PLACING: "placing",
+    Stage.HANDING_OVER: "moving",
+    Stage.RECEIVING: "moving",
+    Stage.RECOVERING: "recovering",
+    Stage.RETIRING: "retiring",
+    Stage.GONE: "gone",
+}
 
 
 class IllegalReplicaTransition(LocalProtocolError):
