@@ -70,7 +70,7 @@ POLICIES: Final = ("memory", "always", "batch", "interval:50", "never")
 SEDAX_MODES: Final = ("seq", "window", "window-1")
 JS_MODES: Final = ("seq", "window")
 READY_TIMEOUT: Final = 30.0
-IDLE_TIMEOUT: Final = 10.0
+IDLE_TIMEOUT: Final = 30.0
 # After the END marker the subscriber waits until nothing arrived for this long (stragglers of other clients).
 LINGER: Final = 0.5
 STOP_GRACE: Final = 10.0
