@@ -1,10 +1,13 @@
 """Distributed load balancing on a live broker (Sec. V, VI): load reports, coordinate queries, Alg. 1 and 2.
 
-Every broker sends its load record to its neighbours every `load_report_interval`, together with the records
-its neighbours sent it, so it knows its 2-hop region (`overlay.region`).  It answers coordinate queries from
-that knowledge: IndCoord (the metrics of the coordinate asked about), BestLocalCoord (the best of 200
-candidates in its own Voronoi cell, Sec. V-E) and flooded queries (BestRegionalCoord within n_hops of the
-node reached, BestGlobalCoord everywhere), each node answering the query's origin directly.
+Every broker sends its load record to its neighbours, together with the records its neighbours sent it, so it
+knows its 2-hop region (`overlay.region`).  It looks every `load_report_interval` and reports when a load it
+would report changed by more than `load_report_threshold` (relative), when its neighbours changed, or when
+`load_report_refresh` has passed: an idle overlay sends one report per link per refresh, not one a second.
+It answers coordinate queries from that knowledge: IndCoord (the metrics of the coordinate asked about),
+BestLocalCoord (the best of 200 candidates in its own Voronoi cell, Sec. V-E) and flooded queries
+(BestRegionalCoord within n_hops of the node reached, BestGlobalCoord everywhere), each node answering the
+query's origin directly.
 
 The decisions are the simulator's: `overlay.balance.decide` picks Tiebreaker(C*) and moves only when it is
 better than the topic's current coordinate, by at least `min_gain` of its L_max (hysteresis).  Alg. 2 runs
@@ -122,6 +125,13 @@ class Balancer:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._cand_key: tuple[tuple[float, float], ...] | None = None
         self._cand: FloatArray | None = None
+        # What the last report said (load values by node id), to whom and when: a report goes out again only
+        # when it changed enough, the neighbours changed or the refresh is due.
+        self._reported: dict[str, tuple[tuple[str, ...], tuple[float, ...]]] = {}
+        self._reported_to: frozenset[str] = frozenset()
+        self._reported_at = float("-inf")
+        self._next_look = float("-inf")
+        self.refresh = max(config.load_report_refresh, config.load_report_interval)
         seed = int.from_bytes(hashlib.sha256(port.me.id.encode()).digest()[:8], "big")
         self.rng = np.random.default_rng(seed)
         self.counters: dict[str, int] = {
@@ -144,18 +154,18 @@ class Balancer:
     # ----------------------------------------------------------------------------------------- lifecycle
 
     def start(self, loop_time: Callable[[], float]) -> None:
-        """Start the report loop, and the Alg. 2 loop when balancing is continuous."""
+        """Start the Alg. 2 loop when balancing is continuous; the owner calls `tick` for the load reports."""
         self._now = loop_time
-        self.tasks.spawn(self._report_loop(), "load-reports")
         if self.mode.continuous:
             self.tasks.spawn(self._balance_loop(), "balancer")
         if self.mode.at_addition:
             self.pubsub.placer = self.place
 
-    async def _report_loop(self) -> None:
-        while True:
-            self.send_reports()
-            await asyncio.sleep(self.config.load_report_interval)
+    def tick(self, now: float) -> None:
+        """On the broker's ticker: look at the loads every load_report_interval and report if due."""
+        if now >= self._next_look:
+            self._next_look = now + self.config.load_report_interval
+            self.send_reports(now)
 
     async def _balance_loop(self) -> None:
         # Brokers start at different moments; a random phase spreads their rounds over Δτ.
@@ -169,19 +179,45 @@ class Balancer:
 
     # ------------------------------------------------------------------------------------ load knowledge
 
-    def send_reports(self) -> None:
-        """LOAD_REPORT to every neighbour: this broker's record, then its neighbours' own records."""
+    def send_reports(self, now: float, force: bool = False) -> None:
+        """LOAD_REPORT to every neighbour (this broker's record, then its neighbours' own records) if it changed
+        enough since it was last sent, the neighbours changed, the refresh is due, or force; TERTIARY_NOTEs.
+
+        The notes still go out at every look: a tertiary forgets a note after `note_ttl` (a few looks), which is
+        what removes a topic that moved away from its former tertiary's L3_N; with notes only on change that
+        would take several refreshes.  They exist at resilience 3 only, for the topics a broker is primary of.
+        """
         own = self.pubsub.load_record()
         nbrs = self.port.neighbour_infos()
         known = [self.records[n.id].load for n in nbrs if n.id in self.records]
-        msg = LoadReport((own, *known))
-        for n in nbrs:
-            sent = self.port.send_to_neighbour(n.id, msg)
-            if sent:
-                self.counters["load_reports_sent"] += 1
-                self.counters["load_report_bytes"] += sent
+        refresh = force or now - self._reported_at >= self.refresh
+        values = {rec.node.id: _values(rec) for rec in (own, *known)}
+        to = frozenset(n.id for n in nbrs)
+        if refresh or to != self._reported_to or self._changed(values):
+            self._reported, self._reported_to, self._reported_at = values, to, now
+            msg = LoadReport((own, *known))
+            for n in nbrs:
+                sent = self.port.send_to_neighbour(n.id, msg)
+                if sent:
+                    self.counters["load_reports_sent"] += 1
+                    self.counters["load_report_bytes"] += sent
         for node, pairs, sizes in self.pubsub.tertiary_notes().values():
             self.port.route(node.coord, TertiaryNote(self.port.me, tuple(pairs), tuple(sizes)))
+
+    def _changed(self, values: dict[str, tuple[tuple[str, ...], tuple[float, ...]]]) -> bool:
+        if values.keys() != self._reported.keys():
+            return True
+        for nid, (keys, loads) in values.items():
+            old_keys, old_loads = self._reported[nid]
+            if keys != old_keys or self._differ(old_loads, loads):
+                return True
+        return False
+
+    def _differ(self, old: tuple[float, ...], new: tuple[float, ...]) -> bool:
+        if len(old) != len(new):
+            return True
+        limit = self.config.load_report_threshold
+        return any(abs(a - b) > limit * max(abs(a), abs(b)) for a, b in zip(old, new, strict=True))
 
     def on_report(self, msg: LoadReport) -> None:
         """A neighbour's LOAD_REPORT: keep the freshest record of every node it names."""
@@ -198,7 +234,7 @@ class Balancer:
         """Loads of this broker and every live broker it has a recent record of."""
         now = self._now()
         live = self.port.view()
-        stale = 3 * self.config.load_report_interval + 2.0
+        stale = 3 * self.refresh + 2.0  # a neighbour reports unchanged loads only every refresh
         for nid in [k for k, r in self.records.items() if k not in live or now - r.heard > stale]:
             del self.records[nid]
         return RegionLoads.build([self.pubsub.load_record(), *(r.load for r in self.records.values())])
@@ -358,6 +394,13 @@ class Balancer:
             if plan.verdict in ("move", "moving"):
                 break
         return plans
+
+
+def _values(rec: NodeLoad) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """What a record says, for comparing with the last report: the failure sums' node ids, and t1, t2 and
+    those sums in the ids' order."""
+    keys = tuple(sorted(rec.fails))
+    return keys, (rec.t1, rec.t2, *(rec.fails[k] for k in keys))
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,7 +96,13 @@ class BrokerConfig:
             coordinate (1 = the paper's: the smallest only; more lets a broker whose smallest topic sits well
             shed the next one instead of stalling).  At most one topic moves per round either way.
         move_cooldown: seconds before the balancer may move a topic again (the home enforces it).
-        load_report_interval: seconds between the load reports sent to neighbours.
+        load_report_interval: seconds between two looks at whether the load record changed; a report goes to
+            the neighbours when it did (see load_report_threshold), or when load_report_refresh has passed.
+        load_report_threshold: a load value (of this broker or a neighbour it passes on) must have changed by
+            more than this fraction since the last report for a new one to go out before the refresh.
+        load_report_refresh: seconds after which a broker reports even unchanged loads (the neighbours drop
+            records not heard of for 3 refreshes; an idle overlay sends nothing more often); at least
+            load_report_interval.
         query_timeout: seconds a coordinate selection waits for its answers.
         tls_cert, tls_key, tls_ca: this broker's certificate and key and the cluster CA (PEM files), all
             three or none.  Brokers link only with mutual TLS against the CA (a broker certificate, OU=broker,
@@ -160,6 +166,8 @@ class BrokerConfig:
     ties: str = "random"
     move_cooldown: float = defaults.MOVE_COOLDOWN
     load_report_interval: float = 1.0
+    load_report_threshold: float = 0.01
+    load_report_refresh: float = 10.0
     query_timeout: float = 1.0
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -233,10 +241,12 @@ class BrokerConfig:
             raise ConfigError(f"queries must be in 1..1000, got {self.queries}")
         if not 0 <= self.hops <= 64:
             raise ConfigError(f"hops must be in 0..64, got {self.hops}")
-        for name in ("balance_interval", "load_report_interval", "query_timeout"):
+        for name in ("balance_interval", "load_report_interval", "load_report_refresh", "query_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.load_report_threshold) and self.load_report_threshold >= 0):
+            raise ConfigError(f"load_report_threshold must be a fraction >= 0, got {self.load_report_threshold}")
         if not (math.isfinite(self.move_cooldown) and self.move_cooldown >= 0):
             raise ConfigError(f"move_cooldown must be >= 0 seconds, got {self.move_cooldown}")
         if not (math.isfinite(self.min_gain) and 0 <= self.min_gain < 1):
@@ -426,6 +436,8 @@ _FLOAT_FIELDS: Final = frozenset(
         "min_gain",
         "move_cooldown",
         "load_report_interval",
+        "load_report_threshold",
+        "load_report_refresh",
         "query_timeout",
         "log_interval",
         "publish_rate",

@@ -62,7 +62,18 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     lb.add_argument("--ties", choices=("random", "first"), help="among equally best coordinates (random)")
     lb.add_argument("--move-cooldown", dest="move_cooldown", type=float, help="seconds between moves (30)")
-    lb.add_argument("--load-report-interval", dest="load_report_interval", type=float, help="seconds (1.0)")
+    lb.add_argument(
+        "--load-report-interval", dest="load_report_interval", type=float, help="seconds between change checks (1.0)"
+    )
+    lb.add_argument(
+        "--load-report-threshold",
+        dest="load_report_threshold",
+        type=float,
+        help="relative load change that triggers a report (0.01)",
+    )
+    lb.add_argument(
+        "--load-report-refresh", dest="load_report_refresh", type=float, help="seconds between unchanged reports (10)"
+    )
     lb.add_argument("--query-timeout", dest="query_timeout", type=float, help="seconds (1.0)")
     g = parser.add_argument_group("security (TLS is required unless --insecure)")
     g.add_argument("--tls-cert", dest="tls_cert", metavar="FILE", help="this broker's certificate (sedax certs issue)")

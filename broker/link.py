@@ -120,6 +120,19 @@ NOISY_CLOSES: Final = frozenset(
 
 _link_ids = itertools.count(1)
 
+# Liveness costs frames, and on an idle overlay those frames are nearly all a broker does (measured in
+# docs/benchmarks-scale.md: a PING and a PONG each way every interval on every link cost an idle broker 13 ms
+# of CPU a second).  So a link is checked on a tick every HEARTBEAT_TICK heartbeat intervals, and sends a PING
+# only when it has sent nothing else for PING_IDLE intervals: traffic proves liveness as well as a PING.  On
+# a broker link only one end pings (the smaller node id: both ends agree without a message); the other end
+# answers with PONG, and pings by itself only when the pinger's PINGs have not come for PINGER_QUIET
+# intervals (the pinger is busy sending other frames, or is gone).  So each end hears from the other at least
+# every 1.25 intervals (PING_IDLE plus a tick; once 1.75, when the pinger turns to other traffic), against a
+# limit of `misses` intervals (3: the same detection time as a PING each way every interval).
+HEARTBEAT_TICK: Final = 0.5
+PING_IDLE: Final = 0.75
+PINGER_QUIET: Final = 1.25
+
 
 class PeerLink:
     """One connection: its streams, read loop, heartbeat, pending requests and state."""
@@ -137,7 +150,11 @@ class PeerLink:
         hello_timeout: float,
         drain_timeout: float,
         client_timeout: float = 5.0,
+        local_id: str = "",
+        ticked: bool = False,
     ) -> None:
+        """local_id: this end's node id (it decides which end of a broker link pings); ticked: the owner calls
+        `tick` for this link on its own ticker (a broker, for all its links), so the link runs no timer task."""
         self.number = next(_link_ids)
         self.outbound = outbound
         self.state = LinkState.CONNECTING
@@ -158,6 +175,15 @@ class PeerLink:
         self._drain_timeout = drain_timeout
         self._loop = asyncio.get_running_loop()
         self._beat = Heartbeat(heartbeat_interval, heartbeat_misses)
+        self._local_id = local_id
+        self._ticked = ticked
+        now = self._loop.time()
+        self._hello_deadline = now + hello_timeout
+        self._sent = False  # something was written since the last tick (cheaper than a clock read per write)
+        self._last_tx = now  # when this end last sent, as far as the ticks know (never later than the truth)
+        self._last_ping_rx = now
+        self._prev_tick = now
+        self.pings_sent = 0
         self._requests = Requests()
         self._closed = asyncio.Event()
         self._read_task: asyncio.Task[None] | None = None
@@ -198,9 +224,10 @@ class PeerLink:
     # ------------------------------------------------------------------------------------------ startup
 
     def start(self) -> None:
-        """Start the read loop and the watchdog (hello timeout, then heartbeat)."""
+        """Start the read loop, and the watchdog (hello timeout, then heartbeat) unless the owner ticks."""
         self._read_task = self._tasks.spawn(self._read_loop(), f"read-{self.number}")
-        self._watchdog_task = self._tasks.spawn(self._watchdog(), f"watchdog-{self.number}")
+        if not self._ticked:
+            self._watchdog_task = self._tasks.spawn(self._watchdog(), f"watchdog-{self.number}")
 
     async def open(self, hello: Hello) -> HelloOk:
         """Outbound handshake (net.connection.open_handshake), bounded by the hello timeout; then the link runs.
@@ -282,6 +309,7 @@ class PeerLink:
             match msg:
                 case Ping(seq=seq):
                     self._t.write(encode_control(Pong(seq)))
+                    self._last_ping_rx = self._last_tx = self._loop.time()
                 case Pong():
                     pass
                 case Hello() | HelloOk():
@@ -316,37 +344,78 @@ class PeerLink:
         self._set_state(LinkState.ESTABLISHED)
         self._handler.on_established(self)
 
-    # ----------------------------------------------------------------------------------------- watchdog
+    # ---------------------------------------------------------------------------------------- heartbeat
 
-    async def _watchdog(self) -> None:
-        loop = self._loop
-        deadline = loop.time() + self._hello_timeout
-        while self.state in (LinkState.CONNECTING, LinkState.HELLO_SENT):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                self._watchdog_task = None
-                await self.aclose(CloseReason.HELLO_TIMEOUT, f"no handshake within {self._hello_timeout} s")
-                return
-            await asyncio.sleep(min(remaining, self._heartbeat_interval))
+    def tick(self, now: float, late: float = 0.0) -> None:
+        """The link's timers, every HEARTBEAT_TICK intervals: the hello deadline, then silence and keep-alive.
+
+        now: the loop's clock; late: how much later than planned this tick runs (the process was busy, so
+        the peer's silence over that stretch is not the peer's fault: it could not have been read either).
+        """
+        state = self.state
+        if state is LinkState.CONNECTING or state is LinkState.HELLO_SENT:
+            # An outbound link's handshake is bounded by open() itself.
+            if not self.outbound and now >= self._hello_deadline:
+                self.close_soon(CloseReason.HELLO_TIMEOUT, f"no handshake within {self._hello_timeout} s")
+            return
+        if not self._watched() or self._intended is not None:
+            return
+        beat = self._beat
+        if late > 0:
+            beat.last_rx += late
+        if self._sent:
+            # Written some time since the previous tick: count it from the previous tick, so a gap between two
+            # frames is never longer than the keep-alive rule intends.
+            self._sent = False
+            self._last_tx = max(self._last_tx, self._prev_tick)
+        self._prev_tick = now
+        silent = beat.silent_for()
         if self.role != "broker":
             # A client's liveness decides no failover, and a client process may be busy for a while (a burst
             # of publishes, a slow consumer): give it a wider window than a neighbour broker.
-            self._beat.limit = max(self._beat.limit, self._client_timeout)
-        await self._beat.run(self._watched, self._ping, self._silent)
+            beat.limit = max(beat.limit, self._client_timeout)
+        if silent > beat.limit:
+            self.close_soon(
+                CloseReason.HEARTBEAT_TIMEOUT,
+                f"silent for {silent:.2f} s ({self._heartbeat_misses} heartbeats missed)",
+            )
+            return
+        interval = self._heartbeat_interval
+        if now - self._last_tx >= PING_IDLE * interval and (
+            self.pinger or now - self._last_ping_rx >= PINGER_QUIET * interval
+        ):
+            self._ping(now)
+
+    @property
+    def pinger(self) -> bool:
+        """True if this end keeps the link alive with PINGs; the other end answers them (see HEARTBEAT_TICK)."""
+        if self.role == "broker":
+            return self._local_id < (self.peer_id or "")
+        return not self.outbound  # a client or admin tool is pinged by the broker it connected to
+
+    async def _watchdog(self) -> None:
+        # A link without an owner's ticker (a tool's link in tests) ticks by itself.
+        loop = self._loop
+        period = self._heartbeat_interval * HEARTBEAT_TICK
+        wake = loop.time()
+        while self.state not in (LinkState.CLOSED, LinkState.ERROR) and self._intended is None:
+            wake += period
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+            now = loop.time()
+            late = now - wake
+            if late > 0:
+                wake = now
+            self.tick(now, max(0.0, late))
 
     def _watched(self) -> bool:
         # The read loop is closing the link once the transport is: nothing left to watch then.
         return self.state is LinkState.ESTABLISHED and not self._t.is_closing()
 
-    def _ping(self) -> None:
+    def _ping(self, now: float) -> None:
         self._ping_seq += 1
+        self.pings_sent += 1
         self._t.write(encode_control(Ping(self._ping_seq)))
-
-    async def _silent(self, seconds: float) -> None:
-        self._watchdog_task = None
-        await self.aclose(
-            CloseReason.HEARTBEAT_TIMEOUT, f"silent for {seconds:.2f} s ({self._heartbeat_misses} heartbeats missed)"
-        )
+        self._last_tx = now
 
     # ---------------------------------------------------------------------------------------- send side
 
@@ -366,6 +435,7 @@ class PeerLink:
             self._overflow()
             return
         t.write(data)
+        self._sent = True  # heartbeat: no PING needed this interval
 
     def limit_frames(self, size: int) -> None:
         """Refuse frames larger than size from now on (a protocol error that closes the link)."""

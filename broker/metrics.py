@@ -72,6 +72,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "balance_offer_bytes": ("sedax_balance_offer_bytes", "Bytes of the coordinate offers sent."),
     "load_reports_sent": ("sedax_load_reports", "Load reports sent to neighbours."),
     "load_report_bytes": ("sedax_load_report_bytes", "Bytes of the load reports sent to neighbours."),
+    "heartbeat_pings": (
+        "sedax_heartbeat_pings",
+        "PINGs sent to keep links alive (only on links with nothing else to send, by one end of a broker link).",
+    ),
     "balance_rounds": ("sedax_balance_rounds", "Balancing rounds (Alg. 2) this broker ran."),
 }
 # Exported from the start (0 until something happens), so dashboards see every series at once.

@@ -16,22 +16,22 @@ import asyncio
 import bisect
 import itertools
 import logging
+import math
 import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from operator import itemgetter
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from broker.balancer import Balancer
 from broker.config import BrokerConfig
 from broker.eventlog import EventLog
 from broker.guard import Guard
-from broker.link import CloseReason, LinkClosed, PeerLink
+from broker.link import HEARTBEAT_TICK, CloseReason, LinkClosed, PeerLink
 from broker.membership import Membership
 from broker.memory import HeapTrimmer
-from broker.metrics import MetricsServer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
@@ -63,9 +63,27 @@ from overlay.protocol import (
 )
 from overlay.pubsub import Fetch, Locate, Publish, Subscribe, Unsubscribe
 
-# How often the pub/sub layer's timers run (replication and pull time-outs, retention); a tenth of the
-# replication time-out, so a lost replica is noticed within ~0.05 s of its deadline.
+if TYPE_CHECKING:
+    # prometheus_client is imported only by a broker that serves metrics (--metrics): a few MB less for the rest.
+    from broker.metrics import MetricsServer
+
+# One ticker serves every timer of the broker that shares a beat (`Broker._ticker`): the links' heartbeats and
+# hello deadlines, the load reports, pub/sub's time-outs, the idle sweep, the close log and heap trimming.  An
+# idle broker so wakes up a few times a second, not once per link per heartbeat plus twenty times for pub/sub.
+# Heartbeat ticks fall on whole multiples of their period on the wall clock, so the brokers of one machine tick
+# together and the PINGs and PONGs of a beat reach a peer in one wake-up rather than one each.
+#
+# How often the pub/sub layer's timers run while it has work under way (replication and pull time-outs):
+# a tenth of the replication time-out, so a lost replica is noticed within ~0.05 s of its deadline ...
 PUBSUB_TICK: Final = 0.05
+# ... for this long after any pub/sub input (a client request, a routed message delivered here, a change of the
+# view): every time-out whose precision matters (replication 0.5 s, pull 1 s, a delegate list's re-send 1 s)
+# is armed by such an input and falls due within it ...
+PUBSUB_BUSY: Final = 2.0
+# ... and otherwise this often: what is left then (retention, expired forwards and notes, a move's 5 s
+# time-out, a replica's backed-off re-send) is coarse, and an idle broker makes one call a second, not twenty.
+PUBSUB_IDLE_TICK: Final = 1.0
+TICK_SLACK: Final = 0.002
 
 
 def _stored_after(store: TopicStore, topic: str, ts: float) -> int:
@@ -105,6 +123,8 @@ class Broker(Membership, Routing):
         self._closing = False
         self._handing_off = False
         self._peer_up = asyncio.Event()
+        self._pubsub_input = False  # a client request since the last tick (the ticker then ticks pub/sub fast)
+        self._pings_of_closed = 0  # heartbeat PINGs sent on links closed since (the open ones count their own)
         self.joined = not config.join  # the first broker of an overlay is part of it from the start
         # Client sessions (pub/sub) by id; ids carry a per-process prefix so a restarted broker with the same
         # node id never mistakes an old subscription for a new session.
@@ -168,8 +188,8 @@ class Broker(Membership, Routing):
             self.log.info("data directory %s (fsync %s): %s", self.config.data_dir, self.config.fsync, report)
         if not self.config.join:
             self.pubsub.resume()  # the first broker: nobody to compare the recovered topics with
-        self.tasks.spawn(self._pubsub_ticker(), "pubsub-tick")
         self.balancer.start(self._now)
+        self.tasks.spawn(self._ticker(), "ticker")
         await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
@@ -186,6 +206,8 @@ class Broker(Membership, Routing):
             hello_timeout=c.hello_timeout,
             drain_timeout=c.drain_timeout,
             client_timeout=c.client_timeout,
+            local_id=self.node_id,
+            ticked=True,  # Broker._ticker ticks every link
         )
         if not outbound:
             # Until it proves to be a broker, a peer gets the client frame limit (guard.admit lifts it).
@@ -299,6 +321,7 @@ class Broker(Membership, Routing):
                         self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
                     self.pubsub.client_message(sid, msg)
                 self._dirty.add(link)
+                self._pubsub_input = True
             case LoadReport() if link.role == "broker":
                 if current:
                     self.balancer.on_report(msg)
@@ -322,13 +345,44 @@ class Broker(Membership, Routing):
             texts = tuple(p.to_json() for p in plans[:1000])
             link.send_nowait(BalancePlanned(corr, texts))
 
-    async def _pubsub_ticker(self) -> None:
+    async def _ticker(self) -> None:
+        """The broker's timers (see PUBSUB_TICK above): heartbeats, load reports, pub/sub, sweeps, trimming."""
+        loop = asyncio.get_running_loop()
+        beat = self.config.heartbeat_interval * HEARTBEAT_TICK
+        wall = time.time() - loop.time()  # the wall clock's offset, to put the beats on its multiples
+
+        def next_beat(after: float) -> float:
+            return (math.floor((after + wall) / beat) + 1) * beat - wall
+
+        beat_at = next_beat(loop.time())
+        pubsub_at = loop.time() + PUBSUB_TICK
+        busy_until = 0.0
+        delivered = self.stats.routed_delivered
+        known = self._known_ids  # replaced (not changed in place) whenever the live view changes
         while not self._closing:
-            await asyncio.sleep(PUBSUB_TICK)
-            self.pubsub.tick()
-            self.guard.sweep_idle(self.links, self._now(), self._subscribed)
-            self.guard.closes.tick(self._now())
-            self.trimmer.maybe_trim(self._now())
+            await asyncio.sleep(max(0.0, min(beat_at, pubsub_at) - loop.time()))
+            # A timer may fire a little early (uvloop's clock has millisecond steps): what is due within
+            # TICK_SLACK counts as due, or the loop would spin in zero-length sleeps up to its deadline.
+            now = loop.time()
+            due = now + TICK_SLACK
+            if due >= beat_at:
+                late = max(0.0, now - beat_at)
+                for link in list(self.links):
+                    link.tick(now, late)
+                self.balancer.tick(now)
+                beat_at = next_beat(max(now, beat_at) + TICK_SLACK)
+            if self._pubsub_input or self.stats.routed_delivered != delivered or self._known_ids is not known:
+                self._pubsub_input = False
+                delivered = self.stats.routed_delivered
+                known = self._known_ids
+                busy_until = now + PUBSUB_BUSY
+                pubsub_at = min(pubsub_at, now + PUBSUB_TICK)
+            if due >= pubsub_at:
+                self.pubsub.tick()
+                self.guard.sweep_idle(self.links, now, self._subscribed)
+                self.guard.closes.tick(now)
+                self.trimmer.maybe_trim(now)
+                pubsub_at = now + (PUBSUB_TICK if now < busy_until else PUBSUB_IDLE_TICK)
 
     def _subscribed(self, link: PeerLink) -> bool:
         sid = self._session_of.get(link)
@@ -337,6 +391,7 @@ class Broker(Membership, Routing):
     def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
         """Forget a failed neighbour (the overlay heals) or just drop a link that is no longer wanted."""
         self.links.discard(link)
+        self._pings_of_closed += link.pings_sent
         self.trimmer.closed()
         self._dirty.discard(link)
         self._congested.discard(link)
@@ -377,6 +432,7 @@ class Broker(Membership, Routing):
             "sessions": len(self.sessions),
             **self.pubsub.counters,
             **self.balancer.counters,
+            **self._link_counters(),
             **self._security_counters(),
         }
         held = sorted(self.pubsub.topics())
@@ -410,6 +466,8 @@ class Broker(Membership, Routing):
     async def _start_observability(self) -> None:
         c = self.config
         if c.metrics is not None:
+            from broker.metrics import MetricsServer  # only a broker that serves metrics needs prometheus_client
+
             self.metrics = MetricsServer(self)
             try:
                 address = await self.metrics.start(c.metrics)
@@ -452,7 +510,10 @@ class Broker(Membership, Routing):
 
     def counter_values(self) -> dict[str, int]:
         """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
-        return {**self.stats.counters(), **self.pubsub.counters, **self.balancer.counters}
+        return {**self.stats.counters(), **self.pubsub.counters, **self.balancer.counters, **self._link_counters()}
+
+    def _link_counters(self) -> dict[str, int]:
+        return {"heartbeat_pings": self._pings_of_closed + sum(link.pings_sent for link in self.links)}
 
     def loads(self) -> dict[str, int]:
         """L1_N, L2_N, L3_N in bytes (stats.Observed)."""
