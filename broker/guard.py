@@ -365,8 +365,11 @@ class Guard:
 
     # --------------------------------------------------------------------------------------- routing
 
-    def forged(self, frame: RoutedFrame, peer: NodeInfo | None, me: NodeInfo) -> bool:
-        """True (counted, logged now and then) if no honest broker would have sent this routed frame."""
+    def forged(self, frame: RoutedFrame, peer: NodeInfo | None, me: NodeInfo, onward: float | None = None) -> bool:
+        """True (counted, logged now and then) if no honest broker would have sent this routed frame.
+
+        onward: how close to the destination the node this broker would pass the frame to is (None: it stays
+        here)."""
         x, y = frame.x, frame.y
         xmin, xmax, ymin, ymax = self._bounds
         if not (xmin <= x <= xmax and ymin <= y <= ymax):  # also false for NaN
@@ -378,7 +381,9 @@ class Guard:
             # the smaller id), so a frame from a peer no farther than us went backwards.
             d_peer = math.hypot(peer.coord[0] - x, peer.coord[1] - y)
             d_me = math.hypot(me.coord[0] - x, me.coord[1] - y)
-            if d_me > d_peer or (d_me == d_peer and me.id > peer.id):
+            if (d_me > d_peer or (d_me == d_peer and me.id > peer.id)) and not (onward is not None and onward < d_peer):
+                # ... unless the sender detoured around a broken link through us: our next node is closer than
+                # the sender (so every two hops still get strictly closer, and nothing loops).
                 return self._drop("forged_loop", frame, peer, "the sender is closer to the destination than we are")
         return False
 

@@ -386,6 +386,10 @@ class PeerLink:
         ):
             self._ping(now)
 
+    def heard_within(self, fraction: float) -> bool:
+        """True if the peer was heard within `fraction` of the silence this link tolerates (WITNESS answers)."""
+        return self.state is LinkState.ESTABLISHED and self._beat.silent_for() < fraction * self._beat.limit
+
     @property
     def pinger(self) -> bool:
         """True if this end keeps the link alive with PINGs; the other end answers them (see HEARTBEAT_TICK)."""

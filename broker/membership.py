@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
@@ -39,6 +39,8 @@ from overlay.protocol import (
     Neighbours,
     NodeInfo,
     Refuse,
+    Suspect,
+    Witness,
     encode_control,
     parse_address,
 )
@@ -50,6 +52,12 @@ JOIN_RETRY_MAX: Final = 2.0
 # tombstone lapses it is dialled again now and then, the pause doubling from REDIAL_FIRST to REDIAL_MAX, for
 # REDIAL_FOR seconds: when the partition heals, the two overlays find each other and merge into one Delaunay
 # overlay (their brokers exchange views), and pub/sub merges the two histories of every topic.
+# A silent neighbour is asked about (SUSPECT) to at most this many common neighbours; one that heard it within
+# WITNESS_FRESH of its own silence limit vouches for it (WITNESS alive).  A vouched-for neighbour is asked
+# about again every RECHECK_MISSES heartbeat limits, and declared failed once nobody vouches for it.
+WITNESSES: Final = 3
+WITNESS_FRESH: Final = 0.6
+RECHECK_MISSES: Final = 1.0
 REDIAL_FIRST: Final = 1.0
 REDIAL_MAX: Final = 10.0
 REDIAL_FOR: Final = 600.0
@@ -99,6 +107,9 @@ class Membership:
     _known_ids: frozenset[str]
     _failed_since_view: set[str]
     _lost: dict[str, tuple[NodeInfo, float, float, float]]  # failed neighbour -> (info, next dial, pause, until)
+    _suspects: dict[str, tuple[int, set[str]]]  # silent neighbour -> (SUSPECT corr, witnesses yet to answer)
+    _detour_dial_at: dict[str, float]  # a detoured neighbour is dialled again after this time
+    _corrs: Iterator[int]
     _redial_handle: asyncio.TimerHandle | None
     _reconcile_handle: asyncio.Handle | None
     _closing: bool
@@ -268,7 +279,10 @@ class Membership:
         view.expire(self._now())
         desired = view.desired()
         view.prune(desired)
+        now = self._now()
         for nid in sorted(desired):
+            if nid in self.view.detours and self._detour_dial_at.get(nid, 0.0) > now:
+                continue  # its link is broken: dialled again after a pause, not in a loop
             if nid not in self.peers and nid not in self._dialing:
                 info = view.nodes[nid]
                 self._dialing[nid] = self.tasks.spawn(self._dial(info), f"dial-{nid}")
@@ -348,6 +362,11 @@ class Membership:
     def _give_up(self, nid: str, why: str, *, quiet: bool = False) -> None:
         if nid in self.peers or self._closing:
             return
+        if nid in self.view.detours or nid in self._suspects:
+            # Alive (a common neighbour hears it), only unreachable from here: keep it; dial again later.
+            self.log.debug("%s still unreachable directly (%s)", nid, why)
+            self._detour_dial_at[nid] = self._now() + self.config.heartbeat_interval * self.config.heartbeat_misses
+            return
         if quiet:
             self.log.debug("%s still unreachable (%s)", nid, why)
             self.view.forget(nid, self._now(), self.config.tombstone_ttl)
@@ -393,6 +412,86 @@ class Membership:
         self.view.add_candidates([node])
         self._schedule_reconcile()
         return JoinAccept(join.corr, self.info, neighbours)
+
+    # ---- suspicion: is a silent neighbour dead, or only the link to it? --------------------------------
+
+    def _suspect(self, peer: str) -> bool:
+        """The link to peer went silent: ask the neighbours shared with it whether they still hear it (SUSPECT).
+        Returns False when there is nobody to ask (the caller declares the failure at once)."""
+        # The common neighbours: linked brokers whose own advert lists the peer (its advert is gone with its link).
+        witnesses = [
+            w
+            for w, link in sorted(self.peers.items())
+            if link.established and peer in self.view.adverts.get(w, frozenset())
+        ]
+        if not witnesses:
+            return False
+        witnesses = witnesses[:WITNESSES]
+        corr = next(self._corrs)
+        self._suspects[peer] = (corr, set(witnesses))
+        self.view.unlink(peer)  # no longer a forwarding neighbour; still in the view, so nothing fails over yet
+        for w in witnesses:
+            self.peers[w].send_nowait(Suspect(corr, peer))
+        # Witnesses answer within a round trip; one that does not counts as not hearing the peer either.
+        wait = 2 * self.config.heartbeat_interval
+        asyncio.get_running_loop().call_later(wait, self._suspicion_due, peer, corr)
+        return True
+
+    def _witness_asked(self, link: PeerLink, msg: Suspect) -> None:
+        """SUSPECT from a neighbour: do we still hear msg.node on our own link?"""
+        other = self.peers.get(msg.node)
+        alive = other is not None and other.heard_within(WITNESS_FRESH)
+        link.send_nowait(Witness(msg.corr, msg.node, alive))
+
+    def _witness_arrived(self, link: PeerLink, msg: Witness) -> None:
+        entry = self._suspects.get(msg.node)
+        if entry is None or entry[0] != msg.corr or link.peer_id not in entry[1]:
+            return
+        corr, waiting = entry
+        if msg.alive and link.peer_id is not None:
+            del self._suspects[msg.node]
+            if msg.node not in self.view.detours:
+                self.stats.suspicions_refuted += 1
+                self.event("suspicion_refuted", peer=msg.node)
+                self.log.warning(
+                    "link to %s broke but %s still hears it: no failover; forwarding through %s",
+                    msg.node, link.peer_id, link.peer_id,
+                )  # fmt: skip
+            self.view.detour(msg.node, link.peer_id)
+            # Ask again later: if the peer dies meanwhile, its witnesses stop vouching and it is declared failed.
+            recheck = RECHECK_MISSES * self.config.heartbeat_interval * self.config.heartbeat_misses
+            asyncio.get_running_loop().call_later(recheck, self._recheck, msg.node)
+            self._schedule_reconcile()  # keep trying to link to it directly
+            return
+        waiting.discard(link.peer_id or "")
+        if not waiting:
+            self._suspicion_due(msg.node, corr)
+
+    def _suspicion_due(self, peer: str, corr: int) -> None:
+        """Nobody vouched for peer in time: it failed."""
+        entry = self._suspects.get(peer)
+        if entry is None or entry[0] != corr:
+            return  # vouched for, or asked about again since
+        del self._suspects[peer]
+        self._declare_failed(peer, "no common neighbour hears it either")
+
+    def _recheck(self, peer: str) -> None:
+        if self._closing or peer not in self.view.detours or peer in self.peers:
+            return
+        if not self._suspect(peer):
+            self._declare_failed(peer, "no common neighbour is left to vouch for it")
+
+    def _declare_failed(self, peer: str, why: str) -> None:
+        """peer is dead (or cut off from every neighbour): forget it; the overlay heals and pub/sub fails over."""
+        if self._closing or peer in self.peers:
+            return
+        self.view.detours.pop(peer, None)
+        self.stats.failures_detected += 1
+        self._note_failure(peer)
+        self._failed_since_view.add(peer)
+        self.log.warning("neighbour %s lost (%s); healing", peer, why)
+        self.view.forget(peer, self._now(), self.config.tombstone_ttl)
+        self._after_forget()
 
     def _note_failure(self, peer: str) -> None:
         self.event("failure", peer=peer)

@@ -48,6 +48,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "Routed messages that ended at this broker (the closest to their destination), pub/sub and control.",
     ),
     "failures_detected": ("sedax_failures_detected", "Neighbour brokers this broker found dead (reset, silence)."),
+    "suspicions_refuted": (
+        "sedax_suspicions_refuted",
+        "Silent links whose peer a common neighbour still heard: no failover, traffic detoured (false ones avoided).",
+    ),
     "joins_accepted": ("sedax_joins_accepted", "Brokers this broker admitted to the overlay (it was their closest)."),
     "published": ("sedax_published_messages", "Messages stored here as the topics' primary."),
     "published_bytes": ("sedax_published_bytes", "Payload bytes stored here as the topics' primary."),

@@ -55,8 +55,10 @@ from overlay.protocol import (
     RouteProbe,
     Status,
     StatusReq,
+    Suspect,
     TopicHeld,
     Unlink,
+    Witness,
     encode_control,
     format_address,
     parse_address,
@@ -135,6 +137,9 @@ class Broker(Membership, Routing):
         self._known_ids: frozenset[str] = frozenset()
         self._failed_since_view: set[str] = set()
         self._lost: dict[str, tuple[NodeInfo, float, float, float]] = {}
+        self._suspects: dict[str, tuple[int, set[str]]] = {}
+        self._detour_dial_at: dict[str, float] = {}
+        self._corrs = itertools.count(1)
         self._redial_handle: asyncio.TimerHandle | None = None
         self.port = PubSubPort(self)
         retention = Retention(config.retention_seconds, config.retention_bytes)
@@ -306,6 +311,10 @@ class Broker(Membership, Routing):
                     self._schedule_reconcile()
                 if not link.unlink_arrived():
                     link.retire("not_neighbour")
+            case Suspect() if link.role == "broker" and current:
+                self._witness_asked(link, msg)
+            case Witness() if link.role == "broker" and current:
+                self._witness_arrived(link, msg)
             case StatusReq(corr=corr):
                 link.send_nowait(self.status(corr))
             case RouteProbe(corr=corr, target=target, origin=None):
@@ -411,13 +420,11 @@ class Broker(Membership, Routing):
         del self.peers[pid]
         if self._closing:
             return
-        if reason.is_failure:
-            self.stats.failures_detected += 1
-            self._note_failure(pid)
-            self._failed_since_view.add(pid)
-            self.log.warning("neighbour %s lost (%s: %s); healing", pid, reason.value, detail)
-            self.view.forget(pid, self._now(), self.config.tombstone_ttl)
-            self._after_forget()
+        if reason is CloseReason.HEARTBEAT_TIMEOUT and self._suspect(pid):
+            # Silence may be a broken link, not a dead broker: the common neighbours decide (membership.py).
+            self.log.info("neighbour %s silent (%s); asking our common neighbours", pid, detail)
+        elif reason.is_failure:
+            self._declare_failed(pid, f"{reason.value}: {detail}")
         else:
             self.view.unlink(pid)
             self._schedule_reconcile()

@@ -144,9 +144,9 @@ class Routing:
         if peer is None and not link.may_route:
             self.guard.counters["routed_from_non_broker"] += 1
             raise RemoteProtocolError(f"routed frame from {link.role} {link.identity or '?'}: only brokers route")
-        if self.guard.forged(frame, peer, self.info):
+        nh, onward = self.view.route(frame.x, frame.y)
+        if self.guard.forged(frame, peer, self.info, None if nh is None else onward):
             return
-        nh = self.view.next_hop(frame.x, frame.y)
         if nh is None:
             self._deliver(frame)
             return

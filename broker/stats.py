@@ -162,6 +162,8 @@ class BrokerStats:
         self.dropped_bad_body = 0
         self.dropped_no_route = 0
         self.failures_detected = 0  # neighbours found dead (reset, silence)
+        # Silent links whose peer a common neighbour still heard: no failover (a false one avoided).
+        self.suspicions_refuted = 0
         self.joins_accepted = 0  # brokers admitted as their closest
         self.hops = Buckets(HOP_BOUNDS)
         self.ack_latency = Buckets(LATENCY_BOUNDS)
@@ -180,6 +182,7 @@ class BrokerStats:
             "dropped_bad_body": self.dropped_bad_body,
             "dropped_no_route": self.dropped_no_route,
             "failures_detected": self.failures_detected,
+            "suspicions_refuted": self.suspicions_refuted,
             "joins_accepted": self.joins_accepted,
         }
 

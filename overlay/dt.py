@@ -44,7 +44,12 @@ class NeighbourView:
     adverts: dict[str, frozenset[str]] = field(default_factory=dict)
     candidates: set[str] = field(default_factory=set)
     tombstones: dict[str, float] = field(default_factory=dict)
-    _route: list[tuple[str, float, float]] = field(default_factory=list)
+    # Alive nodes whose link from here is broken (a common neighbour still hears them, SUSPECT/WITNESS): node
+    # -> the linked neighbour that forwards toward it.  They stay in the view (nothing fails over) and greedy
+    # forwarding treats them as reachable through that neighbour.
+    detours: dict[str, str] = field(default_factory=dict)
+    # (next hop, x, y, node): one entry per linked node and per detour
+    _route: list[tuple[str, float, float, str]] = field(default_factory=list)
 
     # ----------------------------------------------------------------------------------------- updates
 
@@ -62,6 +67,7 @@ class NeighbourView:
         self.nodes[info.id] = info
         self.linked.add(info.id)
         self.candidates.discard(info.id)
+        self.detours.pop(info.id, None)
         self._rebuild_route()
 
     def learn(self, node_id: str, neighbours: Iterable[NodeInfo]) -> None:
@@ -95,6 +101,7 @@ class NeighbourView:
         self.linked.discard(node_id)
         self.candidates.discard(node_id)
         self.nodes.pop(node_id, None)
+        self.detours.pop(node_id, None)
         self.tombstones[node_id] = now + ttl
         for other in advert:
             if other != self.me.id and other in self.nodes and other not in self.linked:
@@ -143,20 +150,35 @@ class NeighbourView:
         """NodeInfo of each known id (unknown ids skipped), ordered by id for stable messages."""
         return [self.nodes[k] for k in sorted(ids) if k in self.nodes]
 
+    def detour(self, node_id: str, via: str) -> None:
+        """node_id is alive but its link from here is broken: forward toward it through the linked `via`."""
+        if node_id in self.nodes and via in self.linked and node_id not in self.linked:
+            self.detours[node_id] = via
+            self._rebuild_route()
+
     def _rebuild_route(self) -> None:
-        self._route = sorted((k, self.nodes[k].coord[0], self.nodes[k].coord[1]) for k in self.linked)
+        for k in [k for k, via in self.detours.items() if via not in self.linked or k not in self.nodes]:
+            del self.detours[k]  # the neighbour it went through is gone: the next SUSPECT decides again
+        entries = [(k, *self.nodes[k].coord, k) for k in self.linked]
+        entries += [(via, *self.nodes[k].coord, k) for k, via in self.detours.items()]
+        self._route = sorted(entries, key=lambda e: e[3])
 
     def next_hop(self, x: float, y: float) -> str | None:
         """Greedy forwarding over linked neighbours: the one closest to (x, y), or None if self is closest.
 
         Same rule and tie-break as `overlay.geometry.greedy_next_hop` (distance, then id), inlined because
-        it runs for every routed frame.
+        it runs for every routed frame.  A detoured node (`detours`) counts at its own coordinate and is
+        reached through its neighbour.
         """
+        return self.route(x, y)[0]
+
+    def route(self, x: float, y: float) -> tuple[str | None, float]:
+        """(next hop, distance to (x, y) of the node it leads to): `next_hop` and how close that gets."""
         best_id: str | None = None
         best_key = self.me.id
         best_d = math.hypot(self.me.coord[0] - x, self.me.coord[1] - y)
-        for k, nx, ny in self._route:
+        for hop, nx, ny, k in self._route:
             d = math.hypot(nx - x, ny - y)
             if d < best_d or (d == best_d and k < best_key):
-                best_d, best_key, best_id = d, k, k
-        return best_id
+                best_d, best_key, best_id = d, k, hop
+        return best_id, best_d

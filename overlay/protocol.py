@@ -609,6 +609,39 @@ class RouteReply(Message):
 
 @register_message
 @dataclass(frozen=True, slots=True)
+class Suspect(Message):
+    """Broker -> a neighbour it shares with `node`: "my link to node went silent; do you still hear it?".
+
+    A broker declares a neighbour dead only when no common neighbour still hears it: a single broken link
+    between two live brokers must not trigger a failover (the underlay-aware SIENA overlay keeps a second,
+    disjoint path for exactly this).  Answered by WITNESS."""
+
+    op: ClassVar[Literal["suspect"]] = "suspect"
+    corr: int
+    node: str
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_id(self.node, "node id")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class Witness(Message):
+    """The answer to SUSPECT: whether this broker has heard `node` on its own link lately."""
+
+    op: ClassVar[Literal["witness"]] = "witness"
+    corr: int
+    node: str
+    alive: bool
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_id(self.node, "node id")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
 class StatusReq(Message):
     """Ask a broker for its STATUS."""
 

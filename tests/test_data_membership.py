@@ -270,3 +270,37 @@ async def test_a_healed_partition_merges_the_histories_and_loses_no_acknowledged
 async def replay_pairs(cluster: LocalCluster, topic: str) -> list[tuple[str, int]]:
     async with Client([bp.listen for bp in cluster.live()], credentials=cluster.credentials()) as c:
         return [(r.publisher, r.seq) for r in await c.fetch(topic, 0.0)]
+
+
+@pytest.mark.skipif(NFT_MISSING is not None, reason=str(NFT_MISSING))
+async def test_one_broken_link_between_live_brokers_causes_no_failover(tmp_path: Path) -> None:
+    # nftables cuts exactly the link between a topic's primary and its secondary (both alive, every other
+    # broker reaches both).  Each end finds the link silent and asks their common neighbours, which still hear
+    # the other end: no failover, no take-over; replication and deliveries detour through a neighbour.
+    topic = "grid/linkcut/voltage"
+    async with LocalCluster(9, seed=97, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, hosts=True) as cluster:
+        await cluster.wait_converged(30.0)
+        order = holders(cluster, topic)
+        primary, secondary = cluster.nodes[order[0]], cluster.nodes[order[1]]
+        sts = await cluster.statuses()
+        assert secondary.node_id in {n.id for n in sts[primary.node_id].neighbours}, "not a Delaunay edge"
+        async with streaming(cluster, topic, pub_at=order[-1], sub_at=order[-2]) as s:
+            with netcut.Cut() as cut:
+                cut.cut([cluster.host(primary.index)], [cluster.host(secondary.index)])
+
+                async def refuted() -> bool:
+                    sts = await cluster.statuses()
+                    return all(
+                        sts[bp.node_id].counters.get("suspicions_refuted", 0) >= 1 for bp in (primary, secondary)
+                    )
+
+                await wait_for(refuted, 30.0, "both ends of the cut link vouched for by a neighbour")
+                before = len(s.acked)
+                await wait_for(lambda: len(s.acked) >= before + 200, 30.0, "publishing on while the link is cut")
+            await cluster.wait_converged(30.0)
+        sts = await cluster.statuses()
+        assert all(st.counters.get("takeovers", 0) == 0 for st in sts.values()), "a take-over happened"
+        assert all(st.counters.get("failures_detected", 0) == 0 for st in sts.values()), "a failure was declared"
+        history = await replay(cluster, topic)
+        assert s.acked <= set(history)
+        assert len(history) == len(set(history))

@@ -63,6 +63,10 @@ EXAMPLES: list[Message] = [
         {"p": 0},
     ),
     ps.Located(1, "t", (0.1, 0.1), (0.2, 0.2), NODE, None, NODE, (), 10, 2),
+    ps.Offer(3, "t", (0.5, 0.5), NODE, {"p": ((0, 5), (7, 9)), "q": ((2, 2),)}, True),
+    ps.Pull(4, "t", (0.5, 0.5), NODE, {"p": ((0, 3),)}),
+    p.Suspect(5, "n2"),
+    p.Witness(5, "n2", False),
 ]
 
 

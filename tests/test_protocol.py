@@ -48,6 +48,8 @@ EXAMPLES: list[Message] = [
     p.RouteProbe(3, (0.5, 0.5), A, (A, B)),
     p.RouteReply(3, B, 1, (A, B)),
     p.StatusReq(9),
+    p.Suspect(10, "n7"),
+    p.Witness(10, "n7", True),
     p.Status(9, A, (B,), ("b-0123",), (), {"L1": 0, "L2": 0, "L3": 0}, {"forwarded": 3}, 2),
     p.Error(4, "coordinate_outside_space", "nope"),
 ]
