@@ -122,6 +122,13 @@ def _common(p: argparse.ArgumentParser, nodes: int, per_node: int) -> None:
     p.add_argument("--log-max-bytes", type=_int_at_least(1), default=DEFAULT_MAX_BYTES, help=argparse.SUPPRESS)
     p.add_argument("--log-keep", type=_int_at_least(1), default=DEFAULT_KEEP, help=argparse.SUPPRESS)
     p.add_argument("--jobs", type=_int_at_least(1), default=1, help="worker processes for the runs (default 1)")
+    p.add_argument(
+        "--coords",
+        metavar="FILE",
+        default=None,
+        help="the nodes' coordinates (X,Y lines or a JSON list, as `sedax cluster up --coords`), the same in every "
+        "run; sets --nodes",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -247,10 +254,28 @@ class _Progress:
         print(f"{self.label}: {done}/{total} runs, {elapsed:.1f} s elapsed, ~{left:.0f} s left", file=sys.stderr)
 
 
+def _coords(args: argparse.Namespace) -> tuple[tuple[float, float], ...] | None:
+    """--coords FILE read (and --nodes set to their number); None without it.  Exits 2 if the file is unusable."""
+    if args.coords is None:
+        return None
+    from cli.overlay import CoordsFileError, read_coords  # only this option needs the file reader
+
+    parser: argparse.ArgumentParser = args.sim_parser
+    try:
+        coords = tuple(read_coords(args.coords))
+    except CoordsFileError as exc:
+        parser.error(str(exc))
+    args.nodes = len(coords)
+    return coords
+
+
 def _run_static_cmd(args: argparse.Namespace) -> int:
     balance = BalanceMode(args.balance)
     params = _params(args, balance is not BalanceMode.NONE)
-    cfg = StaticConfig(
+    coords = _coords(args)
+    cfg = _config(
+        args,
+        StaticConfig,
         nodes=args.nodes,
         topics_per_node=args.topics_per_node,
         loads=LoadModel(args.loads),
@@ -258,6 +283,7 @@ def _run_static_cmd(args: argparse.Namespace) -> int:
         params=params,
         order=Order(args.order),
         keep_moves=args.log_dir is not None,
+        coords=coords,
     )
     seeds = [args.seed + r for r in range(args.runs)]
     runs = run_all(run_static, cfg, seeds, args.jobs, _Progress("sim static"))
@@ -279,7 +305,10 @@ def _run_static_cmd(args: argparse.Namespace) -> int:
 def _run_growth_cmd(args: argparse.Namespace) -> int:
     balance = BalanceMode(args.balance)
     params = _params(args, balance is not BalanceMode.NONE)
-    cfg = GrowthConfig(
+    coords = _coords(args)
+    cfg = _config(
+        args,
+        GrowthConfig,
         nodes=args.nodes,
         topics_per_node=args.topics_per_node,
         l_max=args.lmax,
@@ -287,6 +316,7 @@ def _run_growth_cmd(args: argparse.Namespace) -> int:
         balance=balance,
         params=params,
         keep_steps=args.log_dir is not None,
+        coords=coords,
     )
     seeds = [args.seed + r for r in range(args.runs)]
     runs = run_all(run_growth, cfg, seeds, args.jobs, _Progress("sim growth"))
@@ -305,6 +335,15 @@ def _run_growth_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, kind: Callable[..., C], **fields: object) -> C:
+    """The experiment's config; a value the config refuses (a coordinate outside the square) exits 2."""
+    try:
+        return kind(**fields)
+    except ValueError as exc:
+        parser: argparse.ArgumentParser = args.sim_parser
+        parser.error(f"--coords {args.coords}: {exc}" if args.coords else str(exc))
+
+
 def _config_dict(args: argparse.Namespace, params: BalanceParams, balance: BalanceMode) -> dict[str, object]:
     cfg: dict[str, object] = {
         "experiment": args.experiment,
@@ -315,6 +354,8 @@ def _config_dict(args: argparse.Namespace, params: BalanceParams, balance: Balan
         "balance": balance.value,
         "quantile": args.quantile,
     }
+    if args.coords is not None:
+        cfg["coords"] = args.coords
     if balance is not BalanceMode.NONE:
         cfg.update(
             goal=params.goal.value, selection=params.selection.value, ties="random" if params.random_ties else "first"

@@ -89,12 +89,16 @@ class StaticConfig:
     params: BalanceParams = field(default_factory=lambda: BalanceParams(selection=Selection.BESTGLOBAL))
     order: Order = Order.RANDOM
     keep_moves: bool = False  # return the delegations (for --log-dir)
+    # The nodes' coordinates (as many as nodes), the same in every run; None: uniform, drawn per run.  A live
+    # cluster's coordinates, to set the simulator beside it (benchmarks/bench_scale.py).
+    coords: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"nodes must be at least 1, got {self.nodes}")
         if self.topics_per_node < 1:
             raise ValueError(f"topics per node must be at least 1, got {self.topics_per_node}")
+        _check_coords(self.coords, self.nodes)
         if self.balance not in (BalanceMode.NONE, BalanceMode.ADDITION):
             raise ValueError(f"static topics balance only at addition, got {self.balance}")
 
@@ -119,12 +123,14 @@ class GrowthConfig:
     balance: BalanceMode = BalanceMode.NONE
     params: BalanceParams = field(default_factory=lambda: BalanceParams(selection=Selection.BESTGLOBAL))
     keep_steps: bool = False  # return node loads of every step and the moves (for --log-dir)
+    coords: tuple[tuple[float, float], ...] | None = None  # as StaticConfig.coords
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"nodes must be at least 1, got {self.nodes}")
         if self.topics_per_node < 1:
             raise ValueError(f"topics per node must be at least 1, got {self.topics_per_node}")
+        _check_coords(self.coords, self.nodes)
         if not 0.0 < self.delta_tau <= 1.0:
             raise ValueError(f"delta-tau must be in (0, 1], got {self.delta_tau}")
         if self.l_max < 1.0:
@@ -252,10 +258,29 @@ def _ledger_loads(net: SimNetwork) -> FloatArray:
 
 
 # ---- static runs (Sec. VII) -----------------------------------------------------------------------------
+def _check_coords(coords: tuple[tuple[float, float], ...] | None, nodes: int) -> None:
+    if coords is None:
+        return
+    if len(coords) != nodes:
+        raise ValueError(f"{len(coords)} coordinates for {nodes} nodes")
+    for x, y in coords:
+        if not UNIT_SQUARE.contains((x, y)):
+            raise ValueError(f"coordinate ({x}, {y}) is outside the unit square the simulator uses")
+    if len({(float(x), float(y)) for x, y in coords}) != len(coords):
+        raise ValueError("two nodes share a coordinate")
+
+
+def _points(coords: tuple[tuple[float, float], ...] | None, nodes: int, rng: np.random.Generator) -> FloatArray:
+    """The nodes' coordinates: the given ones, or uniform in the unit square from the run's generator."""
+    if coords is not None:
+        return np.asarray(coords, dtype=np.float64).reshape(nodes, 2)
+    return UNIT_SQUARE.uniform(rng, nodes)
+
+
 def run_static(cfg: StaticConfig, seed: int) -> StaticRun:
-    """One static run: random nodes, n_nodes * n_topics/node topics added one by one, final node loads."""
+    """One static run: random (or given) nodes, n_nodes * n_topics/node topics added one by one, final loads."""
     rng = np.random.default_rng(seed)
-    points = UNIT_SQUARE.uniform(rng, cfg.nodes)
+    points = _points(cfg.coords, cfg.nodes, rng)
     m = cfg.nodes * cfg.topics_per_node
     homes = UNIT_SQUARE.uniform(rng, m)
     weights = apply_order(static_topic_loads(cfg.loads, m, rng), cfg.order)
@@ -294,7 +319,7 @@ def run_growth(cfg: GrowthConfig, seed: int) -> GrowthRun:
     runs Alg. 2 once (Sec. VIII-D).  V_ML of the step is the load of the topic moved then (eq. 13).
     """
     rng = np.random.default_rng(seed)
-    points = UNIT_SQUARE.uniform(rng, cfg.nodes)
+    points = _points(cfg.coords, cfg.nodes, rng)
     m = cfg.nodes * cfg.topics_per_node
     homes = UNIT_SQUARE.uniform(rng, m)
     rates = growth_rates(m, cfg.l_max, 1.0)
