@@ -514,6 +514,29 @@ class Driver:
         finally:
             stop_proc(proc)
 
+    async def amqtt(self) -> None:
+        """amqtt, the asyncio MQTT broker a Python user might pick (PyPI `amqtt`: `.venv/bin/pip install amqtt`)."""
+        exe = shutil.which("amqtt", path=str(Path(sys.executable).parent)) or shutil.which("amqtt")
+        if exe is None:
+            self.rows.append(Row("amqtt", "-", notes=["not measured: amqtt not installed (pip install amqtt)"]))
+            return
+        port = free_port()
+        conf = self.s.workdir / "amqtt.yaml"
+        # Anonymous TCP on loopback, no packet or event logging plugins (they log every packet).
+        conf.write_text(
+            f"listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:{port}\n"
+            "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+        )
+        proc = start_server([exe, "-c", str(conf)], self.s.workdir / "amqtt.log")
+        try:
+            await wait_port(port, proc, within=30.0)
+            addr = f"127.0.0.1:{port}"
+            print(f"amqtt {program_output([exe, '--version'])} pid {proc.pid} on {addr}", flush=True)
+            row = Row("amqtt", "pub QoS 1, sub QoS 0")
+            await self.measure(row, {"system": "mqtt", "topic": TOPIC, "qos": 0}, addr, addr, [proc.pid])
+        finally:
+            stop_proc(proc)
+
     async def nats(self) -> None:
         exe = shutil.which("nats-server") or shutil.which("nats-server", path="/usr/sbin:/usr/local/bin")
         if exe is None:
@@ -756,7 +779,7 @@ def settings(args: argparse.Namespace) -> Settings:
 
 
 async def main_async(args: argparse.Namespace, s: Settings) -> int:
-    systems = set(args.only.split(",")) if args.only else {"mosquitto", "nats", "sedax"}
+    systems = set(args.only.split(",")) if args.only else {"mosquitto", "nats", "amqtt", "sedax"}
     command = " ".join(["benchmarks/bench_pubsub.py", *sys.argv[1:]])
     load_start, up_start, code = os.getloadavg(), uptime(), code_state()
     print(f"{up_start}\nlogs in {s.workdir}", flush=True)
@@ -766,6 +789,8 @@ async def main_async(args: argparse.Namespace, s: Settings) -> int:
         await d.mosquitto()
     if "nats" in systems:
         await d.nats()
+    if "amqtt" in systems:
+        await d.amqtt()
     if "sedax" in systems:
         levels = [int(v) for v in args.levels.split(",")]
         for level in levels:
@@ -807,7 +832,7 @@ def main() -> int:
     p.add_argument("--inflight", type=int, default=MAX_INFLIGHT, help="unconfirmed publishes (default 4096)")
     p.add_argument("--far-hops", type=int, default=3, help="hops of the far SeDAX access broker (default 3)")
     p.add_argument("--repeat", type=int, help="throughput runs per configuration, best reported (default 3, quick 1)")
-    p.add_argument("--only", help="comma-separated subset of mosquitto,nats,sedax")
+    p.add_argument("--only", help="comma-separated subset of mosquitto,nats,amqtt,sedax")
     p.add_argument(
         "--broker-args", default=SEDAX_BROKER_ARGS, help=f"SeDAX broker flags (default {SEDAX_BROKER_ARGS!r})"
     )

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
 from broker.link import LinkClosed, PeerLink
+from net import trace
 from overlay.delegation import CoordOffer, CoordQuery
 from overlay.protocol import (
     FLAG_TRACE,
@@ -167,6 +168,8 @@ class Routing:
             body = self._trace(frame.body)
             if body is None:
                 return
+        if trace.ENABLED:
+            trace.mark("forward", frame.body)
         try:
             out.write(forward_routed(frame, body))
         except LinkClosed:
@@ -195,8 +198,11 @@ class Routing:
             self._handle_delivered(msg, 0)
             return
         out = self.peers[nh]
+        body = encode_message(msg)
+        if trace.ENABLED:
+            trace.mark(f"send {msg.op}", body)
         try:
-            out.write(encode_routed(dest, encode_message(msg), hop_limit=self.config.max_hops, flags=flags))
+            out.write(encode_routed(dest, body, hop_limit=self.config.max_hops, flags=flags))
         except LinkClosed:
             self.stats.dropped_no_route += 1
             return
@@ -209,6 +215,8 @@ class Routing:
             self.stats.dropped_bad_body += 1
             self.log.warning("dropped a routed frame with a bad body: %s", exc)
             return
+        if trace.ENABLED:
+            trace.mark(f"arrive {msg.op}", frame.body)
         self._handle_delivered(msg, frame.hops + 1)
 
     def _handle_delivered(self, msg: Message, hops: int) -> None:

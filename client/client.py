@@ -291,7 +291,13 @@ class _Connection:
         self._flush_scheduled = False
         if self._wbuf and not self.transport.is_closing():
             self.transport.write(bytes(self._wbuf))
+            self.transport.flush()  # this is the end of the turn's batch already: no second deferral
         self._wbuf.clear()
+
+    def send_now(self, data: bytes) -> None:
+        """Write data, and whatever this turn queued before it, to the connection at once."""
+        self._wbuf += data
+        self.flush()
 
     @property
     def buffered(self) -> int:
@@ -373,6 +379,7 @@ class Client:
         self.reconnects = 0
         self.resent = 0
         self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
+        self.sent_at_once = 0  # publishes written as soon as they were made (the first of their loop turn)
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
         self._resend_delay: dict[str, float] = {}
@@ -794,17 +801,22 @@ class Client:
         if self._throttled.get(topic, 0.0) > now:
             pass  # rate-limited by the broker: the resender sends it after the back-off
         elif self._conn is not None and not self._closing and self._connected.is_set():
-            # The common case, without a coroutine per publish: queued, and sent with the others of this turn
-            # of the event loop as one batched PUBLISH per topic.
-            out = self._outbox.get(topic)
-            if out is None:
-                self._outbox[topic] = [p]
-                if not self._outbox_scheduled:
-                    self._outbox_scheduled = True
-                    loop.call_soon(self._send_outbox)
+            # The common case, without a coroutine per publish.  The first publish of a turn of the event loop
+            # leaves at once: a lone message (a device publishing now and then) must not wait for the turn to
+            # end.  What follows it in the same turn is queued and sent at the end of the turn, one batched
+            # PUBLISH per topic: batches form only while publishes come faster than the loop turns.
+            if not self._outbox_scheduled:
+                self._outbox_scheduled = True
+                loop.call_soon(self._send_outbox)
+                self._conn.send_now(encode_control(self._publish_msg([p])))
+                self.sent_at_once += 1
             else:
-                out.append(p)
-            self._outbox_bytes += len(data)
+                out = self._outbox.get(topic)
+                if out is None:
+                    self._outbox[topic] = [p]
+                else:
+                    out.append(p)
+                self._outbox_bytes += len(data)
         else:
             with contextlib.suppress(TimeoutError):  # not connected yet: the resender sends it once reconnected
                 await self._send(self._publish_msg([p]))

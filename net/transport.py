@@ -12,6 +12,7 @@ import asyncio
 from collections import deque
 from typing import Protocol
 
+from net import trace
 from net.credentials import PeerCert, peer_cert
 
 
@@ -33,7 +34,12 @@ class Transport(Protocol):
         ...
 
     def write(self, data: bytes) -> None:
-        """Queue bytes; never blocks (see drain)."""
+        """Queue bytes; never blocks (see drain).  What is written in one turn of the event loop may go out
+        in one system call at the end of the turn (`flush` sends at once)."""
+        ...
+
+    def flush(self) -> None:
+        """Hand what this turn queued to the connection now, not at the end of the turn."""
         ...
 
     def write_buffered(self) -> int:
@@ -66,43 +72,81 @@ class Transport(Protocol):
 
 
 class StreamTransport:
-    """A Transport over an asyncio StreamReader/StreamWriter pair."""
+    """A Transport over an asyncio StreamReader/StreamWriter pair.
 
-    __slots__ = ("_reader", "_writer", "remote")
+    Writes made in one turn of the event loop go to the socket as one write at the end of the turn: a broker
+    turn that forwards, acknowledges and delivers several frames to the same peer makes one system call for
+    them, not one each (on loopback a send() also runs the receiver's TCP processing, so each one is dear).
+    Order is kept: every write of the connection goes through the same buffer, and close, drain and the
+    buffer level see it.  `flush` writes at once (a client's lone publish must not wait for the turn's end).
+    """
+
+    __slots__ = ("_buf", "_buffered", "_loop", "_reader", "_scheduled", "_writer", "remote", "writes")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
         peername = writer.get_extra_info("peername")
         self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+        self._buf: list[bytes] = []
+        self._buffered = 0  # bytes in _buf
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
+        self.writes = 0  # writes handed to the stream (tests count them: one per turn, not one per frame)
 
     @property
     def peer_cert(self) -> PeerCert | None:
         return peer_cert(self._writer.get_extra_info("peercert"))
 
     async def read(self, n: int) -> bytes:
-        return await self._reader.read(n)
+        data = await self._reader.read(n)
+        if trace.ENABLED:
+            trace.mark("read", data)
+        return data
 
     def write(self, data: bytes) -> None:
+        if trace.ENABLED:
+            trace.mark("write", data)
+        self._buf.append(data)
+        self._buffered += len(data)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        buf = self._buf
+        if not buf:
+            return
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        buf.clear()
+        self._buffered = 0
+        if self._writer.transport.is_closing():
+            return  # as an unbuffered write to a closed connection: the bytes go nowhere
+        self.writes += 1
         self._writer.write(data)
 
     def write_buffered(self) -> int:
-        return self._writer.transport.get_write_buffer_size()
+        return self._writer.transport.get_write_buffer_size() + self._buffered
 
     def set_write_high_water(self, high: int) -> None:
         self._writer.transport.set_write_buffer_limits(high=high)
 
     async def drain(self) -> None:
+        self.flush()
         await self._writer.drain()
 
     def is_closing(self) -> bool:
         return self._writer.transport.is_closing()
 
     def close(self) -> None:
+        self.flush()
         self._writer.close()
 
     def abort(self) -> None:
         # No TLS close_notify exchange: for a refused handshake or a dead peer there is nothing to flush.
+        self._buf.clear()
+        self._buffered = 0
         self._writer.transport.abort()
 
     async def wait_closed(self) -> None:
@@ -155,6 +199,9 @@ class MemoryTransport:
             peer._readable.set()
             if self.write_buffered() > self._high:
                 self._drained.clear()
+
+    def flush(self) -> None:
+        pass  # written at once already
 
     def write_buffered(self) -> int:
         return self._peer._inbox_bytes if self._peer is not None else 0

@@ -1,0 +1,130 @@
+"""The per-message path's latency rules, counted rather than timed: a lone publish leaves at once, a burst
+is batched, a connection makes one write per loop turn, and the trace mode records stages only when on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from cluster import wait_for
+
+from broker.config import BrokerConfig
+from broker.node import Broker
+from client.client import Client
+from net import trace
+from net.transport import StreamTransport
+from overlay.protocol import ControlFrame, FrameDecoder, Ping, encode_control
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    b = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="WARNING"))
+    await b.start()
+    b.pubsub.resume()
+    try:
+        yield b
+    finally:
+        await b.shutdown()
+
+
+def _writes(c: Client) -> int:
+    conn = c._conn
+    assert conn is not None and isinstance(conn.transport, StreamTransport)
+    return conn.transport.writes
+
+
+async def test_a_lone_publish_leaves_at_once_and_a_burst_is_batched(broker: Broker) -> None:
+    async with Client(broker.info.listen, reconnect=False) as c:
+        before = _writes(c)
+        fut = await c.publish_nowait("grid/lat/lone", b"one")
+        # No turn of the event loop has passed: the PUBLISH is on the socket already.
+        assert _writes(c) == before + 1 and c.sent_at_once == 1
+        async with asyncio.timeout(5):
+            assert (await fut).seq == 0
+        before = _writes(c)
+        futs = [await c.publish_nowait("grid/lat/burst", f"m{i}") for i in range(10)]
+        # The first of the turn went at once; the other nine wait for the end of the turn ...
+        assert _writes(c) == before + 1 and c.sent_at_once == 2
+        async with asyncio.timeout(5):
+            acks = await asyncio.gather(*futs)
+        # ... and then leave together: one more write, one batched PUBLISH.
+        assert _writes(c) == before + 2
+        assert [a.seq for a in acks] == list(range(10))
+
+
+async def test_one_publish_per_message_still_batches_writes(broker: Broker) -> None:
+    async with Client(broker.info.listen, reconnect=False, batch_publishes=False) as c:
+        sub = await c.subscribe("grid/lat/unbatched")
+        before = _writes(c)
+        futs = [await c.publish_nowait("grid/lat/unbatched", f"m{i}") for i in range(20)]
+        async with asyncio.timeout(5):
+            await asyncio.gather(*futs)
+        assert _writes(c) == before + 2  # the lone first one, then 19 PUBLISH frames in one write
+        got = []
+        async with asyncio.timeout(5):
+            while len(got) < 20:
+                got.append((await anext(sub)).payload)
+        assert got == [f"m{i}".encode() for i in range(20)]
+
+
+async def test_a_stream_transport_writes_once_per_loop_turn() -> None:
+    received: list[bytes] = []
+    done = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while not done.is_set() and (data := await reader.read(65536)):
+            for f in dec.feed(data):
+                assert isinstance(f, ControlFrame) and isinstance(f.message, Ping)
+                received.append(encode_control(f.message))
+                if len(received) == 6:
+                    done.set()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t = StreamTransport(reader, writer)
+        for i in range(3):
+            t.write(encode_control(Ping(i)))
+        assert t.writes == 0 and t.write_buffered() >= 3 * len(encode_control(Ping(0)))
+        await asyncio.sleep(0)  # one turn of the loop: the three frames leave in one write
+        assert t.writes == 1
+        for i in range(3, 6):
+            t.write(encode_control(Ping(i)))
+        t.flush()  # at once, without waiting for the turn's end
+        assert t.writes == 2
+        await wait_for(done.is_set, 5.0, "six frames at the server")
+        assert received == [encode_control(Ping(i)) for i in range(6)]
+        t.write(encode_control(Ping(9)))
+        t.close()  # what is still buffered goes out before the close
+        assert t.writes == 3
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_trace_records_stamped_payloads_only_when_on(tmp_path: Path) -> None:
+    assert not trace.ENABLED  # the test run has no SEDAX_TRACE: trace points cost one test of a constant
+    code = (
+        "from net import trace\n"
+        "assert trace.ENABLED\n"
+        "body = b'head' + trace.stamp(1.5) + b'-' + trace.stamp(2.5) + b'tail'\n"
+        "trace.mark('forward', body)\n"
+        "trace.mark('write', b'no stamp here')\n"
+    )
+    env = dict(os.environ, SEDAX_TRACE=str(tmp_path), PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=30)
+    (out,) = tmp_path.glob("trace-*.jsonl")
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    marks = [(t0, stage) for t0, stage, _ in recs if not stage.startswith("gc")]
+    assert marks == [[1.5, "forward"], [2.5, "forward"]] or marks == [(1.5, "forward"), (2.5, "forward")]
