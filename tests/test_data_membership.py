@@ -304,3 +304,17 @@ async def test_one_broken_link_between_live_brokers_causes_no_failover(tmp_path:
         history = await replay(cluster, topic)
         assert s.acked <= set(history)
         assert len(history) == len(set(history))
+
+
+async def test_level_three_loses_nothing_when_primary_and_secondary_die_together(tmp_path: Path) -> None:
+    # Level 3: every acknowledged message is on the primary, the secondary and the tertiary, so SIGKILL of
+    # the first two at the same moment (two changes at once) loses nothing.
+    topic = "grid/level3/frequency"
+    async with LocalCluster(7, seed=73, resilience=3, state_dir=tmp_path, broker_args=FAST_ARGS) as cluster:
+        await cluster.wait_converged(30.0)
+        order = holders(cluster, topic)
+        async with Client([cluster.nodes[order[-1]].listen], credentials=cluster.credentials()) as c:
+            acked = [(await c.publish(topic, f"v{k}")).seq for k in range(150)]
+        await asyncio.gather(cluster.kill(order[0]), cluster.kill(order[1]))
+        await cluster.wait_converged(30.0)
+        assert sorted(await replay(cluster, topic)) == sorted(acked)

@@ -326,9 +326,10 @@ def test_move_with_requests_in_flight_delivers_and_acks_each_message_once(resili
     assert loc.coord == to and [d.coord for d in loc.delegates] == [geohash(topic), to]
     new_primary = closest({k: v.coord for k, v in net.live().items()}, to)[0]
     assert loc.primary.id == new_primary
-    # the old holders let go: only the new coordinate's holders keep the data
+    # the old holders let go: only the new coordinate's holders keep the data (level 3: three of them, the
+    # secondary passes every batch on to the tertiary)
     holders = sorted(nid for nid, n in net.nodes.items() if topic in n.ps.store)
-    want = closest({k: v.coord for k, v in net.live().items()}, to, min(resilience, 2))
+    want = closest({k: v.coord for k, v in net.live().items()}, to, resilience)
     assert holders == sorted(want)
     for nid in holders:
         assert len(net.nodes[nid].ps.store.get(topic).rows) == 40
@@ -558,3 +559,25 @@ def test_an_operator_sees_a_retiring_replica_until_its_records_are_confirmed() -
     net.blackhole = set()
     net.tick(2.5)
     assert topic not in sec.ps.replica_states()
+
+
+def test_level_three_survives_primary_and_secondary_failing_at_once() -> None:
+    # Level 3 keeps every acknowledged message on three brokers (the secondary passes each batch on to the
+    # tertiary before it confirms), so the primary and the secondary may fail at the same moment.
+    net = Net(grid(12, seed=11), resilience=3)
+    topic = "grid/level3/voltage"
+    loc = locate(net, topic)
+    assert loc.secondary is not None and loc.tertiary is not None
+    pub = net.nodes[next(n for n in net.nodes if n not in (loc.primary.id, loc.secondary.id, loc.tertiary.id))]
+    for i in range(30):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    assert max(m.seq for m in pub.inbox["p"] if isinstance(m, Ack)) == 29
+    assert sorted(r[2] for r in net.nodes[loc.tertiary.id].ps.store.get(topic).rows) == list(range(30))
+    for nid in (loc.primary.id, loc.secondary.id):
+        net.nodes[nid].alive = False
+    for n in net.nodes.values():
+        if n.alive:
+            n.ps.view_changed(failed={loc.primary.id, loc.secondary.id})
+    net.run()
+    net.tick(1.5)
+    assert _fetch_all(pub, topic) == list(range(30))

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import PULLING, Replica, Stage, Transition
-from broker.pubsub.settings import MAX_RTO
+from broker.pubsub.settings import MAX_CHAINED, MAX_RTO
 from overlay.protocol import NodeInfo
 from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, Subscribe
 from overlay.seqset import covers, ranges_of
@@ -45,6 +45,9 @@ class ReplicationRole:
         self.t = table
         self._last_anti_entropy = 0.0
         self._leaving: set[str] = set()  # brokers that announced a graceful shutdown and are still in the view
+        # Level 3, at the secondary: corr of a batch passed on to the tertiary -> (topic, primary, the
+        # primary's corr, tertiary id), until the tertiary confirms it (`_chain`).
+        self._chained: dict[int, tuple[str, NodeInfo, int, str]] = {}
         # Wired by the engine.
         self.holder: HolderRole
         self.moves: MoveRole
@@ -104,6 +107,13 @@ class ReplicationRole:
 
     def replicated_arrived(self, m: Replicated) -> None:
         """REPLICATED: a copy, a pull answer or a hand-over was confirmed."""
+        chained = self._chained.pop(m.corr, None)
+        if chained is not None:
+            topic, origin, upstream, tertiary = chained
+            if tertiary == m.node and topic == m.topic:
+                # The tertiary has the batch: now the secondary confirms it to the primary (level 3, `_chain`).
+                self.t.ov.route(origin.coord, Replicated(upstream, topic, self.t.ov.me.id))
+            return
         r = self.t.replicas.get(m.topic)
         if r is None:
             return
@@ -183,7 +193,9 @@ class ReplicationRole:
             del r.pulling[m.corr]
             self.pull_progress(r)
             return
-        if m.corr and stored:  # 0: a leading chunk of a multi-frame copy; the last one carries the corr
+        if stored and self._chain(r, m):
+            pass  # level 3: confirmed to the primary once the tertiary has it too (`_chain`)
+        elif m.corr and stored:  # 0: a leading chunk of a multi-frame copy; the last one carries the corr
             # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
             # acknowledges it nor forgets it (it re-sends).
             self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
@@ -251,6 +263,29 @@ class ReplicationRole:
                     sync=True,
                 ),
             )
+
+    def _chain(self, r: Replica, m: Replicate) -> bool:
+        """Level 3: the secondary passes each batch of the primary on to the tertiary and confirms the batch
+        (the last chunk's corr) only once the tertiary confirmed it, so an acknowledged message is on three
+        brokers and survives two of them failing at the same moment.  False if there is nothing to chain (not
+        level 3, not the secondary, no third broker, not a primary's batch)."""
+        if self.t.config.resilience < 3 or m.sync or m.handover or r.rank != 2:
+            return False
+        ranked = self.t.ranked(r.coord)
+        if len(ranked) < 3:
+            return False
+        tertiary = ranked[2]
+        corr = self.t.next_corr() if m.corr else 0
+        if corr:
+            self._chained[corr] = (m.topic, m.origin, m.corr, tertiary.id)
+            if len(self._chained) > MAX_CHAINED:  # confirmations that never came; the primary re-sends anyway
+                del self._chained[next(iter(self._chained))]
+        records, subs, dl, last_seq = m.records, m.subscribers, m.delegates, m.last_seq
+        self.t.ov.route(
+            tertiary.coord,
+            Replicate(corr, m.topic, m.coord, self.t.ov.me, records, subs, dl, False, last_seq, sync=True),
+        )
+        return True
 
     # ---- offers: handing records on to the topic's holders -----------------------------------------------
     def keeps(self, rank: int) -> bool:

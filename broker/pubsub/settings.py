@@ -42,6 +42,9 @@ OFFER_TIMEOUT: Final = 2.0
 # A primary compares digests with its copies this often, for the topics that stored something since the last
 # comparison (anti-entropy: a stretch a copy missed is sent again; an idle topic costs nothing).
 ANTI_ENTROPY_INTERVAL: Final = 5.0
+# Level 3: batches a secondary passed on to the tertiary and awaits the confirmation of (older ones are
+# forgotten: the primary re-sends what stays unconfirmed).
+MAX_CHAINED: Final = 4096
 # A graceful shutdown waits at most this long for the topics' next holders to confirm they hold everything
 # (with the links' drain time it stays within the 10 s a supervisor such as Docker grants before SIGKILL).
 HANDOFF_TIMEOUT: Final = 2.5
