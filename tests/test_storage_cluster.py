@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cli.cluster import LocalCluster
 from client.client import Client, PublishAck
+from client.errors import RequestFailed
+from net.credentials import Credentials
+from tests.cluster import wait_for
 from tests.conftest import FAST_ARGS
 
 pytestmark = pytest.mark.slow
@@ -77,3 +86,57 @@ async def test_sigkill_of_every_broker_loses_no_acknowledged_message(tmp_path: P
         await _restart_all(cluster)
         stored = {seq for _, seq in await _history(cluster, TOPICS[1])}
         assert set(acked) <= stored
+
+
+def _broker_on_a_small_tmpfs(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """A broker in a private mount namespace whose data directory is a 256 KiB tmpfs; its stdout file."""
+    data = tmp_path / "small"
+    data.mkdir()
+    out = tmp_path / "broker.out"
+    broker = (
+        f"{sys.executable} -m broker --coord 0.5,0.5 --node-id n0 --listen 127.0.0.1:0 --insecure "
+        f"--data-dir {data} --fsync batch"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with out.open("wb") as stdout, (tmp_path / "broker.err").open("wb") as stderr:
+        proc = subprocess.Popen(
+            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {data} && exec {broker}"],
+            stdout=stdout, stderr=stderr, env=env, start_new_session=True,
+        )  # fmt: skip
+    return proc, out
+
+
+async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_keeps_serving(tmp_path: Path) -> None:
+    # A real broker whose data directory is a 256 KiB tmpfs (mounted in a private mount namespace): publishes
+    # that find no room get NACK storage_full, the broker stays up, and every acknowledged message is still
+    # served, undamaged.
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to mount a private tmpfs")
+    proc, out = _broker_on_a_small_tmpfs(tmp_path)
+    try:
+        await wait_for(lambda: out.stat().st_size > 0 or proc.poll() is not None, 30.0, "the broker's ready line")
+        assert proc.poll() is None, (tmp_path / "broker.err").read_text()
+        listen = json.loads(out.read_text().splitlines()[0])["listen"]
+        acked: list[int] = []
+        refused: RequestFailed | None = None
+        async with Client(listen, credentials=Credentials(insecure=True)) as c:
+            for k in range(2000):  # 2000 x 1 KiB: far more than 256 KiB
+                try:
+                    acked.append((await c.publish("grid/full/disk", bytes([k % 256]) * 1024)).seq)
+                except RequestFailed as exc:
+                    refused = exc
+                    break
+            assert refused is not None and refused.code == "storage_full", "no storage_full refusal"
+            assert "free disk space" in str(refused)
+            assert len(acked) > 50
+            assert proc.poll() is None, "the broker died"
+            history = await c.fetch("grid/full/disk")
+        assert [r.seq for r in history] == acked
+        assert all(r.payload == bytes([r.seq % 256]) * 1024 for r in history), "a stored record was damaged"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
