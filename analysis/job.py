@@ -20,8 +20,9 @@ import csv
 import math
 import os
 import shutil
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,14 @@ LOCAL_MAX_PARTITION_BYTES: Final = 32 * 1024 * 1024
 # Driver memory when this module starts the session: small by default, since the job only keeps
 # aggregated tables on the driver and shares the machine with other work.
 DEFAULT_DRIVER_MEMORY: Final = "1g"
+# The Python executors start for the job's few Python tasks (creating DataFrames from driver-side rows).
+PYTHON_CONF: Final = "spark.pyspark.python"
+# Settings for cluster masters (anything not local[...]); `conf` given to `spark_session` overrides them.
+# The persisted snapshot table comes out of a shuffle; by default Spark keeps a cached plan at
+# spark.sql.shuffle.partitions (200) partitions, and every one of the ~15 queries over it then runs 200
+# tasks: on a 2-core standalone cluster that was 2800 of the job's 3000 tasks for 140 records.  Letting
+# adaptive execution coalesce the cached plan's partitions sizes them by the data instead.
+CLUSTER_DEFAULTS: Final = {"spark.sql.optimizer.canChangeCachedPlanOutputPartitioning": "true"}
 
 _CORRUPT = "_corrupt_record"
 
@@ -129,6 +138,10 @@ class AnalysisInputError(ValueError):
     """The input paths are unusable: a directory is missing or holds no `*.jsonl` file."""
 
 
+class AnalysisOutputError(RuntimeError):
+    """The driver cannot see what the executors wrote under `out` (not a shared directory)."""
+
+
 @dataclass
 class Summary:
     """What `run_analysis` found: counts, headline figures and where the outputs are."""
@@ -166,6 +179,23 @@ def _is_local(path: str) -> bool:
     return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
 
 
+def _local_path(path: str) -> Path:
+    return Path(urlparse(path).path if path.startswith("file:") else path)
+
+
+def spark_path(path: str | Path) -> str:
+    """How Spark must be given a path: local paths absolute with an explicit `file:` scheme, others unchanged.
+
+    A path without a scheme is resolved against the cluster's default filesystem (HDFS on YARN) and a
+    relative one against that filesystem's working directory, while the driver checks the inputs and writes
+    its own outputs on the local filesystem: spelling the path out makes every executor use the same one.
+    """
+    if isinstance(path, str) and not _is_local(path):
+        return path
+    posix = _local_path(str(path)).resolve().as_posix()
+    return "file:" + (posix if posix.startswith("/") else "/" + posix)
+
+
 def check_inputs(paths: Sequence[str]) -> None:
     """Fail early with a clear message for missing directories or directories without `*.jsonl` files.
 
@@ -178,7 +208,7 @@ def check_inputs(paths: Sequence[str]) -> None:
         if not _is_local(p):
             found = True
             continue
-        local = Path(urlparse(p).path if p.startswith("file:") else p)
+        local = _local_path(p)
         if not local.exists():
             raise AnalysisInputError(f"log directory not found: {p}")
         if local.is_file():
@@ -189,27 +219,78 @@ def check_inputs(paths: Sequence[str]) -> None:
         raise AnalysisInputError(f"no *.jsonl logs found below {', '.join(paths)}")
 
 
+def check_output(out: str) -> Path:
+    """The local directory `out` names; AnalysisInputError for another filesystem.
+
+    The driver writes the plots, summary.md and the small tables itself, so `out` must be a local path
+    (on a cluster, one the executors see at the same path: docs/analysis.md).
+    """
+    if not _is_local(out):
+        raise AnalysisInputError(
+            f"--out must be a local directory (on a cluster one every executor sees at the same path), got {out}"
+        )
+    return _local_path(out)
+
+
+def executor_python(conf: Mapping[str, str] | None = None) -> str:
+    """The Python executors run: `spark.pyspark.python` in conf, else $PYSPARK_PYTHON, else this interpreter.
+
+    Same precedence as spark-submit.  PySpark's own fallback is whatever `python3` the executor's PATH
+    finds, which on a worker need not be the driver's Python version (PySpark refuses a different minor
+    version); this interpreter is right wherever the workers have it at the same path (a shared or identical
+    installation, the same container image), and the two settings cover the other clusters.
+    """
+    return (conf or {}).get(PYTHON_CONF) or os.environ.get("PYSPARK_PYTHON") or sys.executable or "python3"
+
+
+def is_local_master(master: str) -> bool:
+    """True for Spark's local masters (`local`, `local[N]`, `local[*]`, `local[N,F]`)."""
+    return master == "local" or master.startswith("local[")
+
+
 @contextmanager
-def spark_session(master: str | None = None, driver_memory: str = DEFAULT_DRIVER_MEMORY) -> Iterator[SparkSession]:
-    """Yield the active SparkSession, or start one (and stop it afterwards) on `master` (default local[*])."""
+def spark_session(
+    master: str | None = None,
+    driver_memory: str = DEFAULT_DRIVER_MEMORY,
+    conf: Mapping[str, str] | None = None,
+) -> Iterator[SparkSession]:
+    """Yield the active SparkSession, or start one (and stop it afterwards) on `master` (default local[*]).
+
+    `conf` (Spark properties) is applied last, so it overrides every setting made here.
+    """
     active = SparkSession.getActiveSession()
     if active is not None:
         yield active
         return
     m = master or "local[*]"
-    builder = (
-        SparkSession.builder.master(m)
-        .appName("sedax-analyze")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.memory", driver_memory)
-        .config("spark.sql.session.timeZone", "UTC")
-    )
-    if m.startswith("local"):
-        builder = builder.config("spark.sql.shuffle.partitions", str(LOCAL_SHUFFLE_PARTITIONS)).config(
-            "spark.sql.files.maxPartitionBytes", str(LOCAL_MAX_PARTITION_BYTES)
-        )
-    spark = builder.getOrCreate()
+    settings = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.memory": driver_memory,
+        "spark.sql.session.timeZone": "UTC",
+    }
+    if is_local_master(m):
+        settings["spark.sql.shuffle.partitions"] = str(LOCAL_SHUFFLE_PARTITIONS)
+        settings["spark.sql.files.maxPartitionBytes"] = str(LOCAL_MAX_PARTITION_BYTES)
+    else:
+        settings.update(CLUSTER_DEFAULTS)
+    settings.update(conf or {})
+    python = executor_python(settings)
+    settings[PYTHON_CONF] = python
+    builder = SparkSession.builder.master(m).appName("sedax-analyze")
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    # PySpark takes the executors' Python from the environment when the context starts, not from its
+    # configuration (spark-submit copies spark.pyspark.python there; a plain `python` driver does not).
+    previous = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = python
+    try:
+        spark = builder.getOrCreate()
+    finally:
+        if previous is None:
+            del os.environ["PYSPARK_PYTHON"]
+        else:
+            os.environ["PYSPARK_PYTHON"] = previous
     spark.sparkContext.setLogLevel("ERROR")
     try:
         yield spark
@@ -219,7 +300,11 @@ def spark_session(master: str | None = None, driver_memory: str = DEFAULT_DRIVER
 
 def read_logs(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     """Parse every `*.jsonl` line below paths; adds `_status` ("ok" or a bad-line kind)."""
-    raw = spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", "*.jsonl").text(list(paths))
+    raw = (
+        spark.read.option("recursiveFileLookup", "true")
+        .option("pathGlobFilter", "*.jsonl")
+        .text([spark_path(p) for p in paths])
+    )
     opts = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT}
     parsed = raw.select(F.trim("value").alias("_line"), F.from_json("value", LOG_SCHEMA, opts).alias("r"))
     missing = F.lit(False)
@@ -239,19 +324,38 @@ def read_logs(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
 # ---- output helpers -------------------------------------------------------------------------------------
 
 
-def _save_big(df: DataFrame, out: Path, name: str, csv_too: bool = True) -> DataFrame:
+def _written(df: DataFrame, target: Path) -> DataFrame:
+    """Write df as Parquet to target and read it back; AnalysisOutputError if the driver cannot see it.
+
+    Executors write the part files and the driver commits them: if `out` is not one directory for both, the
+    driver finds its own empty commit (Spark writes a part file even for an empty table).
+    """
+    df.write.mode("overwrite").parquet(spark_path(target))
+    if next(target.glob("part-*"), None) is None:
+        raise AnalysisOutputError(
+            f"the executors' output is not visible in {target}: --out must be a directory the driver and every "
+            "executor see at the same path (a shared filesystem)"
+        )
+    return df.sparkSession.read.parquet(spark_path(target))
+
+
+def _save_big(
+    df: DataFrame, out: Path, name: str, order: Sequence[str | Column] = (), csv_too: bool = True
+) -> DataFrame:
     """Write a table that may be large from the executors: Parquet, then one CSV file from that Parquet.
 
-    Returns the table read back from Parquet, so callers derive small results from it without recomputing
-    the lineage.
+    Rows are sorted by `order` in both.  Returns the table read back from Parquet, so callers derive small
+    results from it without recomputing the lineage.
     """
-    spark = df.sparkSession
-    target = str(out / "parquet" / name)
-    df.write.mode("overwrite").parquet(target)
-    saved = spark.read.parquet(target)
+    saved = _written(df.orderBy(*order) if order else df, out / "parquet" / name)
     if csv_too:
         tmp = out / "csv" / f".{name}.tmp"
-        saved.coalesce(1).write.mode("overwrite").option("header", "true").csv(str(tmp))
+        # Reading the Parquet back packs its part files into tasks largest first, so the single CSV
+        # partition is sorted again; within one partition that needs no shuffle.
+        one = saved.coalesce(1)
+        if order:
+            one = one.sortWithinPartitions(*order)
+        one.write.mode("overwrite").option("header", "true").csv(spark_path(tmp))
         parts = sorted(tmp.glob("part-*.csv"))
         dest = out / "csv" / f"{name}.csv"
         if parts:
@@ -276,7 +380,7 @@ def _write_rows(spark: SparkSession, rows: list[dict[str, Any]], schema: T.Struc
     """Write rows computed on the driver (small, already aggregated) in both formats."""
     names = [f.name for f in schema.fields]
     tuples = [tuple(r[n] for n in names) for r in rows]
-    spark.createDataFrame(tuples, schema).coalesce(1).write.mode("overwrite").parquet(str(out / "parquet" / name))
+    _written(spark.createDataFrame(tuples, schema).coalesce(1), out / "parquet" / name)
     with (out / "csv" / f"{name}.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(names)
@@ -300,12 +404,14 @@ def run_analysis(
     ccdf_per_step: bool = True,
     plots: bool = True,
     driver_memory: str = DEFAULT_DRIVER_MEMORY,
+    conf: Mapping[str, str] | None = None,
 ) -> Summary:
     """Analyse metrics logs and write tables, plots and summary.md under `out`.
 
     Args:
         paths: directories (or files) to read; every `*.jsonl` below them is read.
-        out: local output directory (with a cluster master it must be on a filesystem the executors share).
+        out: local output directory; with a cluster master, one the driver and every executor see at the
+            same path (the executors write the large tables, the driver the rest).
         master: Spark master URL; default local[*].  An already active SparkSession is reused as it is.
         bin_width: time bin for V_ML/R_ML in the runs' time unit (seconds for broker logs, τ for sim logs);
             default: the run's duration D / 100.
@@ -313,19 +419,23 @@ def run_analysis(
         ccdf_per_step: also write the per-step CCDF table (as large as the snapshot data).
         plots: write the PNG plots (needs matplotlib).
         driver_memory: spark.driver.memory when a session is started here.
+        conf: Spark properties for a session started here (they override this module's settings); the
+            executors' Python is `spark.pyspark.python`, else $PYSPARK_PYTHON, else this interpreter.
 
     Returns:
         The Summary, also rendered to `out/summary.md`.
 
     Raises:
-        AnalysisInputError: a path is missing or no `*.jsonl` file is found.
+        AnalysisInputError: a path is missing, no `*.jsonl` file is found, or `out` is not local.
+        AnalysisOutputError: the driver does not see the tables the executors wrote under `out`.
     """
     check_inputs(paths)
+    given = check_output(out)
     started = time.monotonic()
-    out_dir = Path(out)
+    out_dir = given.resolve()
     (out_dir / "csv").mkdir(parents=True, exist_ok=True)
-    summary = Summary(out=str(out_dir))
-    with spark_session(master, driver_memory) as spark:
+    summary = Summary(out=str(given))
+    with spark_session(master, driver_memory, conf) as spark:
         _analyse(spark, paths, out_dir, summary, bin_width, top, ccdf_per_step)
         summary.seconds = time.monotonic() - started
     if plots:
@@ -471,16 +581,12 @@ def _load_tables(snaps: DataFrame, out: Path, summary: Summary, ccdf_per_step: b
         exact_quantiles(final, ["level"], "load").orderBy("level"), out, "quantiles_final"
     )
     _save_big(
-        exact_quantiles(long, ["run", "step", "level"], "load").orderBy("run", "step", "level"),
-        out,
-        "quantiles_run_step",
+        exact_quantiles(long, ["run", "step", "level"], "load"), out, "quantiles_run_step", ["run", "step", "level"]
     )
     _save_small(exact_quantiles(long, ["step", "level"], "load").orderBy("step", "level"), out, "quantiles_step")
     # Averaged CCDF: weight 1/nodes gives every run the same weight (averaged_ccdf normalises per group).
     weighted = long.withColumn("w", F.lit(1.0) / F.col("nodes"))
-    _save_big(
-        averaged_ccdf(weighted.where("final"), ["level"], "load", "w").orderBy("level", "load"), out, "ccdf_final"
-    )
+    _save_big(averaged_ccdf(weighted.where("final"), ["level"], "load", "w"), out, "ccdf_final", ["level", "load"])
     if ccdf_per_step:
         _save_big(averaged_ccdf(weighted, ["step", "level"], "load", "w"), out, "ccdf_step", csv_too=False)
 
@@ -488,7 +594,7 @@ def _load_tables(snaps: DataFrame, out: Path, summary: Summary, ccdf_per_step: b
 def _correlations(snaps: DataFrame, out: Path, summary: Summary) -> None:
     with_area = snaps.where(F.col("cell_area").isNotNull())
     corr_aggs = [F.count(F.lit(1)).alias("n")] + [F.corr(lv, "cell_area").alias(f"r_{lv}") for lv in LEVELS]
-    _save_big(with_area.groupBy("run", "step").agg(*corr_aggs).orderBy("run", "step"), out, "correlation_run_step")
+    _save_big(with_area.groupBy("run", "step").agg(*corr_aggs), out, "correlation_run_step", ["run", "step"])
     final = with_area.where("final")
     per_run = final.groupBy("run").agg(*corr_aggs).select(F.lit("run").alias("scope"), "*")
     # Pooled over runs, area in % of its (run, step) mean so runs with different extents are comparable.
@@ -518,18 +624,17 @@ def _topics(parsed: DataFrame, snaps: DataFrame, out: Path, summary: Summary, to
         .select("run", "node", "t.topic", "t.role", "t.size")
     )
     topics = _save_big(
-        held.groupBy("run", "topic")
-        .agg(
+        held.groupBy("run", "topic").agg(
             # Every holder stores the whole topic, so L_T is the size any holder reports (the largest if
             # snapshots disagree mid-update); stored is the total over N1..N3.
             F.max("size").alias("load"),
             F.countDistinct("node").alias("holders"),
             F.sum("size").alias("stored"),
             F.concat_ws(",", F.array_sort(F.collect_set("role"))).alias("roles"),
-        )
-        .orderBy(F.col("load").desc(), "run", "topic"),
+        ),
         out,
         "topics_final",
+        [F.col("load").desc(), "run", "topic"],
     )
     summary.top_topics = _rows(
         topics.groupBy("topic")
@@ -555,10 +660,10 @@ def _topics(parsed: DataFrame, snaps: DataFrame, out: Path, summary: Summary, to
                 "value",
             )
             .groupBy("run", "topic", "metric")
-            .agg(F.sum("value").alias("value"), F.count(F.lit(1)).alias("nodes"))
-            .orderBy("metric", F.col("value").desc(), "run", "topic"),
+            .agg(F.sum("value").alias("value"), F.count(F.lit(1)).alias("nodes")),
             out,
             "topic_traffic",
+            ["metric", F.col("value").desc(), "run", "topic"],
         )
         ranked = traffic.groupBy("metric", "topic").agg(F.sum("value").alias("value"))
         w = Window.partitionBy("metric").orderBy(F.col("value").desc(), "topic")

@@ -89,10 +89,25 @@ def _progress(args: argparse.Namespace, text: str) -> None:
         print(f"sedax analyze: {text}", file=sys.stderr, flush=True)
 
 
+def _spark_conf(pairs: Sequence[str] | None) -> dict[str, str]:
+    """--conf KEY=VALUE pairs as a dict; UsageError naming the bad one."""
+    conf: dict[str, str] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--conf takes KEY=VALUE (a Spark property, e.g. spark.executor.memory=2g), got {pair!r}")
+        conf[key.strip()] = value
+    return conf
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     missing = _missing_dirs(args.log_dirs)
     if missing:
         return _fail(f"log directory not found: {', '.join(missing)}")
+    try:
+        conf = _spark_conf(args.conf)
+    except UsageError as exc:
+        return _fail(str(exc))
     files = list(_jsonl_files(args.log_dirs))
     if (problem := _input_problem(args.log_dirs, files)) is not None:
         print(f"sedax: error: {problem}", file=sys.stderr)
@@ -102,7 +117,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         _progress(args, f"reading {len(files)} *.jsonl file(s), {size / 1e6:.1f} MB, with Spark "
                   f"({args.master or 'local[*]'}); tables{'' if args.no_plots else ', plots'} and summary.md "
                   f"go to {args.out} ...")  # fmt: skip
-    from analysis.job import AnalysisInputError, run_analysis
+    from analysis.job import AnalysisInputError, AnalysisOutputError, run_analysis
 
     try:
         summary = run_analysis(
@@ -114,9 +129,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             ccdf_per_step=not args.no_ccdf_per_step,
             plots=not args.no_plots,
             driver_memory=args.driver_memory,
+            conf=conf,
         )
     except AnalysisInputError as exc:
         return _fail(str(exc))
+    except AnalysisOutputError as exc:
+        print(f"sedax: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if summary.records == 0:
         print(
             f"sedax: error: no valid records in {', '.join(args.log_dirs)} ({summary.bad_total} lines skipped as "
@@ -185,6 +204,13 @@ def register(subparsers: Any) -> None:
     )
     a.add_argument("--top", type=int, default=10, help="topics listed per metric in summary.md (default 10)")
     a.add_argument("--driver-memory", default="1g", help="spark.driver.memory when starting Spark (default 1g)")
+    a.add_argument(
+        "--conf",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a Spark property, repeatable (e.g. spark.executor.memory=2g; spark.pyspark.python=PATH sets the "
+        "executors' Python, default $PYSPARK_PYTHON or this Python)",
+    )
     a.add_argument("--no-ccdf-per-step", action="store_true", help="skip the large per-step CCDF table")
     a.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     a.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr (errors still are)")
