@@ -62,7 +62,7 @@ class Transition(enum.Enum):
     """The named steps between stages."""
 
     PROMOTE = "promote"  # the view made this copy the primary, and there is nobody to pull from
-    DEMOTE = "demote"  # the view made the primary a copy (a broker joined closer to C(t))
+    DEMOTE = "demote"  # the view made the primary (serving, pulling or placing) a copy: a broker joined closer
     SYNC = "sync"  # a primary new to the topic asks the other holders for its history
     TAKE_OVER = "take_over"  # the primary failed: this copy pulls from the other holders, then leads
     CAUGHT_UP = "caught_up"  # every holder answered (or the pull timed out): serve
@@ -93,15 +93,18 @@ _TRANSITIONS: Final[dict[tuple[Stage, Transition], Stage]] = {
     (_S.SERVING, _T.RECEIVE): _S.RECEIVING,
     (_S.SERVING, _T.DROP): _S.GONE,
     (_S.SYNCING, _T.CAUGHT_UP): _S.SERVING,
+    (_S.SYNCING, _T.DEMOTE): _S.HOLDING,  # a broker joined closer while it pulled: a copy now
     (_S.SYNCING, _T.TAKE_OVER): _S.TAKING_OVER,  # a failure while it pulled: re-deliver once caught up
     (_S.SYNCING, _T.PLACE): _S.PLACING,
     (_S.SYNCING, _T.RECEIVE): _S.RECEIVING,
     (_S.SYNCING, _T.DROP): _S.GONE,
     (_S.TAKING_OVER, _T.CAUGHT_UP): _S.SERVING,
+    (_S.TAKING_OVER, _T.DEMOTE): _S.HOLDING,
     (_S.TAKING_OVER, _T.TAKE_OVER): _S.TAKING_OVER,  # another failure: ask the holders of the new view too
     (_S.TAKING_OVER, _T.RECEIVE): _S.RECEIVING,
     (_S.TAKING_OVER, _T.DROP): _S.GONE,
     (_S.PLACING, _T.PLACED_HERE): _S.SERVING,
+    (_S.PLACING, _T.DEMOTE): _S.HOLDING,
     (_S.PLACING, _T.RECEIVE): _S.RECEIVING,  # a hand-over wins over a placement still under way
     (_S.PLACING, _T.DROP): _S.GONE,
     (_S.HANDING_OVER, _T.MOVE_ABORTED): _S.SERVING,
