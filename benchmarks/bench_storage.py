@@ -8,10 +8,11 @@ Three sections, in one run (`--only fsync,jetstream,catchup` picks some):
 * fsync: 1 publisher -> 1 subscriber, 100-byte payloads, SeDAX brokers with `--store memory` and with
   `--data-dir` at each `--fsync` policy (always, batch, interval:50, never); level 1 (one broker, both clients
   on it) and level 2 (two brokers on a line through h(t): the subscriber on the primary, the publisher on
-  the secondary, one hop away).  Each repetition is a fresh publisher and subscriber process; the publisher
-  runs three phases of fixed duration: `seq` (one publish awaiting its ACK at a time: publish -> ACK latency
-  without queueing), `window` (publish_nowait with up to --window unacknowledged, the client batching what
-  one loop turn publishes into one PUBLISH), `window-1` (the same with one PUBLISH per message).
+  the secondary, one hop away).  Each repetition gets fresh brokers (and data directories) and a fresh
+  publisher and subscriber process; the publisher runs three phases of fixed duration: `seq` (one publish
+  awaiting its ACK at a time: publish -> ACK latency without queueing), `window` (publish_nowait with up
+  to --window unacknowledged, the client batching what one loop turn publishes into one PUBLISH),
+  `window-1` (the same with one PUBLISH per message).
 * jetstream: Debian's nats-server with `-js` and a file store, a stream with one replica (R1) on file storage,
   the PyPI client nats-py: `seq` (js.publish, awaiting each PubAck) and `window` (js.publish_async with
   --window pending), the subscriber an ordered push consumer of the stream; same payloads, same phases.
@@ -26,7 +27,9 @@ Rates: messages acknowledged / (last ACK - first publish) per phase; delivered: 
 subscriber / (last arrival - first publish).  Latencies: publish -> ACK at the publisher and publish -> arrival
 at the subscriber (one CLOCK_MONOTONIC for all processes of the machine), p50/p99 over all messages of a phase.
 Broker CPU: user+system CPU of the broker processes (/proc) between the publisher's phase marks, per message.
-Cells are repeated (--repeat, 3; 1 with --quick) and the median is reported.
+Cells are repeated (--repeat, 3; 1 with --quick) and the median is reported.  The repetitions go in rounds
+(every SeDAX configuration of level 1, JetStream, every configuration of level 2; then again), so that on a
+shared machine each configuration sees the same stretch of load as the others.
 """
 
 from __future__ import annotations
@@ -566,44 +569,61 @@ class Driver:
 
     # ------------------------------------------------------------------------------------------- fsync
 
-    async def fsync(self) -> None:
+    async def rounds(self, sedax: bool, jetstream: bool) -> None:
+        """Repetition by repetition, every configuration once per round (SeDAX level 1, JetStream, SeDAX level 2),
+        so that each sees the same stretch of the shared machine's load; each SeDAX repetition gets fresh brokers
+        (and data directories), nats-server runs throughout."""
+        proc: subprocess.Popen[bytes] | None = None
+        addr = ""
+        try:
+            if jetstream:
+                proc, addr = await self.jetstream_start()
+            for r in range(self.s.repeat):
+                for k, level in enumerate(self.s.levels):
+                    for policy in self.s.policies if sedax else ():
+                        await self.sedax_rep(level, policy, r)
+                    if proc is not None and k == 0:
+                        await self.jetstream_rep(addr, proc.pid, r)
+        finally:
+            if proc is not None:
+                stop_proc(proc)
+
+    async def sedax_rep(self, level: int, policy: str, r: int) -> None:
         from cli.cluster import LocalCluster
 
-        for level in self.s.levels:
-            for policy in self.s.policies:
-                coords = line_coords(TOPIC, level)
-                disk = policy != "memory"
-                args = [*BROKER_ARGS, *(("--fsync", policy) if disk else ("--store", "memory"))]
-                label = f"level {level}, {policy}"
-                cluster = LocalCluster(
-                    len(coords),
-                    coords=coords,
-                    resilience=level,
-                    state_dir=self.s.workdir / f"fsync-l{level}-{policy.replace(':', '')}",
-                    broker_args=args,
-                    tls=False,
-                    data_dirs=disk,
-                )
-                try:
-                    async with cluster:
-                        await cluster.wait_converged(60.0)
-                        await check_primary(cluster, TOPIC)
-                        pids = [bp.pid for bp in cluster.nodes]
-                        sub_addr = cluster.nodes[0].listen
-                        pub_addr = cluster.nodes[-1].listen
-                        for r in range(self.s.repeat):
-                            pub, sub, cpu = await self.rep(
-                                self.base_spec("sedax", SEDAX_MODES), sub_addr, pub_addr, pids
-                            )
-                            self.record("SeDAX", level, policy, pub, sub, cpu)
-                            print(f"  {label} rep {r + 1}: " + self.brief("SeDAX", level, policy), flush=True)
-                        crashed = [bp.node_id for bp in cluster.nodes if not bp.alive]
-                        if crashed:
-                            self.cell("SeDAX", level, policy, "seq").notes.append(f"exited during the run: {crashed}")
-                except Exception as exc:
-                    why = str(exc).splitlines()[0] if str(exc) else repr(exc)
-                    self.cell("SeDAX", level, policy, "seq").notes.append(f"failed: {why}")
-                    print(f"{label}: {exc}", file=sys.stderr, flush=True)
+        coords = line_coords(TOPIC, level)
+        disk = policy != "memory"
+        args = [*BROKER_ARGS, *(("--fsync", policy) if disk else ("--store", "memory"))]
+        label = f"level {level}, {policy}"
+        cluster = LocalCluster(
+            len(coords),
+            coords=coords,
+            resilience=level,
+            state_dir=self.s.workdir / f"fsync-l{level}-{policy.replace(':', '')}-r{r + 1}",
+            broker_args=args,
+            tls=False,
+            data_dirs=disk,
+        )
+        try:
+            async with cluster:
+                await cluster.wait_converged(60.0)
+                await check_primary(cluster, TOPIC)
+                pids = [bp.pid for bp in cluster.nodes]
+                sub_addr = cluster.nodes[0].listen
+                pub_addr = cluster.nodes[-1].listen
+                pub, sub, cpu = await self.rep(self.base_spec("sedax", SEDAX_MODES), sub_addr, pub_addr, pids)
+                self.record("SeDAX", level, policy, pub, sub, cpu)
+                print(f"  {label} rep {r + 1}: " + self.brief("SeDAX", level, policy), flush=True)
+                crashed = [bp.node_id for bp in cluster.nodes if not bp.alive]
+                if crashed:
+                    self.cell("SeDAX", level, policy, "seq").notes.append(f"exited during the run: {crashed}")
+                trouble = broker_trouble(cluster)
+                if trouble:
+                    self.cell("SeDAX", level, policy, "seq").notes.append(f"rep {r + 1} brokers logged {trouble}")
+        except Exception as exc:
+            why = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            self.cell("SeDAX", level, policy, "seq").notes.append(f"rep {r + 1} failed: {why}")
+            print(f"{label}: {exc}", file=sys.stderr, flush=True)
 
     def brief(self, system: str, level: int, store: str) -> str:
         parts = []
@@ -614,49 +634,46 @@ class Driver:
 
     # ---------------------------------------------------------------------------------------- jetstream
 
-    async def jetstream(self) -> None:
+    async def jetstream_start(self) -> tuple[subprocess.Popen[bytes] | None, str]:
+        """nats-server with JetStream on a file store and the stream (R1); (None, "") if it cannot run."""
+        note = self.cell("JetStream", 1, "file, R1", "seq").notes
         exe = shutil.which("nats-server") or shutil.which("nats-server", path="/usr/sbin:/usr/local/bin")
         if exe is None:
-            self.cell("JetStream", 1, "file, R1", "seq").notes.append("not measured: nats-server not installed")
-            return
+            note.append("not measured: nats-server not installed")
+            return None, ""
         try:
             import nats  # noqa: F401
         except ImportError:
-            self.cell("JetStream", 1, "file, R1", "seq").notes.append("not measured: nats-py not installed")
-            return
+            note.append("not measured: nats-py not installed")
+            return None, ""
         self.versions["nats-server"] = program_output([exe, "--version"])
         self.versions["nats-py"] = program_output([sys.executable, "-m", "pip", "show", "nats-py"])
         port = free_port()
         store = self.s.workdir / "jetstream"
         store.mkdir()
-        argv = [
-            exe,
-            "-js",
-            "-sd",
-            str(store),
-            "-p",
-            str(port),
-            "-a",
-            "127.0.0.1",
-            "-l",
-            str(self.s.workdir / "nats.log"),
-        ]
+        log = str(self.s.workdir / "nats.log")
+        argv = [exe, "-js", "-sd", str(store), "-p", str(port), "-a", "127.0.0.1", "-l", log]
         proc = start_server(argv, self.s.workdir / "nats.out")
+        addr = f"127.0.0.1:{port}"
         try:
-            addr = f"127.0.0.1:{port}"
             await wait_port(port, proc)
             await create_stream(addr)
-            print(f"{self.versions['nats-server']} pid {proc.pid} on {addr}, stream {STREAM} (file, R1)", flush=True)
-            for r in range(self.s.repeat):
-                pub, sub, cpu = await self.rep(self.base_spec("jetstream", JS_MODES), addr, addr, [proc.pid])
-                self.record("JetStream", 1, "file, R1", pub, sub, cpu)
-                print(f"  JetStream rep {r + 1}: " + self.brief("JetStream", 1, "file, R1"), flush=True)
+        except Exception as exc:
+            stop_proc(proc)
+            note.append(f"failed: {str(exc).splitlines()[0] if str(exc) else repr(exc)}")
+            return None, ""
+        print(f"{self.versions['nats-server']} pid {proc.pid} on {addr}, stream {STREAM} (file, R1)", flush=True)
+        return proc, addr
+
+    async def jetstream_rep(self, addr: str, pid: int, r: int) -> None:
+        try:
+            pub, sub, cpu = await self.rep(self.base_spec("jetstream", JS_MODES), addr, addr, [pid])
+            self.record("JetStream", 1, "file, R1", pub, sub, cpu)
+            print(f"  JetStream rep {r + 1}: " + self.brief("JetStream", 1, "file, R1"), flush=True)
         except Exception as exc:
             why = str(exc).splitlines()[0] if str(exc) else repr(exc)
-            self.cell("JetStream", 1, "file, R1", "seq").notes.append(f"failed: {why}")
+            self.cell("JetStream", 1, "file, R1", "seq").notes.append(f"rep {r + 1} failed: {why}")
             print(f"JetStream: {exc}", file=sys.stderr, flush=True)
-        finally:
-            stop_proc(proc)
 
     # ------------------------------------------------------------------------------------------ catch-up
 
@@ -816,6 +833,25 @@ async def held(cluster: Any, topic: str) -> list[tuple[str, str, int]]:
     """(node, role, bytes) of every live broker holding topic."""
     sts = await cluster.statuses()
     return [(nid, h.role, h.size) for nid, st in sts.items() for h in st.held if h.topic == topic]
+
+
+# Broker log lines that say a run was not a steady state (as bench_pubsub.py counts them).
+BROKER_TROUBLE: Final = {
+    "neighbour lost": "lost (",
+    "heartbeat timeout": "heartbeat_timeout",
+    "replica re-send": "did not confirm within",
+}
+
+
+def broker_trouble(cluster: Any) -> str:
+    """What the cluster's brokers logged of BROKER_TROUBLE, e.g. "2 × neighbour lost"."""
+    counts = dict.fromkeys(BROKER_TROUBLE, 0)
+    for bp in cluster.nodes:
+        with contextlib.suppress(OSError):
+            text = bp.err_path.read_text(errors="replace")
+            for key, needle in BROKER_TROUBLE.items():
+                counts[key] += text.count(needle)
+    return ", ".join(f"{n} × {k}" for k, n in counts.items() if n)
 
 
 def recovered_line(path: Path) -> str:
@@ -1037,11 +1073,17 @@ async def main_async(args: argparse.Namespace, s: Settings) -> int:
     print(f"{up_start}\nlogs in {s.workdir}", flush=True)
     t0 = time.monotonic()
     d = Driver(s)
-    for name in sections:
+    if "fsync" in sections or "jetstream" in sections:
+        name = "+".join(n for n in ("fsync", "jetstream") if n in sections)
         before = uptime()
         print(f"== {name}", flush=True)
-        await {"fsync": d.fsync, "jetstream": d.jetstream, "catchup": d.catchups}[name]()
+        await d.rounds("fsync" in sections, "jetstream" in sections)
         d.loads[name] = (before, uptime())
+    if "catchup" in sections:
+        before = uptime()
+        print("== catchup", flush=True)
+        await d.catchups()
+        d.loads["catchup"] = (before, uptime())
     elapsed = time.monotonic() - t0
     report = markdown(d, s, command, (up_start, uptime()), elapsed, code)
     print()
