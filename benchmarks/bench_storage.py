@@ -722,20 +722,33 @@ class Driver:
                 want = max((size for _, r, size in sizes if r == "primary"), default=0)
                 row: dict[str, Any] = {"store": store, "what": f"restart the {role}", "messages": total}
                 row["note"] = f"stopped (SIGTERM) in {stop_s:.1f} s, exit {code}; holders' bytes {want:,}"
+                keep_log(cluster.nodes[victim], f"before-restart-{role}")  # a restart starts its log afresh
                 t0 = time.perf_counter()
                 bp = await cluster.restart(victim)
                 row["ready"] = time.perf_counter() - t0
                 row.update(await self.wait_caught_up(cluster, victim, role, want, total, t0))
                 row["log"] = recovered_line(bp.err_path)
+                trouble = broker_trouble(cluster)
+                if trouble:
+                    row["note"] += f"; brokers logged (since their last start) {trouble}"
                 self.catchup.append(row)
                 print(f"  {row}", flush=True)
             if not disk:
+                row = {"store": store, "what": "after both restarts: FETCH through n2", "messages": total}
+                got: dict[str, Any] = {}
+                t0 = time.perf_counter()
+                await self._poll_fetch(writer, total, t0, t0 + 10.0, got)
+                row.update(fetched=got.get("fetched", ""), fetch_s=got.get("fetch_s"))
+                self.catchup.append(row)
+                print(f"  {row}", flush=True)
                 return
             sizes = await held(cluster, CATCHUP_TOPIC)
             want = max((size for _, r, size in sizes if r == "primary"), default=0)
             t = time.perf_counter()
             codes = await asyncio.gather(*(cluster.stop(i) for i in range(3)))
             stop_s = time.perf_counter() - t
+            for bp in cluster.nodes:
+                keep_log(bp, "before-full-restart")
             t0 = time.perf_counter()
             await cluster.restart(0)
             row = {"store": store, "what": "full restart: all 3 stopped; n0, then n1 + n2 started"}
@@ -852,6 +865,12 @@ def broker_trouble(cluster: Any) -> str:
             for key, needle in BROKER_TROUBLE.items():
                 counts[key] += text.count(needle)
     return ", ".join(f"{n} × {k}" for k, n in counts.items() if n)
+
+
+def keep_log(bp: Any, tag: str) -> None:
+    """Copy a broker's log aside (LocalCluster.restart truncates it)."""
+    with contextlib.suppress(OSError):
+        shutil.copyfile(bp.err_path, bp.err_path.with_name(f"{bp.err_path.name}.{tag}"))
 
 
 def recovered_line(path: Path) -> str:
