@@ -801,16 +801,18 @@ class Client:
         if self._throttled.get(topic, 0.0) > now:
             pass  # rate-limited by the broker: the resender sends it after the back-off
         elif self._conn is not None and not self._closing and self._connected.is_set():
-            # The common case, without a coroutine per publish.  The first publish of a turn of the event loop
-            # leaves at once: a lone message (a device publishing now and then) must not wait for the turn to
-            # end.  What follows it in the same turn is queued and sent at the end of the turn, one batched
-            # PUBLISH per topic: batches form only while publishes come faster than the loop turns.
-            if not self._outbox_scheduled:
-                self._outbox_scheduled = True
-                loop.call_soon(self._send_outbox)
+            # The common case, without a coroutine per publish.  A lone message (a device publishing now and
+            # then: nothing else of this client unacknowledged, nothing queued) leaves at once; it must not wait
+            # for the turn of the event loop to end.  Otherwise, as Nagle's algorithm does for TCP segments, it
+            # is queued and sent at the end of the turn with the others, one batched PUBLISH per topic: batches
+            # form only under load, and a steady stream is not split into a lone frame plus a batch each turn.
+            if not self._outbox_scheduled and self._inflight.taken == 1:
                 self._conn.send_now(encode_control(self._publish_msg([p])))
                 self.sent_at_once += 1
             else:
+                if not self._outbox_scheduled:
+                    self._outbox_scheduled = True
+                    loop.call_soon(self._send_outbox)
                 out = self._outbox.get(topic)
                 if out is None:
                     self._outbox[topic] = [p]
@@ -1000,8 +1002,14 @@ class _Window:
     not a coroutine: on the publish path that difference is measurable."""
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.free = size
         self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def taken(self) -> int:
+        """Slots taken: the publishes unacknowledged, the one being made included."""
+        return self.size - self.free
 
     def take(self) -> bool:
         """Take a slot if one is free."""
