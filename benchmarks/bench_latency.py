@@ -464,10 +464,10 @@ def markdown(d: Driver, command: str, up: tuple[str, str], elapsed: float, code:
 
 
 def write_report(path: Path, report: str) -> None:
-    head = "# Latency benchmark: where a message's time goes\n\n"
-    if path.exists() and RESULTS_MARK in (text := path.read_text()):
-        head = text.split(RESULTS_MARK, 1)[0]
-    path.write_text(head + RESULTS_MARK + "\n\n" + report)
+    """Replace this benchmark's section of path (from RESULTS_MARK to the next results marker)."""
+    from bench_fanin import write_section
+
+    write_section(path, RESULTS_MARK, report)
 
 
 async def main_async(args: argparse.Namespace) -> int:

@@ -105,8 +105,6 @@ class StreamTransport:
         return data
 
     def write(self, data: bytes) -> None:
-        if trace.ENABLED:
-            trace.mark("write", data)
         self._buf.append(data)
         self._buffered += len(data)
         if not self._scheduled:
@@ -124,6 +122,8 @@ class StreamTransport:
         if self._writer.transport.is_closing():
             return  # as an unbuffered write to a closed connection: the bytes go nowhere
         self.writes += 1
+        if trace.ENABLED:
+            trace.mark("write", data)  # when the bytes go to the socket, the end-of-turn deferral included
         self._writer.write(data)
 
     def write_buffered(self) -> int:
