@@ -763,7 +763,8 @@ class Driver:
             await self._poll_status(cluster.nodes[1].listen, "secondary", want, t0, t0 + CATCHUP_DEADLINE, second)
             row["note"] += (
                 f"; n0 ready after {row['ready_n0']:.2f} s; n1 secondary with every byte after "
-                f"{_f(second.get('holds'), 1, 2)} s ({second['holds_seen']})"
+                f"{_f(second.get('holds'), 1, 2)} s, caught_up after {_f(second.get('holds_caught_up'), 1, 2)} s "
+                f"({second['holds_seen']})"
             )
             row["log"] = "; ".join(f"{bp.node_id}: {recovered_line(bp.err_path)}" for bp in cluster.nodes)
             self.catchup.append(row)
@@ -787,18 +788,21 @@ class Driver:
     ) -> None:
         from client.admin import AdminClient
 
-        seen: tuple[str, int] = ("", 0)
+        seen: tuple[str, int, str] = ("", 0, "")
         while time.perf_counter() < deadline:
             with contextlib.suppress(Exception):
                 async with await AdminClient.connect(addr, timeout=5.0) as ac:
                     st = await ac.status()
-                mine = [(h.role, h.size) for h in st.held if h.topic == CATCHUP_TOPIC]
-                seen = mine[0] if mine else ("-", 0)
+                # `state` (caught_up, syncing, ...) is in the STATUS of brokers since the operator view of issue 15
+                mine = [(h.role, h.size, str(getattr(h, "state", ""))) for h in st.held if h.topic == CATCHUP_TOPIC]
+                seen = mine[0] if mine else ("-", 0, "")
                 if seen[0] == role and seen[1] >= want:
-                    out[key] = time.perf_counter() - t0
-                    break
+                    out.setdefault(key, time.perf_counter() - t0)
+                    if seen[2] in ("caught_up", ""):
+                        out[f"{key}_caught_up"] = time.perf_counter() - t0
+                        break
             await asyncio.sleep(POLL)
-        out[f"{key}_seen"] = f"{seen[0]} {seen[1]:,} B of {want:,}"
+        out[f"{key}_seen"] = f"{seen[0]} {seen[2]} {seen[1]:,} B of {want:,}"
 
     async def _poll_fetch(self, addr: str, total: int, t0: float, deadline: float, out: dict[str, Any]) -> None:
         from client.client import Client
@@ -1029,17 +1033,19 @@ def markdown(d: Driver, s: Settings, command: str, up: tuple[str, str], elapsed:
             f"of {s.history:,} messages of {PAYLOAD_SIZE} B; {s.extra:,} more published while the broker is down. "
             "Times from the restart (process start, Python imports included): `ready` = the broker's readiness "
             "line; `holds` = its STATUS shows the topic in its old role with at least the holders' stored bytes; "
+            "`caught up` = the same and the replica state in STATUS is caught_up; "
             "`serves` = a FETCH of the whole topic through it returned every message (distinct publisher and "
             "sequence numbers); `fetch` = how long that last FETCH took.",
             "",
-            "| store | what | messages | ready s | holds s | serves s | fetch s | STATUS seen | FETCH | notes | "
-            "broker log |",
-            "|---|---|---:|---:|---:|---:|---:|---|---|---|---|",
+            "| store | what | messages | ready s | holds s | caught up s | serves s | fetch s | STATUS seen | FETCH | "
+            "notes | broker log |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|",
         ]
         for r in d.catchup:
             out.append(
                 f"| {r['store']} | {r['what']} | {_f(r.get('messages'))} | {_f(r.get('ready'), 1, 2)} | "
-                f"{_f(r.get('holds'), 1, 2)} | {_f(r.get('serves'), 1, 2)} | {_f(r.get('fetch_s'), 1, 2)} | "
+                f"{_f(r.get('holds'), 1, 2)} | {_f(r.get('holds_caught_up'), 1, 2)} | "
+                f"{_f(r.get('serves'), 1, 2)} | {_f(r.get('fetch_s'), 1, 2)} | "
                 f"{r.get('holds_seen', '')} | {r.get('fetched', '')} | {r.get('note', '')}"
                 f"{'; ' + r['fetch_error'] if r.get('fetch_error') else ''} | {r.get('log', '')} |"
             )
