@@ -176,7 +176,17 @@ async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(spec_text: str) -> int:
+    import gc
+
+    import peers  # noqa: F401
     import uvloop
+
+    import client.client  # noqa: F401 - imported before the freeze below
+
+    # The clients of every system run in the same kind of worker; none should pay full collections that walk
+    # the interpreter's start-up heap (brokers freeze theirs too: broker/main.py).
+    gc.collect()
+    gc.freeze()
 
     spec = json.loads(spec_text)
     fn = sub_worker if spec["role"] == "sub" else pub_worker

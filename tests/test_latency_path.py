@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import wait_for
+from cluster import log_has, wait_for
 
 from broker.config import BrokerConfig
 from broker.node import Broker
+from cli.cluster import LocalCluster
 from client.client import Client
 from net import trace
 from net.transport import StreamTransport
@@ -128,3 +129,9 @@ def test_trace_records_stamped_payloads_only_when_on(tmp_path: Path) -> None:
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     marks = [(t0, stage) for t0, stage, _ in recs if not stage.startswith("gc")]
     assert marks == [[1.5, "forward"], [2.5, "forward"]] or marks == [(1.5, "forward"), (2.5, "forward")]
+
+
+async def test_a_started_broker_freezes_its_start_up_heap(tmp_path: Path) -> None:
+    # Full collections must not walk the modules and classes of the start-up (a pause of tens of ms each).
+    async with LocalCluster(1, resilience=1, state_dir=tmp_path, tls=False, broker_args=("--log-level", "DEBUG")) as c:
+        await wait_for(lambda: log_has(c.nodes[0], "objects frozen for the garbage collector"), 10.0, "freeze")
