@@ -976,7 +976,7 @@ def markdown(d: Driver, s: Settings, command: str, up: tuple[str, str], elapsed:
             "### Throughput and publish → ACK latency by fsync policy",
             "",
             f"Phases of {s.seq_s:g} s (one at a time) and {s.window_s:g} s (window of {s.window}), then the "
-            f"window drained; medians of {s.repeat} repetition(s) (each a fresh publisher and subscriber process). "
+            f"window drained; medians of {s.repeat} repetition(s) (each with fresh brokers, publisher and subscriber). "
             "× memory: the median rate against the in-memory store at the same level and mode.",
             "",
             "| level | store | publisher | ACKed msg/s | × memory | ACK p50 ms | ACK p99 ms | delivered msg/s | "
