@@ -142,6 +142,10 @@ class AnalysisOutputError(RuntimeError):
     """The driver cannot see what the executors wrote under `out` (not a shared directory)."""
 
 
+class SparkStartError(RuntimeError):
+    """Spark did not start on the given master (a malformed master URL, an unknown property value, ...)."""
+
+
 @dataclass
 class Summary:
     """What `run_analysis` found: counts, headline figures and where the outputs are."""
@@ -286,6 +290,9 @@ def spark_session(
     os.environ["PYSPARK_PYTHON"] = python
     try:
         spark = builder.getOrCreate()
+    except Exception as exc:  # py4j and PySpark raise many types; the first line names the problem
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise SparkStartError(f"Spark did not start on master {m!r}: {first}") from exc
     finally:
         if previous is None:
             del os.environ["PYSPARK_PYTHON"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +30,8 @@ LEVELS: Final = ("L1", "L2", "L3")
 # before Spark starts: the JVM takes up to minutes on a small machine only to find that nothing was usable.
 SNIFF_LINES: Final = 100
 SNIFF_BYTES: Final = 1 << 20
+# Seconds to wait for a TCP connection to a spark:// master before saying it cannot be reached.
+MASTER_CONNECT_TIMEOUT: Final = 5.0
 
 
 def _fail(msg: str) -> int:
@@ -100,6 +103,27 @@ def _spark_conf(pairs: Sequence[str] | None) -> dict[str, str]:
     return conf
 
 
+def _master_problem(master: str | None) -> str | None:
+    """Why a standalone master (spark://host:port[,host:port...]) cannot be reached, found before Spark starts.
+
+    Spark itself retries an unreachable master for a minute and then fails with a stack trace.
+    """
+    if not master or not master.startswith("spark://"):
+        return None
+    refused = []
+    for hostport in master.removeprefix("spark://").split(","):
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit():
+            return f"--master {master}: expected spark://HOST:PORT"
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=MASTER_CONNECT_TIMEOUT).close()
+        except OSError as exc:
+            refused.append(f"{hostport} ({exc.strerror or exc})")
+        else:
+            return None
+    return f"cannot reach the Spark master at {', '.join(refused)}: start it or correct --master"
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     missing = _missing_dirs(args.log_dirs)
     if missing:
@@ -108,6 +132,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         conf = _spark_conf(args.conf)
     except UsageError as exc:
         return _fail(str(exc))
+    if (unreachable := _master_problem(args.master)) is not None:
+        print(f"sedax: error: {unreachable}", file=sys.stderr)
+        return EXIT_FAILED
     files = list(_jsonl_files(args.log_dirs))
     if (problem := _input_problem(args.log_dirs, files)) is not None:
         print(f"sedax: error: {problem}", file=sys.stderr)
@@ -117,7 +144,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         _progress(args, f"reading {len(files)} *.jsonl file(s), {size / 1e6:.1f} MB, with Spark "
                   f"({args.master or 'local[*]'}); tables{'' if args.no_plots else ', plots'} and summary.md "
                   f"go to {args.out} ...")  # fmt: skip
-    from analysis.job import AnalysisInputError, AnalysisOutputError, run_analysis
+    from analysis.job import AnalysisInputError, AnalysisOutputError, SparkStartError, run_analysis
 
     try:
         summary = run_analysis(
@@ -133,7 +160,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         )
     except AnalysisInputError as exc:
         return _fail(str(exc))
-    except AnalysisOutputError as exc:
+    except (AnalysisOutputError, SparkStartError) as exc:
         print(f"sedax: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if summary.records == 0:
