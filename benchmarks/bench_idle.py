@@ -91,12 +91,18 @@ def spawn_profiled(cluster: LocalCluster, out: Path, delay: float, seconds: floa
 
 
 async def measure(
-    n: int, window: float, broker_args: list[str], seed: int, workdir: Path, profile: Path | None = None
+    n: int,
+    window: float,
+    broker_args: list[str],
+    seed: int,
+    workdir: Path,
+    profile: Path | None = None,
+    tls: bool = True,
 ) -> dict[str, Any]:
     t0 = time.monotonic()
     # As `sedax cluster up` starts one: TLS, resilience 2, a data directory per broker.
     cluster = LocalCluster(
-        n, seed=seed, resilience=2, state_dir=workdir / f"n{n}", broker_args=broker_args, data_dirs=True
+        n, seed=seed, resilience=2, state_dir=workdir / f"n{n}", broker_args=broker_args, data_dirs=True, tls=tls
     )
     profiled: subprocess.Popen[bytes] | None = None
     try:
@@ -151,7 +157,7 @@ async def main_async(args: argparse.Namespace) -> int:
     extra = shlex.split(args.broker_args) if args.broker_args else []
     results = []
     for n in args.nodes:
-        r = await measure(n, args.window, extra, args.seed, workdir, args.profile)
+        r = await measure(n, args.window, extra, args.seed, workdir, args.profile, tls=not args.insecure)
         results.append(r)
         print(
             f"  N={n}: started in {r['start_s']:.1f} s, converged at {r['converged_s']:.1f} s; "
@@ -163,6 +169,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=1))
     flags = " ".join(extra) or "(defaults)"
+    flags += ", plain TCP" if args.insecure else ", TLS"
     print(f"\nbroker args: {flags}; idle window {args.window:g} s after {SETTLE:g} s settling")
     print("| brokers | start (ready) | converged | CPU ms/s per broker (mean / max) | cluster cores "
           "| RSS MiB per broker (mean / max) | PSS / private MiB | other work (cores) |")  # fmt: skip
@@ -185,6 +192,7 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=30.0, help="idle seconds measured (default 30)")
     parser.add_argument("--broker-args", default="", help="extra broker flags, one string")
     parser.add_argument("--seed", type=int, default=1, help="seed of the coordinates")
+    parser.add_argument("--insecure", action="store_true", help="plain TCP between the brokers (default: TLS)")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     parser.add_argument(
         "--profile", type=Path, help="also run one more broker under cProfile over the window; its stats go here"
