@@ -243,6 +243,7 @@ class Replica:
     # SYNCING / TAKING_OVER: pull corr -> asked node id, when the pull started, whether it was asked again.
     pulling: dict[int, str] = field(default_factory=dict)
     pull_started: float = 0.0
+    pull_heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
     pull_retried: bool = False
     move: Move | None = None  # HANDING_OVER
     staged: Staged | None = None  # RECEIVING

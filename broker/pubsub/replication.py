@@ -48,6 +48,8 @@ class ReplicationRole:
         # Level 3, at the secondary: corr of a batch passed on to the tertiary -> (topic, primary, the
         # primary's corr, tertiary id), until the tertiary confirms it (`_chain`).
         self._chained: dict[int, tuple[str, NodeInfo, int, str]] = {}
+        # OFFER corr -> offerer, where this broker answered the offer with the pull of its own sync.
+        self._offer_pulls: dict[int, str] = {}
         # Wired by the engine.
         self.holder: HolderRole
         self.moves: MoveRole
@@ -96,6 +98,9 @@ class ReplicationRole:
                 ),
             )
         upto = r.waiting[-1].record.ts if r.waiting else r.last_ts
+        if len(batches) > 1:
+            # A long history takes a while to copy: no re-send of all of it before it could have arrived.
+            r.rto = max(r.rto, self.t.config.replication_timeout * len(batches))
         r.inflight = (corr, sec.id, self.t.ov.now(), upto)
         r.sent[corr] = (sec.id, upto)
         if len(r.sent) > 64:  # confirmations that never came; the newest re-send supersedes them
@@ -166,6 +171,8 @@ class ReplicationRole:
             del r.pulling[m.corr]
             self.pull_progress(r)
             return
+        if r is not None and r.pulling and m.origin.id in r.pulling.values():
+            r.pull_heard = now  # an answer is still streaming in: the pull is making progress
         created = r is None
         r = self.holder.replica(m.topic, m.coord)
         # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
@@ -191,6 +198,9 @@ class ReplicationRole:
         stored = self.holder.persist(r)
         if answers_pull:
             del r.pulling[m.corr]
+            if stored and self._offer_pulls.pop(m.corr, None) == m.origin.id:
+                # The answer to an OFFER taken as part of this broker's sync: the offerer may let go now.
+                self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
             self.pull_progress(r)
             return
         if stored and self._chain(r, m):
@@ -207,19 +217,31 @@ class ReplicationRole:
             self.start_pull(r, takeover=False)
 
     # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------
-    def start_pull(self, r: Replica, *, takeover: bool) -> bool:
+    def start_pull(self, r: Replica, *, takeover: bool, offered: tuple[int, NodeInfo] | None = None) -> bool:
         """SYNC (a primary new to the topic) or TAKE_OVER (after a failure): ask the other holders; False if
-        there is nobody to ask (the replica stays as it is)."""
+        there is nobody to ask (the replica stays as it is).  offered: (corr, node) of an OFFER being answered
+        with this pull: that node is asked under the offer's corr, so its answer is one of the pull's."""
         if r.rank != 1:
             return False
         others = self.t.ranked(r.coord)[1:]
         if not others:
             return False
         r.enter(Transition.TAKE_OVER if takeover else Transition.SYNC)
-        r.pull_started = self.t.ov.now()
+        r.pull_started = r.pull_heard = self.t.ov.now()
         r.pull_retried = False
         have = r.log.digest()  # the answers carry only what this broker lacks (a restart fetches its gap)
+        asked = set()
+        if offered is not None:
+            corr, node = offered
+            r.pulling[corr] = node.id
+            self._offer_pulls[corr] = node.id  # its answer also confirms the offer (replicate_arrived)
+            if len(self._offer_pulls) > MAX_CHAINED:  # answers that never came (the pull timed out)
+                del self._offer_pulls[next(iter(self._offer_pulls))]
+            asked.add(node.id)
+            self.t.ov.route(node.coord, Pull(corr, r.name, r.coord, self.t.ov.me, have))
         for n in others:
+            if n.id in asked:
+                continue
             corr = self.t.next_corr()
             r.pulling[corr] = n.id
             self.t.ov.route(n.coord, Pull(corr, r.name, r.coord, self.t.ov.me, have))
@@ -318,6 +340,13 @@ class ReplicationRole:
                 return
             self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, r.log.digest()))
             return
+        if r is None and self.t.rank_of_me(m.coord) == 1:
+            # A broker that joined closest to the topic learns of it from an offer: it syncs (pulls what every
+            # other holder has, the offerer's answer among them) and serves only once it holds all of it
+            # (storage-anchors: leadership only to a caught-up replica).
+            r = self.holder.replica(m.topic, m.coord)
+            if r.stage is Stage.SERVING and self.start_pull(r, takeover=False, offered=(m.corr, m.origin)):
+                return
         # Nothing of it here (or at another coordinate): ask for all of it; the answer makes the replica.
         self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, {}))
 
@@ -464,14 +493,14 @@ class ReplicationRole:
                     self.offer(r, [sec], track=False)
             if r.inflight is not None and now - r.inflight[2] > r.rto:
                 log.warning("replica %s of %s did not confirm within %.1f s; re-sending", r.inflight[1], r.name, r.rto)
-                r.rto = min(r.rto * 2, MAX_RTO)
+                r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long back-fill keeps its longer time-out
                 r.inflight = None
                 # Re-send everything not yet confirmed (a pending back-fill stays a back-fill); the replica
                 # merges, so what it already had is not duplicated.
                 r.outbox = list(r.undelivered)
                 r.meta_dirty = True
                 self.flush(r)
-            if r.pulling and now - r.pull_started > self.t.config.pull_timeout:
+            if r.pulling and now - max(r.pull_started, r.pull_heard) > self.t.config.pull_timeout:
                 r.pulling.clear()
                 self.pull_progress(r)
             elif r.pulling and not r.pull_retried and now - r.pull_started > self.t.config.pull_timeout / 4:
