@@ -34,12 +34,12 @@ class Transport(Protocol):
         ...
 
     def write(self, data: bytes) -> None:
-        """Queue bytes; never blocks (see drain).  What is written in one turn of the event loop may go out
-        in one system call at the end of the turn (`flush` sends at once)."""
+        """Queue bytes; never blocks (see drain)."""
         ...
 
     def flush(self) -> None:
-        """Hand what this turn queued to the connection now, not at the end of the turn."""
+        """Hand anything the transport still holds back to the connection now (the transports here hold
+        nothing back: a no-op, kept so a batching transport can be dropped in)."""
         ...
 
     def write_buffered(self) -> int:
@@ -74,25 +74,21 @@ class Transport(Protocol):
 class StreamTransport:
     """A Transport over an asyncio StreamReader/StreamWriter pair.
 
-    Writes made in one turn of the event loop go to the socket as one write at the end of the turn: a broker
-    turn that forwards, acknowledges and delivers several frames to the same peer makes one system call for
-    them, not one each (on loopback a send() also runs the receiver's TCP processing, so each one is dear).
-    Order is kept: every write of the connection goes through the same buffer, and close, drain and the
-    buffer level see it.  `flush` writes at once (a client's lone publish must not wait for the turn's end).
+    Writes go to the stream at once.  Holding a loop turn's writes back to send them in one system call was
+    measured (docs/benchmarks-latency.md) and taken out again: in a broker, pub/sub's acknowledgements are
+    written in a deferred call already, and one more deferral put them behind the next batch of reads; in the
+    1,000-publisher fan-in the publishers (each waiting for its ACK) offered 30-45 % fewer messages.  The
+    callers batch where it pays: the client per loop turn, pub/sub per topic and turn.
     """
 
-    __slots__ = ("_buf", "_buffered", "_loop", "_reader", "_scheduled", "_writer", "remote", "writes")
+    __slots__ = ("_reader", "_writer", "remote", "writes")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
         peername = writer.get_extra_info("peername")
         self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
-        self._buf: list[bytes] = []
-        self._buffered = 0  # bytes in _buf
-        self._scheduled = False
-        self._loop = asyncio.get_running_loop()
-        self.writes = 0  # writes handed to the stream (tests count them: one per turn, not one per frame)
+        self.writes = 0  # writes handed to the stream (tests count them)
 
     @property
     def peer_cert(self) -> PeerCert | None:
@@ -105,48 +101,31 @@ class StreamTransport:
         return data
 
     def write(self, data: bytes) -> None:
-        self._buf.append(data)
-        self._buffered += len(data)
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self._scheduled = False
-        buf = self._buf
-        if not buf:
-            return
-        data = buf[0] if len(buf) == 1 else b"".join(buf)
-        buf.clear()
-        self._buffered = 0
-        if self._writer.transport.is_closing():
-            return  # as an unbuffered write to a closed connection: the bytes go nowhere
         self.writes += 1
         if trace.ENABLED:
-            trace.mark("write", data)  # when the bytes go to the socket, the end-of-turn deferral included
+            trace.mark("write", data)
         self._writer.write(data)
 
+    def flush(self) -> None:
+        pass  # written at once already
+
     def write_buffered(self) -> int:
-        return self._writer.transport.get_write_buffer_size() + self._buffered
+        return self._writer.transport.get_write_buffer_size()
 
     def set_write_high_water(self, high: int) -> None:
         self._writer.transport.set_write_buffer_limits(high=high)
 
     async def drain(self) -> None:
-        self.flush()
         await self._writer.drain()
 
     def is_closing(self) -> bool:
         return self._writer.transport.is_closing()
 
     def close(self) -> None:
-        self.flush()
         self._writer.close()
 
     def abort(self) -> None:
         # No TLS close_notify exchange: for a refused handshake or a dead peer there is nothing to flush.
-        self._buf.clear()
-        self._buffered = 0
         self._writer.transport.abort()
 
     async def wait_closed(self) -> None:

@@ -1,5 +1,6 @@
 """The per-message path's latency rules, counted rather than timed: a lone publish leaves at once, a burst
-is batched, a connection makes one write per loop turn, and the trace mode records stages only when on."""
+is batched, the transport does not hold writes back, a broker freezes its start-up heap, and the trace mode
+records stages only when on."""
 
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ async def test_one_publish_per_message_still_batches_writes(broker: Broker) -> N
         assert got == [f"m{i}".encode() for i in range(20)]
 
 
-async def test_a_stream_transport_writes_once_per_loop_turn() -> None:
+async def test_a_stream_transport_writes_at_once_in_order() -> None:
+    # No deferral to the end of the loop turn in the transport (measured to delay a broker's ACKs, see
+    # docs/benchmarks-latency.md): each write reaches the stream before write() returns, in order.
     received: list[bytes] = []
     done = asyncio.Event()
 
@@ -86,7 +89,7 @@ async def test_a_stream_transport_writes_once_per_loop_turn() -> None:
             for f in dec.feed(data):
                 assert isinstance(f, ControlFrame) and isinstance(f.message, Ping)
                 received.append(encode_control(f.message))
-                if len(received) == 6:
+                if len(received) == 4:
                     done.set()
         writer.close()
 
@@ -97,18 +100,13 @@ async def test_a_stream_transport_writes_once_per_loop_turn() -> None:
         t = StreamTransport(reader, writer)
         for i in range(3):
             t.write(encode_control(Ping(i)))
-        assert t.writes == 0 and t.write_buffered() >= 3 * len(encode_control(Ping(0)))
-        await asyncio.sleep(0)  # one turn of the loop: the three frames leave in one write
-        assert t.writes == 1
-        for i in range(3, 6):
-            t.write(encode_control(Ping(i)))
-        t.flush()  # at once, without waiting for the turn's end
-        assert t.writes == 2
-        await wait_for(done.is_set, 5.0, "six frames at the server")
-        assert received == [encode_control(Ping(i)) for i in range(6)]
-        t.write(encode_control(Ping(9)))
-        t.close()  # what is still buffered goes out before the close
+            assert t.writes == i + 1
+        t.flush()  # nothing held back: no further write
         assert t.writes == 3
+        t.write(encode_control(Ping(3)))
+        t.close()
+        await wait_for(done.is_set, 5.0, "four frames at the server")
+        assert received == [encode_control(Ping(i)) for i in range(4)]
     finally:
         server.close()
         await server.wait_closed()
