@@ -18,6 +18,7 @@ state (peers, view, links) and are typed on the Broker they belong to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -306,9 +307,12 @@ class Membership:
         if frozen != self._advertised:
             self._advertised = frozen
             data = encode_control(Neighbours(tuple(view.infos(frozen))))
-            for link in self.peers.values():
+            for link in list(self.peers.values()):
                 if link.established:
-                    link.write(data)
+                    # A link whose transport is closing refuses writes: its close is on the way and will
+                    # reconcile again; the other neighbours must still get the advert.
+                    with contextlib.suppress(LinkClosed):
+                        link.write(data)
         if self.stats.healing_since is not None:
             self._check_healed(frozen)
 
