@@ -52,6 +52,8 @@ REFORMED_WITHIN = 300.0
 SERVING_WITHIN = 120.0
 REPLAY_TIMEOUT = 60.0
 PROMETHEUS_WITHIN = 180.0
+# Spark's start and ~30 small jobs: 1.5-3.5 min at a load average of 5-15, more than 5 min at ~30.
+ANALYSIS_TIMEOUT = 600.0
 POLL = 1.0
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -540,7 +542,7 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     _wait_serving(cids["b1"], sizes)
     phase("overlay converged again and every primary holds its whole history")
 
-    analysis = p.check("run", "--rm", "-T", "analyze", profiles=("analysis",), timeout=COMMAND_TIMEOUT)
+    analysis = p.check("run", "--rm", "-T", "analyze", profiles=("analysis",), timeout=ANALYSIS_TIMEOUT)
     summary = next((line for line in analysis.splitlines() if line.startswith("analysed ")), "")
     records = int(summary.split()[1]) if summary else 0
     assert records > 0, f"sedax analyze read no records:\n{analysis[-3000:]}"
