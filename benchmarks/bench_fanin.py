@@ -92,8 +92,11 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
     per_pub: dict[int, int] = {}
     first: dict[int, int] = {}  # the first message index seen of each publisher
 
-    def sink(p: bytes) -> None:
+    per_sub: dict[int, int] = {}
+
+    def sink(p: bytes, j: int = 0) -> None:
         nonlocal got
+        per_sub[j] = per_sub.get(j, 0) + 1
         now = perf()
         got += 1
         t, i, k = _HEAD.unpack_from(p)
@@ -114,9 +117,9 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 sub = await c.subscribe(t)
                 subs_.append(sub)
 
-                async def consume(s: Any = sub) -> None:
+                async def consume(s: Any = sub, j: int = j) -> None:
                     async for m in s:
-                        sink(m.payload)
+                        sink(m.payload, j)
 
                 tasks.append(asyncio.create_task(consume()))
     else:
@@ -127,7 +130,7 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
             mq = await MqttClient.connect(host, int(port), f"fan-sub-{os.getpid()}-{j}")
             closers.append(mq.close)
             for t in topics:
-                await mq.subscribe(t, 0, sink)
+                await mq.subscribe(t, 0, lambda p, j=j: sink(p, j))
     bp.ready()
     await asyncio.sleep(max(0.0, spec["end_at"] + spec["grace"] - perf()))
     for t in tasks:
@@ -136,7 +139,14 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             await close()
     counters = {k: sum(getattr(s, k) for s in subs_) for k in ("dropped", "duplicates", "repaired", "gaps")}
-    return {"got": got, "lat": lat, "per_publisher": per_pub, "first": first, "counters": counters}
+    return {
+        "got": got,
+        "lat": lat,
+        "per_publisher": per_pub,
+        "first": first,
+        "counters": counters,
+        "per_subscriber": per_sub,
+    }
 
 
 async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +160,8 @@ async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
     errors: list[str] = []
     gate = asyncio.Semaphore(CONNECT_PARALLEL)
 
+    # Publisher ids are new in every run: a primary takes a known (publisher, seq) for a re-send and only
+    # acknowledges it again, so ids reused by the next scenario on the same cluster would deliver nothing.
     async def one(i: int, addr: str, topic: str, connected: asyncio.Event) -> None:
         nonlocal sent, acked, late
         host, port = addr.rsplit(":", 1)
@@ -158,7 +170,7 @@ async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
             from client.client import Client
 
             async with gate:
-                c = Client([addr], client_id=f"fan-pub-{i}", batch_publishes=False)
+                c = Client([addr], client_id=f"fan-pub-{os.getpid()}-{i}", batch_publishes=False)
                 await c.connect()
 
             async def publish(p: bytes) -> None:
@@ -169,7 +181,7 @@ async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
             from peers import MqttClient, mqtt_topic
 
             async with gate:
-                mq = await MqttClient.connect(host, int(port), f"fan-pub-{i}")
+                mq = await MqttClient.connect(host, int(port), f"fan-pub-{os.getpid()}-{i}")
             field_ = mqtt_topic(topic)
 
             async def publish(p: bytes) -> None:
