@@ -291,7 +291,6 @@ class _Connection:
         self._flush_scheduled = False
         if self._wbuf and not self.transport.is_closing():
             self.transport.write(bytes(self._wbuf))
-            self.transport.flush()  # this is the end of the turn's batch already: no second deferral
         self._wbuf.clear()
 
     def send_now(self, data: bytes) -> None:

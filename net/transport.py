@@ -37,11 +37,6 @@ class Transport(Protocol):
         """Queue bytes; never blocks (see drain)."""
         ...
 
-    def flush(self) -> None:
-        """Hand anything the transport still holds back to the connection now (the transports here hold
-        nothing back: a no-op, kept so a batching transport can be dropped in)."""
-        ...
-
     def write_buffered(self) -> int:
         """Bytes written and not yet taken by the peer's side."""
         ...
@@ -105,9 +100,6 @@ class StreamTransport:
         if trace.ENABLED:
             trace.mark("write", data)
         self._writer.write(data)
-
-    def flush(self) -> None:
-        pass  # written at once already
 
     def write_buffered(self) -> int:
         return self._writer.transport.get_write_buffer_size()
@@ -178,9 +170,6 @@ class MemoryTransport:
             peer._readable.set()
             if self.write_buffered() > self._high:
                 self._drained.clear()
-
-    def flush(self) -> None:
-        pass  # written at once already
 
     def write_buffered(self) -> int:
         return self._peer._inbox_bytes if self._peer is not None else 0
