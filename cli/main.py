@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         code: int = args.func(args)
+        # Flushed here, inside the handler: a buffered stdout (not a terminal, no PYTHONUNBUFFERED) would
+        # otherwise meet a closed reader only at the interpreter's exit, past the BrokenPipeError case below.
+        sys.stdout.flush()
     except KeyboardInterrupt:
         print("sedax: interrupted", file=sys.stderr)
         return 128 + 2  # what a shell reports for a tool ended by SIGINT

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,9 @@ from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageFull, Topic
 from broker.storage.frames import HEADER, encode, scan
 from broker.store import Retention, TopicStore
 from overlay.pubsub import Record
+from tests import tmpfs
+
+TMPFS_MISSING = tmpfs.unavailable()
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITER = Path(__file__).with_name("storage_writer.py")
@@ -193,8 +195,8 @@ def test_sigkill_during_a_write_stream_loses_no_persisted_record(tmp_path: Path,
 
 
 def test_a_full_disk_refuses_writes_and_keeps_what_is_stored(tmp_path: Path) -> None:
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) to mount a private tmpfs")
+    if (why := TMPFS_MISSING) is not None:
+        pytest.skip(why)
     data = tmp_path / "small"
     data.mkdir()
     # A 512 KiB tmpfs in a private mount namespace (a user namespace where we are not root): a real full disk.
@@ -288,8 +290,8 @@ def test_a_dropped_topic_leaves_no_files(tmp_path: Path) -> None:
 
 
 def test_a_full_disk_rolls_the_failed_records_out_of_memory(tmp_path: Path) -> None:
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) to mount a private tmpfs")
+    if (why := TMPFS_MISSING) is not None:
+        pytest.skip(why)
     data = tmp_path / "small"
     data.mkdir()
     script = f"mount -t tmpfs -o size=512k tmpfs {data} && exec {sys.executable} {WRITER} {data} batch store-fill"

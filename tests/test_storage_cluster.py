@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +16,11 @@ from cli.cluster import LocalCluster
 from client.client import Client, PublishAck
 from client.errors import RequestFailed
 from net.credentials import Credentials
+from tests import tmpfs
 from tests.cluster import wait_for
 from tests.conftest import FAST_ARGS
+
+TMPFS_MISSING = tmpfs.unavailable()
 
 pytestmark = pytest.mark.slow
 
@@ -110,8 +112,8 @@ async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_k
     # A real broker whose data directory is a 256 KiB tmpfs (mounted in a private mount namespace): publishes
     # that find no room get NACK storage_full, the broker stays up, and every acknowledged message is still
     # served, undamaged.
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) to mount a private tmpfs")
+    if (why := TMPFS_MISSING) is not None:
+        pytest.skip(why)
     proc, out = _broker_on_a_small_tmpfs(tmp_path)
     try:
         await wait_for(lambda: out.stat().st_size > 0 or proc.poll() is not None, 30.0, "the broker's ready line")
@@ -134,9 +136,10 @@ async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_k
         assert [r.seq for r in history] == acked
         assert all(r.payload == bytes([r.seq % 256]) * 1024 for r in history), "a stored record was damaged"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
