@@ -373,7 +373,7 @@ class ReplicationRole:
             if r.stage is Stage.GONE or not (r.log.rows or r.log.last_seq or r.subscribers):
                 continue
             self.offer(r, self.t.holders(r.coord, without_me=True), leaving=True)
-        return sum(len(r.offers) for r in self.t.replicas.values())
+        return self.handing_off()
 
     def handing_off(self) -> int:
         """Offers not yet confirmed."""
