@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from net.credentials import Credentials, connect_broker
 from net.transport import StreamTransport, Transport
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
+    MAX_ID_LEN,
     PROTOCOL_VERSION,
     ControlFrame,
     FrameDecoder,
@@ -101,6 +103,18 @@ YIELD_EVERY: Final = 256
 BATCH_BYTES: Final = 256 * 1024
 # How long aclose() waits for the connection to close cleanly (TLS close_notify) before cutting it off.
 CLOSE_TIMEOUT: Final = 2.0
+# A client id leaves room in the protocol's id length (MAX_ID_LEN) for the "#<start time>" of its publisher id.
+MAX_CLIENT_ID_LEN: Final = MAX_ID_LEN - 16
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, d = divmod(n, 36)
+        out = digits[d] + out
+        if not n:
+            return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +360,15 @@ class Client:
         self.brokers = addrs
         self.credentials = credentials if credentials is not None else Credentials.from_env()
         self._ssl = self.credentials.ssl_context()
+        if client_id is not None and not 0 < len(client_id) <= MAX_CLIENT_ID_LEN:
+            raise ValueError(f"client id must be 1..{MAX_CLIENT_ID_LEN} characters, got {len(client_id)}")
         self.client_id = client_id or f"c-{os.getpid()}-{secrets.token_hex(4)}"
+        # The publisher id of this client's messages.  Brokers recognise a re-send by (publisher, seq), and this
+        # client numbers each topic's messages from 0: a process started again with the same client id must not
+        # publish under the id of its previous life, or its new messages would be taken for re-sends of the old
+        # ones (acknowledged, never stored).  So, like Kafka's producer id, it names one life of the client:
+        # the client id and the start time (µs, base 36).  A default client id is already unique.
+        self.publisher_id = self.client_id if client_id is None else f"{client_id}#{_base36(time.time_ns() // 1000)}"
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.ack_timeout = ack_timeout
@@ -716,7 +738,7 @@ class Client:
     def _acked(self, m: Ack) -> None:
         # Cumulative: everything up to m.seq is stored (a primary accepts a publisher's messages in order).
         per_topic = self._pending.get(m.topic)
-        if not per_topic or m.publisher != self.client_id:
+        if not per_topic or m.publisher != self.publisher_id:
             return
         # Walk up from the lowest unacknowledged number: `next(iter(dict))` after many pops from a dict's front
         # scans the deleted slots each time, which made long streams quadratic.
@@ -850,7 +872,7 @@ class Client:
     def _publish_msg(self, batch: list[_Pending]) -> Publish:
         first = batch[0]
         more = tuple(p.payload for p in batch[1:]) if len(batch) > 1 else ()
-        return Publish(first.topic, self.client_id, first.seq, first.payload, first.base, more)
+        return Publish(first.topic, self.publisher_id, first.seq, first.payload, first.base, more)
 
     def _send_batched(self, conn: _Connection, msgs: list[_Pending]) -> None:
         """Send publishes of one topic, consecutive sequence numbers together as batches."""

@@ -70,7 +70,7 @@ async def test_100_topics_delivered_once_in_order(cluster10: LocalCluster) -> No
         for client_subs in subs:
             for sub in client_subs:
                 got = await drain(sub, 2 * per_pub, 30)
-                for pub in (p1.client_id, p2.client_id):
+                for pub in (p1.publisher_id, p2.publisher_id):
                     assert [seq for p, seq in got if p == pub] == list(range(per_pub))
                 assert sub.duplicates == 0 and sub.gaps == 0
 

@@ -210,7 +210,7 @@ async def test_acl_allows_and_denies_as_written(tls: Tls) -> None:
         assert ack.seq == 0
         async with asyncio.timeout(10):
             got = await anext(sub)
-        assert (got.payload, got.publisher) == (b"230.1", meter.client_id)
+        assert (got.payload, got.publisher) == (b"230.1", meter.publisher_id)
         with pytest.raises(
             RequestFailed, match=r"not_allowed: 'meter-1' may not publish to 'grid/f1/current'.*default"
         ):
