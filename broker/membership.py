@@ -37,6 +37,7 @@ from overlay.protocol import (
     HelloOk,
     Join,
     JoinAccept,
+    Message,
     Neighbours,
     NodeInfo,
     Refuse,
@@ -49,6 +50,11 @@ from overlay.protocol import (
 # A join that found no address answering is tried again after this pause, doubling up to the maximum.
 JOIN_RETRY_FIRST: Final = 0.25
 JOIN_RETRY_MAX: Final = 2.0
+# Once a neighbour has linked to a joining broker, the overlay has accepted it; the JOIN's answer is then only
+# waited for this much longer.  The answer travels back through the overlay and can be lost there while brokers
+# join together (a full restart): waiting the whole join time-out for it kept the broker's recovered topics
+# RECOVERING (requests waiting) for up to SEDAX_JOIN_TIMEOUT.
+JOIN_ANSWER_GRACE: Final = 1.0
 # A neighbour that *failed* (not one that left) may be alive on the other side of a partition.  Once its
 # tombstone lapses it is dialled again now and then, the pause doubling from REDIAL_FIRST to REDIAL_MAX, for
 # REDIAL_FOR seconds: when the partition heals, the two overlays find each other and merge into one Delaunay
@@ -179,8 +185,7 @@ class Membership:
         hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
         try:
             await link.open(hello)
-            async with asyncio.timeout(self.config.join_timeout):
-                reply = await link.request(Join(1, self.info))
+            reply = await self._join_answer(link)
         except HandshakeRefused as exc:
             if exc.code == "shutting_down":
                 raise LinkClosed(CloseReason.REFUSED, exc.text) from exc
@@ -198,6 +203,26 @@ class Membership:
                 raise LinkClosed(CloseReason.DONE, f"{code}: {text}")
             case _:
                 raise LinkClosed(CloseReason.PROTOCOL_ERROR, f"unexpected answer to JOIN: {reply.op}")
+
+    async def _join_answer(self, link: PeerLink) -> Message:
+        """JOIN's answer on link; TimeoutError after join_timeout, or JOIN_ANSWER_GRACE after a neighbour linked
+        to this broker without it (join() then counts the broker as accepted)."""
+        answer = asyncio.ensure_future(link.request(Join(1, self.info)))
+        linked = asyncio.ensure_future(self._peer_up.wait())
+        try:
+            async with asyncio.timeout(self.config.join_timeout):
+                await asyncio.wait((answer, linked), return_when=asyncio.FIRST_COMPLETED)
+                if not answer.done():
+                    await asyncio.wait((answer,), timeout=JOIN_ANSWER_GRACE)
+            if not answer.done():
+                raise TimeoutError(f"no answer to JOIN within {JOIN_ANSWER_GRACE} s of a neighbour linking")
+            return answer.result()
+        finally:
+            for f in (answer, linked):
+                if not f.done():
+                    f.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, LinkClosed, OSError):
+                await asyncio.gather(answer, linked, return_exceptions=True)
 
     def _duplicate_of(self, node_id: str, coord: Coord) -> NodeInfo | None:
         if distance(self.info.coord, coord) < MIN_SITE_SEPARATION and node_id != self.node_id:

@@ -243,6 +243,15 @@ class Routing:
         if msg.origin is None:
             self.stats.dropped_bad_body += 1  # a JOIN without its bootstrap broker cannot be answered
             return
+        if msg.origin.id != self.node_id and self.view.next_hop(*msg.origin.coord) is None:
+            # The answer would end here instead of at the bootstrap broker: this broker's links are not all up
+            # yet (it joined a moment ago).  The newcomer stops waiting once a neighbour links to it.
+            self.log.info(
+                "answering the JOIN of %s, but no linked neighbour leads back to %s (linked: %s)",
+                msg.node.id,
+                msg.origin.id,
+                sorted(self.view.linked),
+            )
         self.send_routed(msg.origin.coord, self._answer_join(msg))
 
     def _probe_arrived(self, msg: RouteProbe) -> None:
