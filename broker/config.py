@@ -52,6 +52,9 @@ class BrokerConfig:
         advertise: "host:port" other brokers dial to reach this one, when the listen host is a wildcard
             such as 0.0.0.0 (default: the listen host and the bound port).
         join: addresses of running brokers to join through, tried in order; empty = start a new overlay.
+        bootstrap: with `join`, start a new overlay when none of the join addresses is part of one (each is
+            down, or refuses as still joining itself) instead of trying again until `join_timeout`: the broker
+            that starts a cluster (compose's b1), which must rejoin the others when restarted alone.
         node_id: the broker's id; generated when None.
         resilience: resilience level 1..3 (Sec. IV-B): level 1 keeps a topic on its closest broker only,
             level 2 also on the second-closest, level 3 copies it to the third-closest after a failure.
@@ -130,6 +133,7 @@ class BrokerConfig:
     listen: str = "127.0.0.1:0"
     advertise: str | None = None
     join: tuple[str, ...] = ()
+    bootstrap: bool = False
     node_id: str | None = None
     resilience: int = defaults.RESILIENCE
     retention_seconds: float = defaults.RETENTION_SECONDS
@@ -492,7 +496,7 @@ def _convert_one(name: str, value: object) -> object:
         return _to_float(name, value)
     if name in _OPT_STR_FIELDS:
         return _to_opt_str(name, value)
-    if name == "insecure":
+    if name in ("insecure", "bootstrap"):
         return _to_bool(name, value)
     if name in (
         "listen",

@@ -11,6 +11,12 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", help="HOST:PORT to listen on, port 0 = any (default 127.0.0.1:0)")
     parser.add_argument("--advertise", help="HOST:PORT peers dial to reach this broker (default: listen)")
     parser.add_argument("--join", action="append", help="HOST:PORT of a running broker to join through (repeatable)")
+    parser.add_argument(
+        "--bootstrap",
+        action="store_true",
+        default=None,
+        help="with --join: start a new overlay if no join address is part of one (the cluster's first broker)",
+    )
     parser.add_argument("--node-id", dest="node_id", help="node id (default: generated)")
     parser.add_argument(
         "--resilience", type=int, choices=(1, 2, 3), help="resilience level: survive 0, 1 or 2 failures (default 2)"

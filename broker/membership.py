@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
@@ -141,6 +142,7 @@ class Membership:
         pause = JOIN_RETRY_FIRST
         while True:
             errors: list[str] = []
+            no_overlay = True  # every address is down or still joining itself: no overlay to join
             for addr in self.config.join:
                 try:
                     accept = await self._join_via(addr)
@@ -152,9 +154,17 @@ class Membership:
                         self.joined = True
                         self.pubsub.resume()
                         return
+                    # Refused: nothing listens there, or it answered not_joined (_join_via); gaierror: the name is
+                    # gone (Compose drops a stopped container's).  A time-out may be a partition: not "down".
+                    no_overlay = no_overlay and isinstance(exc, (ConnectionRefusedError, socket.gaierror))
                     errors.append(f"{addr}: {exc!r}")
                     continue
                 await self._joined(addr, accept)
+                return
+            if self.config.bootstrap and no_overlay:
+                self.log.info("no join address is part of an overlay (%s): starting one", "; ".join(errors))
+                self.joined = True
+                self.pubsub.resume()
                 return
             if loop.time() + pause > deadline:
                 raise JoinFailed("could not join through any address: " + "; ".join(errors))

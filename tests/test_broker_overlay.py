@@ -109,6 +109,23 @@ async def test_unreachable_join_address_fails_clearly() -> None:
     assert "could not join through any address" in res.stderr
 
 
+async def test_a_bootstrap_broker_starts_the_overlay_alone_or_rejoins_it(tmp_path: Path) -> None:
+    # Compose's b1: it lists the other brokers to join through and has --bootstrap.  Nothing listens there
+    # (a whole cluster starting): it starts the overlay at once, instead of trying until its join time-out
+    # (600 s here, far beyond wait_ready's deadline).
+    async with LocalCluster(0, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
+        first = cluster.spawn((0.2, 0.2), ["127.0.0.1:1", "127.0.0.1:2"], "--bootstrap", "--join-timeout", "600")
+        await cluster.wait_ready(first)
+        await cluster.add((0.8, 0.3), [first.listen])
+        await cluster.add((0.5, 0.8), [first.listen])
+        await cluster.wait_converged(20.0)
+        # Restarted alone while the others run, it joins their overlay through them instead of starting a
+        # second one (wait_converged expects the one triangulation of all three).
+        assert await cluster.stop(0) == 0
+        await cluster.restart(0, "--bootstrap", "--join-timeout", "600")
+        await cluster.wait_converged(20.0)
+
+
 def test_brokers_die_with_the_cluster_owner(tmp_path: Path) -> None:
     # A test run cut off by a time-out (or `sedax cluster up` killed with SIGKILL) must not leave brokers behind.
     owner = (
