@@ -196,6 +196,11 @@ class BrokerConfig:
         _check_address("listen", self.listen)
         for i, addr in enumerate(self.join):
             _check_address(f"join[{i}]", addr)
+        if self.bootstrap and not self.join:
+            raise ConfigError(
+                "bootstrap starts an overlay only when none of the join addresses has one: give the other "
+                "brokers with --join, or leave --bootstrap out (without --join a broker starts an overlay anyway)"
+            )
         if self.metrics is not None:
             _check_address("metrics", self.metrics)
         if self.advertise is not None:

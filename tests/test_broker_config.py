@@ -69,6 +69,8 @@ def test_repeated_and_comma_join_flags() -> None:
         ({"coord": "0.5,0.5", "heartbeat_misses": 1.5}, {}, "heartbeat_misses must be an integer"),
         ({"coord": "0.5,0.5", "balance_scan": 0}, {}, "balance_scan must be >= 1"),
         ({"coord": "0.5,0.5", "ties": "lowest"}, {}, "ties must be random or first"),
+        ({"coord": "0.5,0.5"}, {"SEDAX_BOOTSTRAP": "maybe"}, "bootstrap must be true or false"),
+        ({"coord": "0.5,0.5", "bootstrap": True}, {}, "give the other brokers with --join"),
     ],
 )
 def test_errors_name_the_setting(flags: dict[str, object], env: dict[str, str], match: str) -> None:
