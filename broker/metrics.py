@@ -62,6 +62,14 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "takeovers": ("sedax_takeovers", "Topics this broker took over as the new primary after a failure or leave."),
     "handovers": ("sedax_handovers", "Topics this broker handed to a new closest broker (answered a PULL)."),
     "replicated_batches": ("sedax_replicated_batches", "Replication batches sent to secondaries."),
+    "replicated_pipelined": (
+        "sedax_replicated_pipelined_batches",
+        "Replication batches sent while an earlier one of the topic was still unconfirmed (pipelined).",
+    ),
+    "replication_resends": (
+        "sedax_replication_resends",
+        "Replication time-outs after which a primary sent every unconfirmed record of a topic again.",
+    ),
     "syncs": ("sedax_syncs", "Pulls a new, returning or taking-over primary finished before serving a topic."),
     "offers": ("sedax_offers", "Offers of held records to a topic's holders (retiring, demoted, shutdown, repair)."),
     "synced_records": ("sedax_synced_records", "Records sent to another holder that lacked them (re-sync, hand-off)."),

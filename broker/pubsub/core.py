@@ -119,6 +119,8 @@ class TopicTable:
             "takeovers": 0,
             "handovers": 0,
             "replicated_batches": 0,
+            "replicated_pipelined": 0,  # batches sent while an earlier one was unconfirmed (REPLICATION_WINDOW)
+            "replication_resends": 0,  # time-outs after which the unconfirmed records were sent again
             "lost": 0,
             "moves": 0,
             "moved_bytes": 0,

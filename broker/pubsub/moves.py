@@ -169,9 +169,8 @@ class MoveRole:
         r.undelivered = list(r.log.since(m.delivered_upto))
         r.backfill = True
         r.replica = None
-        r.inflight = None
+        r.window.clear()
         r.outbox.clear()
-        r.sent.clear()
         r.meta_dirty = True
         self.replication.flush(r)
 
@@ -257,7 +256,7 @@ class MoveRole:
         # The new secondary must hold everything before anything more is acknowledged.
         r.backfill = True
         r.replica = None
-        r.inflight = None
+        r.window.clear()
         r.outbox = list(r.undelivered)
         r.meta_dirty = True
         self.t.counters["moves"] += 1
@@ -282,7 +281,7 @@ class MoveRole:
             self.t.reply(mv.reply[0], [mv.reply[1]], Failed(mv.reply[2], r.name, "timeout", reason))
         r.backfill = True  # the secondary may have missed what waited: copy everything again
         r.replica = None
-        r.inflight = None
+        r.window.clear()
         r.outbox = list(r.undelivered)
         r.meta_dirty = True
         self.holder.release_queue(r)
@@ -329,8 +328,7 @@ class MoveRole:
         r.waiter_max.clear()
         r.undelivered.clear()
         r.outbox.clear()
-        r.inflight = None
-        r.sent.clear()
+        r.window.clear()
         r.replica = None
 
     def tick(self, now: float) -> None:

@@ -190,6 +190,26 @@ class Waiting:
 
 
 @dataclass(slots=True)
+class Batch:
+    """A REPLICATE batch the primary sent to its secondary, in `Replica.window` until confirmed in order.
+
+    Several are in flight at once (REPLICATION_WINDOW), so a confirmation proves only its own batch held: the
+    records up to `upto` are all at the target once this batch and every earlier one are confirmed, or once a
+    `whole` batch is (it carries everything not yet confirmed, so it needs none of the earlier ones)."""
+
+    corr: int  # of the batch's last chunk, which the secondary confirms (as before the window)
+    target: str  # the secondary's node id
+    sent_at: float
+    upto: float  # every record stored up to this timestamp is in this batch or an earlier one
+    whole: bool  # the whole history (a back-fill) or every record not yet confirmed (a re-send)
+    backfill: bool  # the whole history: once confirmed, the target is the replica
+    confirmed: bool = False
+    # A re-send after a time-out carries this batch's records again: it no longer times out nor takes a
+    # window slot, but its confirmation still counts (under load a reply can be slower than the time-out).
+    superseded: bool = False
+
+
+@dataclass(slots=True)
 class Move:
     """HANDING_OVER: the move in progress at the old primary."""
 
@@ -234,8 +254,8 @@ class Replica:
     first_waiting: dict[str, int] = field(default_factory=dict)
     waiter_max: dict[tuple[str, str, str], int] = field(default_factory=dict)
     undelivered: list[Record] = field(default_factory=list)  # stored, waiting for the replica before delivery
-    inflight: tuple[int, str, float, float] | None = None  # (corr, target id, sent at, last ts in the batch)
-    sent: dict[int, tuple[str, float]] = field(default_factory=dict)  # corr -> (target, last ts), unconfirmed
+    # Batches sent to the secondary and not yet confirmed in order, oldest first (replication.py `flush`).
+    window: list[Batch] = field(default_factory=list)
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
     queued: list[tuple[NodeInfo, str, Message]] = field(default_factory=list)  # requests held while WAITING
     meta_dirty: bool = False  # subscribers changed: the secondary needs the new list

@@ -1,10 +1,13 @@
 """The replication role: copies at the secondary, pulls from previous holders, take-over after a failure.
 
 The primary sends what it stored in a turn to the secondary (REPLICATE), acknowledges once the secondary
-confirmed it (REPLICATED) and re-sends on a time-out.  When the overlay changes, every broker re-ranks itself
-for the topics it holds (`view_changed`): a secondary that became closest takes over (TAKING_OVER: it merges
-what the other holders have, then re-delivers the last moments, which subscribers de-duplicate by (publisher,
-seq)); a broker that became closest without holding the topic pulls it first (SYNCING, Sec. III-C).
+confirmed it (REPLICATED) and re-sends on a time-out.  Up to REPLICATION_WINDOW batches per topic are in
+flight at once; they count in order (a confirmation counts once every earlier batch is confirmed too), so an
+acknowledgement still means the secondary holds the message and everything stored before it.  When the
+overlay changes, every broker re-ranks itself for the topics it holds (`view_changed`): a secondary that
+became closest takes over (TAKING_OVER: it merges what the other holders have, then re-delivers the last
+moments, which subscribers de-duplicate by (publisher, seq)); a broker that became closest without holding the
+topic pulls it first (SYNCING, Sec. III-C).
 
 Data follows membership (docs/storage.md): a new secondary always receives the whole history, after a join
 or a failure alike, so that every acknowledged message survives any later single change (the paper's level 2
@@ -24,8 +27,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
-from broker.pubsub.replica import PULLING, Replica, Stage, Transition
-from broker.pubsub.settings import MAX_CHAINED, MAX_RTO
+from broker.pubsub.replica import PULLING, Batch, Replica, Stage, Transition
+from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW
 from overlay.protocol import NodeInfo
 from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, Subscribe
 from overlay.seqset import covers, ranges_of
@@ -66,17 +69,31 @@ class ReplicationRole:
             r.outbox.clear()
             r.meta_dirty = False
             r.backfill = False
+            r.window.clear()
+            r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
             self.holder.commit(r, float("inf"))
             self.moves.staged_ready(r)
             return
-        if r.inflight is not None:
-            return
-        if not r.outbox and not r.meta_dirty and r.replica == sec.id and not r.backfill:
-            return
+        if any(b.target != sec.id for b in r.window):
+            # The secondary changed under batches in flight (view_changed normally saw it first): they no longer
+            # count; what they carried goes to the new one with the history.
+            r.window.clear()
+            r.outbox = list(r.undelivered)
+            r.meta_dirty = True
         if r.replica != sec.id:
             r.replica = None
-        # A back-fill sends the whole history (the secondary merges it with what it has), else what is new.
-        full = r.backfill
+            r.backfill = True  # a new secondary gets the whole history (module docstring)
+        live = [b for b in r.window if not b.superseded]
+        if len(live) >= REPLICATION_WINDOW:
+            return  # the outbox waits for a confirmation and then leaves as one batch
+        # A back-fill sends the whole history (the secondary merges it with what it has), else what is new; one
+        # back-fill in flight is enough, the batches behind it carry only what is new.
+        full = r.backfill and not any(b.backfill for b in live)
+        if not r.outbox and not r.meta_dirty and not full:
+            return
+        # With nothing else in flight, the outbox after a re-send holds every record not yet confirmed, so this
+        # batch alone proves them held (`Batch.whole`).
+        whole = full or (not live and len(r.outbox) == len(r.undelivered))
         r.unchecked = True  # the next anti-entropy round compares digests with the secondary
         records = r.log.records() if full else list(r.outbox)
         batches = chunks(records)
@@ -101,11 +118,11 @@ class ReplicationRole:
         if len(batches) > 1:
             # A long history takes a while to copy: no re-send of all of it before it could have arrived.
             r.rto = max(r.rto, self.t.config.replication_timeout * len(batches))
-        r.inflight = (corr, sec.id, self.t.ov.now(), upto)
-        r.sent[corr] = (sec.id, upto)
-        if len(r.sent) > 64:  # confirmations that never came; the newest re-send supersedes them
-            for old in sorted(r.sent)[:-64]:
-                del r.sent[old]
+        if live:
+            self.t.counters["replicated_pipelined"] += 1
+        if whole and len(r.window) > MAX_SUPERSEDED:
+            r.window.clear()  # re-sends that stayed unconfirmed: this batch carries everything they did
+        r.window.append(Batch(corr, sec.id, self.t.ov.now(), upto, whole, full))
         r.outbox.clear()
         r.meta_dirty = False
         self.t.counters["replicated_batches"] += 1
@@ -134,20 +151,24 @@ class ReplicationRole:
         if r.stage is Stage.HANDING_OVER:
             self.moves.handover_confirmed(r, m.corr)
             return  # replica confirmations wait: an aborted move re-copies everything to the secondary
-        entry = r.sent.pop(m.corr, None)
-        if entry is None or entry[0] != m.node:
+        batch = next((b for b in r.window if b.corr == m.corr), None)
+        if batch is None or batch.target != m.node:
             return  # not ours, or from a node we no longer replicate to
-        target, upto = entry
-        # Any confirmation counts, also of an earlier batch that was re-sent after a time-out: under load a
-        # reply slower than the time-out must not make the primary re-send forever.
-        for c in [c for c, (t, u) in r.sent.items() if t == target and u <= upto]:
-            del r.sent[c]
-        if r.inflight is not None and r.inflight[3] <= upto:
-            r.inflight = None
-        r.replica = target
-        r.backfill = False
+        batch.confirmed = True
+        # Confirmed in order: the batches up to the last one whose earlier ones are all confirmed, or up to a
+        # confirmed whole batch, whatever became of the ones before it.
+        frontier = -1
+        for i, b in enumerate(r.window):
+            if b.confirmed and (b.whole or frontier == i - 1):
+                frontier = i
+        if frontier < 0:
+            return  # an earlier batch is still unconfirmed: the acknowledgements wait for it
+        done, r.window = r.window[: frontier + 1], r.window[frontier + 1 :]
+        if any(b.backfill and b.confirmed for b in done):
+            r.replica = batch.target
+            r.backfill = False
         r.rto = self.t.config.replication_timeout
-        self.holder.commit(r, upto)
+        self.holder.commit(r, done[-1].upto)
         self.moves.staged_ready(r)
         self.flush(r)
 
@@ -447,8 +468,8 @@ class ReplicationRole:
                     # A new secondary gets the whole history, after a failure too (module docstring).
                     r.backfill = True
                     r.replica = None
-                    if r.inflight is not None and r.inflight[1] != sec.id:
-                        r.inflight = None  # re-sent to the new secondary below
+                    if any(b.target != sec.id for b in r.window):
+                        r.window.clear()  # re-sent to the new secondary below
                         r.outbox = list(r.undelivered)
                     r.meta_dirty = True
                 self.flush(r)
@@ -457,7 +478,7 @@ class ReplicationRole:
                 r.settle()
                 if r.stage is not Stage.HOLDING:
                     r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
-                r.inflight = None
+                r.window.clear()
                 r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
                 r.first_waiting.clear()
                 r.waiter_max.clear()
@@ -486,17 +507,21 @@ class ReplicationRole:
                 else:
                     view = self.t.ov.view()
                     self.offer(r, [view[nid] for nid in r.offers.values() if nid in view])
-            if anti_entropy and r.unchecked and r.stage is Stage.SERVING and r.inflight is None:
+            if anti_entropy and r.unchecked and r.stage is Stage.SERVING and not r.window:
                 r.unchecked = False
                 sec = self.t.secondary(r)
                 if sec is not None and r.replica == sec.id:
                     self.offer(r, [sec], track=False)
-            if r.inflight is not None and now - r.inflight[2] > r.rto:
-                log.warning("replica %s of %s did not confirm within %.1f s; re-sending", r.inflight[1], r.name, r.rto)
+            live = [b for b in r.window if not b.superseded]
+            if live and now - live[0].sent_at > r.rto:
+                # The oldest unconfirmed batch (or one before it) was lost or the replica is slow: go back to it.
+                log.warning("replica %s of %s did not confirm within %.1f s; re-sending", live[0].target, r.name, r.rto)
                 r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long back-fill keeps its longer time-out
-                r.inflight = None
-                # Re-send everything not yet confirmed (a pending back-fill stays a back-fill); the replica
-                # merges, so what it already had is not duplicated.
+                self.t.counters["replication_resends"] += 1
+                for b in live:
+                    b.superseded = True
+                # Re-send everything not yet confirmed in one whole batch (a pending back-fill stays a back-fill);
+                # the replica merges, so what it already had is not duplicated.
                 r.outbox = list(r.undelivered)
                 r.meta_dirty = True
                 self.flush(r)

@@ -21,6 +21,15 @@ if TYPE_CHECKING:  # broker.acl imports broker.config, which takes its defaults 
 REPLICATION_TIMEOUT: Final = 0.5
 # The re-send time-out doubles while a replica stays silent (a busy machine), up to this.
 MAX_RTO: Final = 8.0
+# Replication batches a primary keeps in flight per topic (level >= 2), confirmed in order.  With one (stop
+# and wait) a message stored during a round trip to the secondary waited for that round trip, then for its
+# own.  A round trip spans a few of the primary's loop turns (one batch each) under load; more in flight buy
+# nothing: while the window is full the outbox grows and leaves as one larger batch on the next confirmation.
+# The bound also caps what a secondary holds chained to its tertiary per topic (level 3).
+REPLICATION_WINDOW: Final = 8
+# Batches a re-send superseded, kept for their late confirmations (the newest re-send carries their records;
+# older ones are forgotten).
+MAX_SUPERSEDED: Final = 64
 # How long a broker that became closest waits for the previous holders to hand a topic over before it
 # serves the topic from what it has.
 PULL_TIMEOUT: Final = 1.0

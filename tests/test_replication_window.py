@@ -1,0 +1,264 @@
+"""Pipelined replication (REPLICATION_WINDOW): several REPLICATE batches per topic in flight, confirmed in
+order, acknowledgements released in order, lost batches re-sent, nothing acknowledged lost when a holder dies
+with a full window.  First on the in-memory overlay of test_pubsub_memory (messages held back, dropped and
+re-ordered at will), then on real brokers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from cluster import wait_for
+from conftest import FAST_ARGS
+from test_pubsub_memory import Net, delivered, grid, locate
+
+from broker.pubsub.settings import REPLICATION_WINDOW
+from cli.cluster import LocalCluster
+from client.admin import AdminClient
+from client.client import Client, PublishAck
+from overlay.geometry import Coord, closest
+from overlay.protocol import Message, decode_message
+from overlay.pubsub import Ack, Publish, Replicate, Replicated, Subscribe
+
+TOPIC = "grid/window/voltage"
+
+
+class HoldNet(Net):
+    """The in-memory overlay, where messages the `hold` predicate picks are set aside (to be released later in
+    any order, or never: lost)."""
+
+    def __init__(self, coords: list[Coord], resilience: int) -> None:
+        super().__init__(coords, resilience)
+        self.hold: Callable[[str, Message], bool] = lambda to, m: False
+        self.held: list[tuple[Coord, bytes]] = []
+
+    def run(self) -> None:
+        while self.queue or self.deferred:
+            if not self.queue:
+                self.deferred.popleft()()
+                continue
+            dest, body = self.queue.popleft()
+            if dest in self.blackhole:
+                continue
+            target = closest({k: v.coord for k, v in self.live().items()}, dest)[0]
+            msg = decode_message(body)
+            if self.hold(target, msg):
+                self.held.append((dest, body))
+                continue
+            assert self.nodes[target].ps.routed(msg)
+
+    def release(self, item: tuple[Coord, bytes]) -> None:
+        """Deliver a held message now (past the `hold` predicate), and what follows from it."""
+        self.held.remove(item)
+        dest, body = item
+        target = closest({k: v.coord for k, v in self.live().items()}, dest)[0]
+        assert self.nodes[target].ps.routed(decode_message(body))
+        self.run()
+
+
+def _setup(level: int) -> tuple[HoldNet, str, str, str]:
+    """A net, the topic's primary and secondary, and a publisher's broker that holds no copy."""
+    net = HoldNet(grid(10, seed=3), resilience=level)
+    loc = locate(net, TOPIC)
+    assert loc.secondary is not None
+    holders = {loc.primary.id, loc.secondary.id} | ({loc.tertiary.id} if loc.tertiary else set())
+    pub = next(nid for nid in net.nodes if nid not in holders)
+    return net, loc.primary.id, loc.secondary.id, pub
+
+
+def _acked(net: Net, pub: str) -> int:
+    return max((m.seq for m in net.nodes[pub].inbox.get("p", []) if isinstance(m, Ack)), default=-1)
+
+
+def _confirmations_to(primary: str) -> Callable[[str, Message], bool]:
+    return lambda to, m: to == primary and isinstance(m, Replicated)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_batches_pipeline_and_are_acknowledged_in_order(level: int) -> None:
+    net, primary, _, pub = _setup(level)
+    sub = net.nodes[pub]
+    sub.request("s", Subscribe(1, TOPIC))
+    ps = net.nodes[primary].ps
+    net.hold = _confirmations_to(primary)
+    n = REPLICATION_WINDOW + 4
+    for i in range(n):  # one message per turn: one batch each while the window has room
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, f"m{i}".encode(), 0))
+    # The window is full: REPLICATION_WINDOW batches are in flight, the rest waits in the outbox.
+    assert len(net.held) == REPLICATION_WINDOW
+    assert ps.counters["replicated_batches"] == REPLICATION_WINDOW + 1  # the subscription's batch came first
+    assert ps.counters["replicated_pipelined"] == REPLICATION_WINDOW - 1
+    assert _acked(net, pub) == -1 and delivered(sub, "s") == []
+    # Confirmations arrive newest first: nothing is acknowledged until the oldest batch is confirmed too.
+    first, *rest = net.held
+    for item in reversed(rest):
+        net.release(item)
+        assert _acked(net, pub) == -1 and delivered(sub, "s") == []
+    net.hold = lambda to, m: False
+    net.release(first)
+    # Then all of it, in order, and the messages that waited went as one batch.
+    assert _acked(net, pub) == n - 1
+    assert [r.seq for r in delivered(sub, "s")] == list(range(n))
+    assert ps.counters["replicated_batches"] == REPLICATION_WINDOW + 2
+    assert not ps.table.replicas[TOPIC].window
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_lost_batch_holds_the_acknowledgements_back_until_it_is_resent(level: int) -> None:
+    net, primary, _, pub = _setup(level)
+    ps = net.nodes[primary].ps
+
+    def lose_seq_2(to: str, m: Message) -> bool:
+        # The first batch that carries seq 2 (the re-send carries it again and gets through).
+        return (
+            not net.held and isinstance(m, Replicate) and m.origin.id == primary and any(r.seq == 2 for r in m.records)
+        )
+
+    net.hold = lose_seq_2
+    for i in range(6):
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, f"m{i}".encode(), 0))
+    assert len(net.held) == 1
+    net.hold = lambda to, m: False
+    net.held.clear()  # lost on the way
+    # The batches after the lost one were confirmed, but an acknowledgement means "and everything before".
+    assert _acked(net, pub) == 1
+    net.tick(0.6)  # past REPLICATION_TIMEOUT: every record not yet confirmed goes again, in one batch
+    assert ps.counters["replication_resends"] == 1
+    assert _acked(net, pub) == 5
+    for nid in net.nodes:
+        if nid != primary and TOPIC in net.nodes[nid].ps.store:
+            assert sorted(r[2] for r in net.nodes[nid].ps.store.get(TOPIC).rows) == list(range(6))
+
+
+def test_late_confirmations_of_superseded_batches_still_count() -> None:
+    # Under load a confirmation can be slower than the time-out: the batches the re-send superseded still
+    # count when their confirmations come (in order), so the primary does not re-send forever.
+    net, primary, _, pub = _setup(2)
+    ps = net.nodes[primary].ps
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 0, b"m0", 0))  # the topic exists (its first pull is done)
+    net.hold = _confirmations_to(primary)
+    for i in range(1, 5):
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, f"m{i}".encode(), 0))
+    slow = list(net.held)
+    assert len(slow) == 4
+    net.tick(0.6)
+    assert ps.counters["replication_resends"] == 1
+    assert len(net.held) == len(slow) + 1  # the re-send's confirmation, held too
+    for item in slow:
+        net.release(item)
+    assert _acked(net, pub) == 4
+    net.hold = lambda to, m: False
+    net.release(net.held[0])
+    assert not ps.table.replicas[TOPIC].window
+
+
+@pytest.mark.parametrize("victim", ["primary", "secondary"])
+def test_a_holder_dying_with_a_full_window_loses_nothing_acknowledged(victim: str) -> None:
+    net, primary, secondary, pub = _setup(2)
+    sub = net.nodes[pub]
+    sub.request("s", Subscribe(1, TOPIC))
+    pending: dict[int, bytes] = {}
+
+    def publish(i: int) -> None:
+        pending[i] = f"m{i}".encode()
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, pending[i], min(pending)))
+
+    def settle() -> None:
+        for seq in [q for q in pending if q <= _acked(net, pub)]:
+            del pending[seq]
+
+    for i in range(10):
+        publish(i)
+    settle()
+    net.hold = _confirmations_to(primary)
+    for i in range(10, 10 + REPLICATION_WINDOW + 3):
+        publish(i)
+    assert len(net.held) == REPLICATION_WINDOW
+    net.held.clear()  # the confirmations die with the primary, or were sent by the dying secondary
+    net.hold = lambda to, m: False
+    net.kill(primary if victim == "primary" else secondary)
+    n = 10 + REPLICATION_WINDOW + 3
+    for _ in range(5):  # the publisher re-sends what is not acknowledged, as the client does on its timer
+        settle()
+        for seq in sorted(pending):
+            net.nodes[pub].request("p", Publish(TOPIC, "P", seq, pending[seq], min(pending)))
+        net.tick(0.6)
+    settle()
+    assert not pending and _acked(net, pub) == n - 1
+    assert list(dict.fromkeys(r.seq for r in delivered(sub, "s"))) == list(range(n))
+    # Both holders now have everything (the new secondary got the whole history): a second failure loses nothing.
+    loc = locate(net, TOPIC)
+    assert loc.secondary is not None
+    for nid in (loc.primary.id, loc.secondary.id):
+        assert sorted(r[2] for r in net.nodes[nid].ps.store.get(TOPIC).rows) == list(range(n))
+
+
+# ---- real brokers ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["primary", "secondary"])
+async def test_killing_a_holder_while_the_window_is_full_loses_no_acknowledged_message(
+    tmp_path: Path, victim: str
+) -> None:
+    # The secondary is stopped (SIGSTOP) so that its confirmations stop and the primary's window fills (the
+    # primary's STATUS counts the batches it sent with others unconfirmed); then the victim is SIGKILLed.
+    async with LocalCluster(6, seed=21, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        addrs = [bp.listen for bp in c.nodes]
+        async with Client(addrs) as probe:
+            loc = await probe.locate(TOPIC)
+        assert loc.secondary is not None
+        index = {bp.node_id: i for i, bp in enumerate(c.nodes)}
+        p_i, s_i = index[loc.primary.id], index[loc.secondary.id]
+        free = [i for i in range(len(addrs)) if i not in (p_i, s_i)]
+
+        async def pipelined() -> int:
+            async with await AdminClient.connect(addrs[p_i], timeout=5.0) as admin:
+                return (await admin.status()).counters.get("replicated_pipelined", 0)
+
+        async with (
+            Client([addrs[free[0]]]) as sub_c,
+            Client([addrs[free[1]]], batch_publishes=False) as pub,
+        ):
+            sub = await sub_c.subscribe(TOPIC)
+            futs: list[asyncio.Future[PublishAck]] = []
+            for i in range(200):
+                futs.append(await pub.publish_nowait(TOPIC, f"m{i}"))
+            async with asyncio.timeout(30):
+                await asyncio.gather(*futs)
+            before = await pipelined()
+            os.kill(c.nodes[s_i].pid, signal.SIGSTOP)
+            stopped = True
+            try:
+
+                async def window_full() -> bool:
+                    # One publish per turn of this loop: a batch per turn at the primary while the window has room.
+                    futs.append(await pub.publish_nowait(TOPIC, f"m{len(futs)}"))
+                    return await pipelined() - before >= REPLICATION_WINDOW - 1
+
+                await wait_for(window_full, 20.0, "a full replication window at the primary")
+                await c.kill(p_i if victim == "primary" else s_i)
+                if victim == "primary":
+                    os.kill(c.nodes[s_i].pid, signal.SIGCONT)  # the secondary holds the batches: it takes over
+                stopped = False
+                for _ in range(100):
+                    futs.append(await pub.publish_nowait(TOPIC, f"m{len(futs)}"))
+                n = len(futs)
+                async with asyncio.timeout(60):
+                    acks = await asyncio.gather(*futs)
+                assert [a.seq for a in acks] == list(range(n))
+                got: list[int] = []
+                async with asyncio.timeout(60):
+                    while len(got) < n:
+                        got.append((await anext(sub)).seq)
+                assert got == list(range(n)) and sub.gaps == 0
+                records = await sub_c.fetch(TOPIC)
+                assert [r.seq for r in records] == list(range(n))
+            finally:
+                if stopped:
+                    os.kill(c.nodes[s_i].pid, signal.SIGCONT)
