@@ -217,12 +217,13 @@ async def test_a_healed_partition_merges_the_histories_and_loses_no_acknowledged
 
         async def publish(name: str, side: list[Any]) -> None:
             sent: list[asyncio.Future[PublishAck]] = []
+            c = Client([bp.listen for bp in side], client_id=name, credentials=creds)
 
             def note(t: str, f: asyncio.Future[PublishAck]) -> None:
                 if not f.cancelled() and f.exception() is None:
-                    acked[t].add((name, f.result().seq))
+                    acked[t].add((c.publisher_id, f.result().seq))  # stored under "name#start", not the client id
 
-            async with Client([bp.listen for bp in side], client_id=name, credentials=creds) as c:
+            async with c:
                 k = 0
                 while not stop.is_set():
                     for t in topics:
