@@ -330,7 +330,13 @@ class Driver:
                         config += ", one PUBLISH per message" if unbatched else ""
                         res = Result("SeDAX", config, rate)
                         spec = {"system": "sedax", "unbatched": unbatched}
+                        batches0 = await replication_counters(primary)
                         workers = await self.run_pair(res, spec, primary, cluster.nodes[h].listen, pids, traced)
+                        if level >= 2:
+                            # How the primary replicated the run: batches, and how many went while an earlier
+                            # one was unconfirmed (pipelined; none before REPLICATION_WINDOW existed).
+                            (b0, q0), (b1, q1) = batches0, await replication_counters(primary)
+                            res.notes.append(f"{b1 - b0} REPLICATE batches, {q1 - q0} pipelined")
                         sr = self._last[0]
                         pending.append((res, {**names, **workers}, dict(zip(sr["t0"], sr["rx"], strict=True))))
                         self.report(res)
@@ -378,6 +384,15 @@ def load_traces(d: Path) -> dict[int, list[tuple[float, str, float]]]:
         pid = int(f.stem.split("-")[1])
         out[pid] = [tuple(json.loads(line)) for line in f.read_text().splitlines() if line]  # type: ignore[misc]
     return out
+
+
+async def replication_counters(addr: str) -> tuple[int, int]:
+    """The broker's replication batches sent and those of them pipelined (STATUS counters; 0 where unknown)."""
+    from client.admin import AdminClient
+
+    async with await AdminClient.connect(addr, timeout=10.0) as admin:
+        counters = (await admin.status()).counters
+    return counters.get("replicated_batches", 0), counters.get("replicated_pipelined", 0)
 
 
 def breakdown(
