@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from cluster import check_routes
 from conftest import FAST_ARGS
 
 from cli.cluster import LocalCluster
+from overlay.protocol import ControlFrame, FrameDecoder, JoinAccept, encode_control
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -124,6 +126,50 @@ async def test_a_bootstrap_broker_starts_the_overlay_alone_or_rejoins_it(tmp_pat
         assert await cluster.stop(0) == 0
         await cluster.restart(0, "--bootstrap", "--join-timeout", "600")
         await cluster.wait_converged(20.0)
+
+
+async def test_a_newcomer_whose_join_answer_is_lost_goes_on_once_a_neighbour_linked(tmp_path: Path) -> None:
+    # The newcomer joins through a relay of ours in front of the bootstrap broker that passes every frame but
+    # JOIN_ACCEPT: the answer is lost, as one routed back through a broker whose links are not up yet is, while
+    # the join connection itself stays alive (PINGs and PONGs pass).  The closest broker accepted and dials the
+    # newcomer all the same; once it has, the newcomer waits at most JOIN_ANSWER_GRACE for the answer instead
+    # of its join time-out (600 s here, far beyond wait_ready's deadline).
+    async with LocalCluster(3, seed=7, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
+        await cluster.wait_converged(20.0)
+        host, port = cluster.nodes[0].listen.rsplit(":", 1)
+        relays: set[asyncio.Future[Any]] = set()
+        swallowed: list[str] = []
+
+        async def up(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        async def down(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            frames = FrameDecoder()
+            while data := await src.read(65536):
+                for frame in frames.feed(data):
+                    assert isinstance(frame, ControlFrame)
+                    if isinstance(frame.message, JoinAccept):
+                        swallowed.append(frame.message.node.id)
+                    else:
+                        dst.write(encode_control(frame.message))
+            dst.close()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            relays.add(asyncio.gather(up(reader, up_writer), down(up_reader, writer), return_exceptions=True))
+
+        server = await asyncio.start_server(relay, "127.0.0.1", 0)
+        async with server:
+            relay_port = server.sockets[0].getsockname()[1]
+            newcomer = cluster.spawn((0.5, 0.5), [f"127.0.0.1:{relay_port}"], "--join-timeout", "600")
+            await cluster.wait_ready(newcomer)
+            await cluster.wait_converged(20.0)
+        assert swallowed, "the relay passed the JOIN's answer"
+        assert "answered late" in newcomer.err_path.read_text()
+        for t in relays:
+            t.cancel()
 
 
 def test_brokers_die_with_the_cluster_owner(tmp_path: Path) -> None:
