@@ -4,9 +4,12 @@ The stored bytes of a topic are its load L_T(t) (Sec. IV-C1), measured in bytes,
 `overlay.load` sees what the broker really holds.  Clocks are passed in: the store never reads time itself.
 
 With a data directory (broker/storage), every topic log has a disk journal: what `append`/`merge` store is
-staged for it, `persist()` writes (and syncs, as the write policy says) before anything of it is acknowledged
-or confirmed, and a write that fails for lack of space rolls the staged records back out of memory too, so
-memory never holds an acknowledgeable record the disk does not.  Reads are always served from memory.
+staged for it, `persist()` writes it before anything of it is acknowledged or confirmed, and a write that
+fails for lack of space rolls the staged records back out of memory too, so memory never holds an
+acknowledgeable record the disk does not.  Under `always` and `batch` the sync runs off the event loop (group
+commit, broker/storage/commit.py): whoever acknowledges or confirms waits for it with `when_durable`, and a
+sync that fails takes every record it should have covered back out of memory the same way.  Reads are always
+served from memory.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import bisect
 import contextlib
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 from broker import defaults
-from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageFull, TopicMeta
+from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, StorageFull, TopicMeta
+from broker.storage.disklog import sync_error
 from overlay.pubsub import Record, record_size
 from overlay.seqset import Digest, SeqRanges, digest_of, lacks
 
@@ -89,6 +93,27 @@ class TopicLog:
     # what a failed write takes back out of memory.
     _staged: list[_Row] = field(default_factory=list)
     _staged_prev: dict[str, int] = field(default_factory=dict)
+    # Written to the journal but not yet synced, under `always`/`batch`, by the sync round that covers them:
+    # what a failed sync takes back out of memory.
+    _unsynced: list[tuple[int, list[_Row]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.journal is not None:
+            self.journal.on_sync_failed = self._sync_failed
+
+    @property
+    def waits_for_disk(self) -> bool:
+        """An ACK of what is stored here waits for the sync (`when_durable`): a journal under always/batch."""
+        return self.journal is not None and self.journal.policy.before_ack
+
+    def when_durable(self, fn: Callable[[StorageError | None], None]) -> None:
+        """Call fn once everything stored so far (and persisted) is as safe as the write policy promises an
+        acknowledged record is: at once without a journal or under interval/never, else after the sync that
+        covers it, with the error if that sync failed (the records it covered were taken back out first)."""
+        if self.journal is None:
+            fn(None)
+        else:
+            self.journal.when_synced(fn)
 
     def _stage(self, row: _Row) -> None:
         assert self.journal is not None
@@ -104,28 +129,61 @@ class TopicLog:
         """
         if self.journal is None or not self._staged:
             return
+        journal = self.journal
         try:
-            self.journal.persist()
+            journal.persist()
         except StorageFull as exc:
             raise StorageFull(exc.directory, self._roll_back()) from None
-        self._staged.clear()
+        if journal.policy.before_ack:
+            cover = journal.cover
+            if self._unsynced and self._unsynced[-1][0] == cover:
+                self._unsynced[-1][1].extend(self._staged)  # `always`: a persist per record, one entry per round
+                self._staged.clear()
+            else:
+                self._unsynced.append((cover, self._staged))
+                self._staged = []
+                journal.when_synced(lambda exc: self._synced(cover, exc))
+        else:
+            self._staged.clear()
         self._staged_prev.clear()
 
+    def _synced(self, cover: int, exc: StorageError | None) -> None:
+        if exc is None and self._unsynced and self._unsynced[0][0] <= cover:
+            self._unsynced = [(r, rows) for r, rows in self._unsynced if r > cover]
+
+    def _sync_failed(self, error: OSError) -> StorageError:
+        """A sync round failed for this journal: take back everything not known to be synced."""
+        rows = [row for _, batch in self._unsynced for row in batch]
+        self._unsynced.clear()
+        first: dict[str, int] = {}
+        for _, pub, seq, _ in rows:
+            if seq < first.get(pub, seq + 1):
+                first[pub] = seq
+        # Each publisher's dedup state goes back to before its first record taken out (they re-send from it).
+        prev = {pub: seq - 1 for pub, seq in first.items() if self.last_seq.get(pub, -1) >= seq}
+        assert self.journal is not None
+        return sync_error(self.journal.directory, error, self._take_out(rows, prev))
+
     def _roll_back(self) -> frozenset[tuple[str, int]]:
-        lost = frozenset((r[1], r[2]) for r in self._staged)
+        lost = self._take_out(self._staged, self._staged_prev)
+        self._staged.clear()
+        self._staged_prev.clear()
+        return lost
+
+    def _take_out(self, rows: list[_Row], prev_seq: Mapping[str, int]) -> frozenset[tuple[str, int]]:
+        """Remove rows from memory, and set each publisher's last seq back to prev_seq's."""
+        lost = frozenset((r[1], r[2]) for r in rows)
         for pub, seq in lost:
             if (h := self.held.get(pub)) is not None:
                 h.discard(seq)
         kept = deque(r for r in self.rows if (r[1], r[2]) not in lost)
         self.size -= sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
         self.rows = kept
-        for pub, prev in self._staged_prev.items():
+        for pub, prev in prev_seq.items():
             if prev < 0:
                 self.last_seq.pop(pub, None)
             else:
                 self.last_seq[pub] = prev
-        self._staged.clear()
-        self._staged_prev.clear()
         return lost
 
     def dedup_state(self) -> dict[str, tuple[int, float]]:
@@ -220,11 +278,12 @@ class TopicLog:
         if self.journal is not None:
             self._staged.clear()
             self._staged_prev.clear()
+            self._unsynced.clear()
             self.journal.rewrite((), self.dedup_state())
 
-    def merge(self, msgs: Iterable[StoredMessage], now: float) -> int:
-        """Add another replica's messages as a set union by (publisher, seq), in any order; returns how many
-        were new.  A stretch this replica missed is filled in even when it already holds newer messages."""
+    def merge(self, msgs: Iterable[StoredMessage], now: float) -> list[StoredMessage]:
+        """Add another replica's messages as a set union by (publisher, seq), in any order; returns those that
+        were new, by timestamp.  A stretch this replica missed is filled in even when it holds newer messages."""
         new: list[StoredMessage] = []
         for m in msgs:
             h = self._held(m.publisher)
@@ -232,7 +291,7 @@ class TopicLog:
                 h.add(m.seq)
                 new.append(m)
         if not new:
-            return 0
+            return new
         if any(new[i].ts > new[i + 1].ts for i in range(len(new) - 1)):
             new.sort(key=_ts)
         rows: list[_Row] = [tuple(m) for m in new]  # type: ignore[misc]  # a Record's fields are a _Row
@@ -253,7 +312,7 @@ class TopicLog:
         if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
             self.persist()
         self.expire(now)
-        return len(new)
+        return new
 
 
 def _ts(m: _Row) -> float:

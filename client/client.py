@@ -95,6 +95,11 @@ DEFAULT_MAX_INFLIGHT: Final = 4096
 DEFAULT_SUB_QUEUE: Final = 65536
 # Records per FETCH page when a subscription catches up on stored messages before (re-)subscribing.
 CATCH_UP_PAGE: Final = 512
+# A gap the first repair FETCH does not fill is asked for again this often, this long apart, before it counts as
+# lost: after a healed partition the holder merges the other side's records a moment after the other side's
+# old primary delivered newer ones (docs/storage.md).
+REPAIR_ATTEMPTS: Final = 5
+REPAIR_RETRY: Final = 0.4
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
 # Publishes sent back to back before publish_nowait lets the event loop run once.
@@ -635,25 +640,41 @@ class Client:
         try:
             while sub._behind and not sub.closed:
                 publisher = next(iter(sub._behind))
-                upto = min(r.ts for r in sub._behind[publisher].values())
-                since = sub._last_ts.get(publisher, 0.0)
                 found: list[Record] = []
-                try:
-                    while since < upto:
-                        reply = await self._request(Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE))
-                        assert isinstance(reply, Fetched)
-                        found += [r for r in reply.records if r.publisher == publisher and r.ts < upto]
-                        if not reply.more or not reply.records:
-                            break
-                        since = reply.records[-1].ts
-                except (RequestFailed, TimeoutError, ClientError) as exc:
-                    log.warning("topic %s: could not fetch the messages missing from the stream: %s", sub.topic, exc)
+                for attempt in range(REPAIR_ATTEMPTS):
+                    if attempt:
+                        await asyncio.sleep(REPAIR_RETRY)
+                    found = await self._fetch_gap(sub, publisher)
+                    first = min(sub._behind.get(publisher, {0: None}))
+                    missing = set(range(sub._last_seq.get(publisher, -1) + 1, first)) - {r.seq for r in found}
+                    if not missing or sub.closed:
+                        break
                 sub._release(publisher, found)
         finally:
             sub._repairing = False
         if sub._behind and not sub.closed:  # more arrived behind a new gap while the last fetch ran
             sub._repairing = True
             self._spawn(self._repair(sub))
+
+    async def _fetch_gap(self, sub: Subscription, publisher: str) -> list[Record]:
+        """The stored messages of publisher between its last handed-out one and the first held back."""
+        behind = sub._behind.get(publisher)
+        if not behind:
+            return []
+        upto = min(r.ts for r in behind.values())
+        since = sub._last_ts.get(publisher, 0.0)
+        found: list[Record] = []
+        try:
+            while since < upto:
+                reply = await self._request(Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE))
+                assert isinstance(reply, Fetched)
+                found += [r for r in reply.records if r.publisher == publisher and r.ts < upto]
+                if not reply.more or not reply.records:
+                    break
+                since = reply.records[-1].ts
+        except (RequestFailed, TimeoutError, ClientError) as exc:
+            log.warning("topic %s: could not fetch the messages missing from the stream: %s", sub.topic, exc)
+        return found
 
     async def _catch_up(self, sub: Subscription, wait: bool = True) -> bool:
         """Read what was stored since sub.since page by page, as fast as the consumer takes it.

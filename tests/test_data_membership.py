@@ -204,7 +204,9 @@ async def test_a_healed_partition_merges_the_histories_and_loses_no_acknowledged
     # Nine brokers at level 2, each on a loopback address of its own; nftables drops every packet between the
     # west half and the east half for several seconds while a publisher on each side goes on publishing to
     # the same topics (both sides elect their own primaries and acknowledge).  Then the cut heals: the overlays
-    # find each other again and merge, and so do the topics' histories.
+    # find each other again and merge, and so do the topics' histories.  A subscriber on each side stays
+    # attached throughout: it gets every acknowledged message, the other side's too, once and in order per
+    # publisher (the primary that kept the topic pushes what it merged; the client fetches behind a gap).
     topics = [f"grid/partition/{i}" for i in range(4)]
     async with LocalCluster(9, seed=99, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, hosts=True) as cluster:
         await cluster.wait_converged(30.0)
@@ -214,6 +216,21 @@ async def test_a_healed_partition_merges_the_histories_and_loses_no_acknowledged
         creds = cluster.credentials()
         acked: dict[str, set[tuple[str, int]]] = {t: set() for t in topics}
         stop = asyncio.Event()
+        received: dict[str, dict[str, list[tuple[str, int]]]] = {"west": {}, "east": {}}
+
+        async def receive(sub: Subscription, into: list[tuple[str, int]]) -> None:
+            async for m in sub:
+                into.append((m.publisher, m.seq))
+
+        subscribers = [
+            Client([bp.listen for bp in side], credentials=creds, heartbeat_interval=0.25) for side in (west, east)
+        ]
+        receivers = []
+        for name, sc in zip(("west", "east"), subscribers, strict=True):
+            await sc.__aenter__()
+            for t in topics:
+                received[name][t] = []
+                receivers.append(asyncio.create_task(receive(await sc.subscribe(t), received[name][t])))
 
         async def publish(name: str, side: list[Any]) -> None:
             sent: list[asyncio.Future[PublishAck]] = []
@@ -266,6 +283,24 @@ async def test_a_healed_partition_merges_the_histories_and_loses_no_acknowledged
             await wait_for(merged, 30.0, f"the merged history of {t}")
             got = await replay_pairs(cluster, t)
             assert len(got) == len(set(got)), f"{t}: a message is stored twice"
+        try:
+            for name, by_topic in received.items():
+                for t, got_live in by_topic.items():
+                    await wait_for(
+                        lambda t=t, got_live=got_live: acked[t] <= set(got_live),  # type: ignore[misc]
+                        30.0,
+                        f"{name} subscriber: every acknowledged message of {t}",
+                    )
+                    assert len(got_live) == len(set(got_live)), f"{name} subscriber got a message of {t} twice"
+                    for pub in {p for p, _ in got_live}:
+                        seqs = [q for p, q in got_live if p == pub]
+                        assert seqs == sorted(seqs), f"{name} subscriber: {pub}'s messages of {t} out of order"
+        finally:
+            for task in receivers:
+                task.cancel()
+            await asyncio.gather(*receivers, return_exceptions=True)
+            for sc in subscribers:
+                await sc.__aexit__(None, None, None)
 
 
 async def replay_pairs(cluster: LocalCluster, topic: str) -> list[tuple[str, int]]:

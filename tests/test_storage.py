@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageFull, TopicMeta
+from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageError, StorageFull, SyncFailed, TopicMeta
 from broker.storage.frames import HEADER, encode, scan
 from broker.store import Retention, TopicStore
 from overlay.pubsub import Record
@@ -304,3 +305,77 @@ def test_a_full_disk_rolls_the_failed_records_out_of_memory(tmp_path: Path) -> N
     # Memory holds exactly what the disk holds: the batch that found no room is gone from both.
     assert int(persisted) > 1000 and int(in_memory) == int(persisted) and int(last) == int(persisted) - 1
     assert recovered == f"recovered {persisted}"
+
+
+# ---- group commit: the sync off the event loop --------------------------------------------------------------
+
+
+async def _durable(log: object) -> StorageError | None:
+    """What TopicLog.when_durable reports, awaited (bounded)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[StorageError | None] = loop.create_future()
+    log.when_durable(lambda exc: done.set_result(exc))  # type: ignore[attr-defined]
+    return await asyncio.wait_for(done, 30.0)
+
+
+async def test_group_commit_covers_what_was_written_while_a_sync_was_in_flight(tmp_path: Path) -> None:
+    # Under `always` and `batch` the fdatasync runs on a worker thread: a persist returns before it, records
+    # written meanwhile go into the next round, and a waiter is told only once the round covering it completed.
+    store = _store(tmp_path, "batch")
+    log = store.ensure("grid/a")
+    assert store.disk is not None and log.journal is not None
+    committer = store.disk.committer
+    order: list[str] = []
+    for i in range(3):
+        log.append(Record(100.0 + i, "pub-1", i, b"first"), 100.0)
+    log.persist()
+    first_cover = log.journal.cover
+    log.when_durable(lambda exc: order.append(f"first {exc}"))
+    assert order == [] and committer.busy  # the sync is on the thread; the loop went on
+    for i in range(3, 6):
+        log.append(Record(100.0 + i, "pub-1", i, b"second"), 100.0)
+    log.persist()
+    assert log.journal.cover == first_cover + 1  # written during the first round: covered by the next
+    assert await _durable(log) is None
+    assert order == ["first None"] and committer.done_round >= first_cover + 1
+    log.when_durable(lambda exc: order.append(f"at once {exc}"))  # nothing unsynced: told at once
+    assert order[-1] == "at once None"
+    store.close()
+    again = _store(tmp_path, "batch")
+    again.recover(200.0)
+    assert [r.seq for r in again.get("grid/a").records()] == list(range(6))
+    again.close()
+
+
+async def test_a_failed_sync_takes_the_records_back_and_says_why(tmp_path: Path) -> None:
+    # A sync the disk refuses (here: the log's descriptor is made a pipe, which fdatasync rejects with EINVAL,
+    # as a failing disk answers EIO) must never let its records be acknowledged: they leave memory, their
+    # publishers' dedup state goes back, and the waiters get an error that says what to do.
+    store = _store(tmp_path, "batch")
+    log = store.ensure("grid/a")
+    assert log.journal is not None
+    for i in range(5):
+        log.append(Record(100.0 + i, "pub-1", i, b"kept"), 100.0)
+    log.persist()
+    assert await _durable(log) is None
+    fd = log.journal._fd
+    saved = os.dup(fd)
+    r, w = os.pipe()
+    os.dup2(w, fd)
+    try:
+        for i in range(5, 9):
+            log.append(Record(100.0 + i, "pub-1", i, b"refused"), 100.0)
+        log.persist()
+        exc = await _durable(log)
+    finally:
+        os.dup2(saved, fd)
+        for x in (saved, r, w):
+            os.close(x)
+    assert isinstance(exc, SyncFailed) and "check the disk" in str(exc)
+    assert exc.lost == {("pub-1", i) for i in range(5, 9)}
+    assert [m.seq for m in log.records()] == list(range(5)) and log.last_seq == {"pub-1": 4}
+    assert not log.is_duplicate("pub-1", 5)  # the publisher's re-send is stored, not taken for a duplicate
+    assert log.append(Record(200.0, "pub-1", 5, b"re-sent"), 200.0)
+    log.persist()
+    assert await _durable(log) is None
+    store.close()

@@ -17,7 +17,7 @@ from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import Replica, Stage, Transition, Waiting
 from broker.pubsub.settings import TS_EPSILON
-from broker.storage import StorageFull, TopicMeta
+from broker.storage import StorageError, StorageFull, TopicMeta
 from overlay.delegation import MoveTopic, TopicMoved
 from overlay.geometry import Coord
 from overlay.protocol import Message, NodeInfo, RemoteProtocolError, decode_message, encode_message
@@ -49,6 +49,10 @@ if TYPE_CHECKING:
     from broker.pubsub.replication import ReplicationRole
 
 log = logging.getLogger("sedax.pubsub")
+
+
+def _ts(rec: Record) -> float:
+    return rec.ts
 
 
 class HolderRole:
@@ -330,22 +334,51 @@ class HolderRole:
         try:
             r.log.persist()
         except StorageFull as exc:
-            log.warning("topic %s: %s", r.name, exc)
-            lost = exc.lost
-            refused = [w for w in r.waiting if (w.record.publisher, w.record.seq) in lost]
-            self._keep_waiting(r, [w for w in r.waiting if (w.record.publisher, w.record.seq) not in lost])
-            r.undelivered = [x for x in r.undelivered if (x.publisher, x.seq) not in lost]
-            r.outbox = [x for x in r.outbox if (x.publisher, x.seq) not in lost]
-            first: dict[tuple[str, str, str], Waiting] = {}
-            for w in refused:
-                key = (w.access.id, w.session, w.record.publisher)
-                if key not in first or w.record.seq < first[key].record.seq:
-                    first[key] = w
-            for w in first.values():
-                nack = Nack(r.name, w.record.publisher, w.record.seq, "storage_full", str(exc))
-                self.t.reply(w.access, [w.session], nack)
+            self._refuse(r, exc)
             return False
         return True
+
+    def await_disk(self, r: Replica) -> None:
+        """Under always/batch, what r stored so far is acknowledged only once the sync covering it completed
+        (group commit off the loop: broker/storage/commit.py); a failed sync refuses it like a full disk."""
+        if not (r.waiting or r.undelivered) or not r.log.waits_for_disk:
+            return
+        mark = r.last_ts
+
+        def on_disk(exc: StorageError | None) -> None:
+            if exc is not None:
+                self._refuse(r, exc)
+            elif self.t.replicas.get(r.name) is r:
+                r.synced_upto = max(r.synced_upto, mark)
+                self.commit(r, r.confirmed_upto)
+
+        r.log.when_durable(on_disk)
+
+    def merged(self, r: Replica, recs: list[Record]) -> None:
+        """Records another holder had and this serving primary lacked (the other side of a healed partition):
+        its subscribers never got them, so they go out like new ones, in timestamp order, once the secondary
+        and the disk hold them (`commit`).  Subscribers that had some already drop them by (publisher, seq);
+        the client also fetches what it finds missing behind a gap in a publisher's sequence."""
+        r.outbox.extend(recs)
+        r.undelivered = sorted([*r.undelivered, *recs], key=_ts)
+        self.t.mark(r)
+
+    def _refuse(self, r: Replica, exc: StorageError) -> None:
+        """Records the disk did not take (exc.lost, already out of memory): their publishers get storage_full."""
+        log.warning("topic %s: %s", r.name, exc)
+        lost = exc.lost
+        refused = [w for w in r.waiting if (w.record.publisher, w.record.seq) in lost]
+        self._keep_waiting(r, [w for w in r.waiting if (w.record.publisher, w.record.seq) not in lost])
+        r.undelivered = [x for x in r.undelivered if (x.publisher, x.seq) not in lost]
+        r.outbox = [x for x in r.outbox if (x.publisher, x.seq) not in lost]
+        first: dict[tuple[str, str, str], Waiting] = {}
+        for w in refused:
+            key = (w.access.id, w.session, w.record.publisher)
+            if key not in first or w.record.seq < first[key].record.seq:
+                first[key] = w
+        for w in first.values():
+            nack = Nack(r.name, w.record.publisher, w.record.seq, "storage_full", str(exc))
+            self.t.reply(w.access, [w.session], nack)
 
     def recovered(self, metas: list[TopicMeta]) -> None:
         """Replicas for the topics read back from the data directory: RECOVERING until `resume`."""
@@ -385,9 +418,13 @@ class HolderRole:
         r.waiter_max[key] = max(r.waiter_max.get(key, -1), rec.seq)
 
     def commit(self, r: Replica, upto: float) -> None:
-        """Messages stored up to timestamp upto are safe: acknowledge them, then deliver in order."""
+        """Messages stored up to timestamp upto have their copies: acknowledge those that are also on this
+        broker's disk as the write policy promises (`await_disk`), then deliver them in order."""
         if r.stage in (Stage.RECEIVING, Stage.HANDING_OVER):
             return  # a hand-over in progress: one node acknowledges and delivers, the one that ends up primary
+        r.confirmed_upto = max(r.confirmed_upto, upto)
+        if r.log.waits_for_disk:
+            upto = min(r.confirmed_upto, r.synced_upto)  # and on this broker's disk (await_disk)
         done = [w for w in r.waiting if w.record.ts <= upto]
         if not done:
             return

@@ -41,6 +41,7 @@ from broker.pubsub.settings import REPLICATION_TIMEOUT
 from broker.store import TopicLog
 from overlay.protocol import Coord, LocalProtocolError, Message, NodeInfo
 from overlay.pubsub import Delegation, Record, SubRef, Waiter
+from overlay.seqset import SeqRanges
 
 
 class Stage(enum.Enum):
@@ -254,6 +255,10 @@ class Replica:
     first_waiting: dict[str, int] = field(default_factory=dict)
     waiter_max: dict[tuple[str, str, str], int] = field(default_factory=dict)
     undelivered: list[Record] = field(default_factory=list)  # stored, waiting for the replica before delivery
+    # What may be acknowledged (holder.commit): every record stored up to confirmed_upto satisfied the copies the
+    # resilience level asks for, and up to synced_upto is on this broker's disk (always/batch: group commit).
+    confirmed_upto: float = 0.0
+    synced_upto: float = 0.0
     # Batches sent to the secondary and not yet confirmed in order, oldest first (replication.py `flush`).
     window: list[Batch] = field(default_factory=list)
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
@@ -265,6 +270,12 @@ class Replica:
     pull_started: float = 0.0
     pull_heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
     pull_retried: bool = False
+    # A serving primary that found another holder had records it lacks (the other side of a healed partition)
+    # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).
+    push_merged: bool = False
+    # ... and the digests of the OFFERs that started it, by offerer: subscribers the offerer hands over with its
+    # answer get what it lacked (replication.py `replicate_arrived`).
+    offered: dict[str, dict[str, SeqRanges]] = field(default_factory=dict)
     move: Move | None = None  # HANDING_OVER
     staged: Staged | None = None  # RECEIVING
     # Offers of this replica's records not yet confirmed: corr -> the node offered to, and when they went out.
@@ -278,6 +289,8 @@ class Replica:
         new = next_stage(self.name, self.stage, transition)
         if self.stage in PULLING and new not in PULLING:
             self.pulling.clear()
+            self.push_merged = False
+            self.offered.clear()
         if self.stage is Stage.HANDING_OVER:
             self.move = None
         if self.stage is Stage.RECEIVING:

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import PULLING, Batch, Replica, Stage, Transition
 from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW
+from broker.storage import StorageError
 from overlay.protocol import NodeInfo
-from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, Subscribe
-from overlay.seqset import covers, ranges_of
+from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe
+from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
     from broker.pubsub.holder import HolderRole
@@ -41,6 +43,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("sedax.pubsub")
 
 
+@dataclass(slots=True)
+class _Chained:
+    """Level 3, at the secondary: a primary's batch passed on to the tertiary, not yet confirmed upstream."""
+
+    topic: str
+    origin: NodeInfo  # the primary
+    upstream: int  # the primary's corr
+    tertiary: str
+    held_here: bool = False  # on this broker's disk (always/batch: the sync completed)
+    held_there: bool = False  # the tertiary confirmed it
+
+
 class ReplicationRole:
     """Replication, pulls and take-overs (see the module docstring)."""
 
@@ -48,9 +62,9 @@ class ReplicationRole:
         self.t = table
         self._last_anti_entropy = 0.0
         self._leaving: set[str] = set()  # brokers that announced a graceful shutdown and are still in the view
-        # Level 3, at the secondary: corr of a batch passed on to the tertiary -> (topic, primary, the
-        # primary's corr, tertiary id), until the tertiary confirms it (`_chain`).
-        self._chained: dict[int, tuple[str, NodeInfo, int, str]] = {}
+        # Level 3, at the secondary: corr of a batch passed on to the tertiary -> what to confirm to the primary
+        # once the tertiary and this broker's disk hold it (`_chain`).
+        self._chained: dict[int, _Chained] = {}
         # OFFER corr -> offerer, where this broker answered the offer with the pull of its own sync.
         self._offer_pulls: dict[int, str] = {}
         # Wired by the engine.
@@ -63,7 +77,10 @@ class ReplicationRole:
         """Send the next batch to the secondary, or acknowledge and deliver when no copy is required."""
         if r.rank != 1 or r.stage in PULLING or r.stage is Stage.HANDING_OVER:
             return  # while pulling, pull_progress flushes once the other holders have answered
-        self.holder.persist(r)  # on disk (as the write policy says) before it is replicated or acknowledged
+        # Written before it is replicated; acknowledged once it is on the disk as the write policy says (the sync
+        # runs off the loop meanwhile, the copy travels to the secondary in parallel).
+        self.holder.persist(r)
+        self.holder.await_disk(r)
         sec = self.t.secondary(r)
         if sec is None:
             r.outbox.clear()
@@ -71,7 +88,7 @@ class ReplicationRole:
             r.backfill = False
             r.window.clear()
             r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
-            self.holder.commit(r, float("inf"))
+            self.holder.commit(r, r.last_ts)
             self.moves.staged_ready(r)
             return
         if any(b.target != sec.id for b in r.window):
@@ -129,12 +146,13 @@ class ReplicationRole:
 
     def replicated_arrived(self, m: Replicated) -> None:
         """REPLICATED: a copy, a pull answer or a hand-over was confirmed."""
-        chained = self._chained.pop(m.corr, None)
+        chained = self._chained.get(m.corr)
         if chained is not None:
-            topic, origin, upstream, tertiary = chained
-            if tertiary == m.node and topic == m.topic:
-                # The tertiary has the batch: now the secondary confirms it to the primary (level 3, `_chain`).
-                self.t.ov.route(origin.coord, Replicated(upstream, topic, self.t.ov.me.id))
+            if chained.tertiary == m.node and chained.topic == m.topic:
+                # The tertiary has the batch: the secondary confirms it to the primary once it is on its own disk
+                # too (level 3, `_chain`).
+                chained.held_there = True
+                self._chain_confirm(m.corr)
             return
         r = self.t.replicas.get(m.topic)
         if r is None:
@@ -198,8 +216,11 @@ class ReplicationRole:
         r = self.holder.replica(m.topic, m.coord)
         # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
         # here and never replaces it, so nothing another holder lacked is lost by a re-sync.
-        if r.log.merge(m.records, now):
+        new = r.log.merge(m.records, now)
+        if new:
             r.unchecked = True
+            if r.push_merged and r.rank == 1:
+                self.holder.merged(r, new)
         for pub, seq in m.last_seq.items():
             if seq > r.log.last_seq.get(pub, -1):
                 r.log.last_seq[pub] = seq
@@ -207,6 +228,8 @@ class ReplicationRole:
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
         subs = {(s.access.id, s.session): s for s in m.subscribers}
+        if (theirs := r.offered.pop(m.origin.id, None)) is not None and r.rank == 1:
+            self._catch_up_newcomers(r, [s for k, s in subs.items() if k not in r.subscribers], theirs)
         if r.rank == 1 or m.sync:
             r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
         else:
@@ -221,7 +244,7 @@ class ReplicationRole:
             del r.pulling[m.corr]
             if stored and self._offer_pulls.pop(m.corr, None) == m.origin.id:
                 # The answer to an OFFER taken as part of this broker's sync: the offerer may let go now.
-                self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
+                self.confirm_on_disk(r, m.origin, m.corr)
             self.pull_progress(r)
             return
         if stored and self._chain(r, m):
@@ -229,15 +252,24 @@ class ReplicationRole:
         elif m.corr and stored:  # 0: a leading chunk of a multi-frame copy; the last one carries the corr
             # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
             # acknowledges it nor forgets it (it re-sends).
-            self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
+            self.confirm_on_disk(r, m.origin, m.corr)
         if m.sync and r.stage is Stage.HOLDING and not self.keeps(r.rank) and m.origin.id not in self._leaving:
             self.retire(r)  # offered by a broker whose view ranks this one, but ours does not (yet)
-        elif m.sync and created and r.rank == 1:
-            # A broker that joined closest to the topic learns of it from an offer: it serves only once it holds
-            # what every other holder has (storage-anchors: leadership only to a caught-up replica).
-            self.start_pull(r, takeover=False)
+        elif m.sync and created:
+            self.sync_learned(r)
 
     # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------
+    def sync_learned(self, r: Replica, offered: tuple[int, NodeInfo] | None = None) -> bool:
+        """A serving primary learned from another holder that it lacks records: a topic new to it (a broker that
+        joined closest to it hears of it from an OFFER or a copy), or an OFFER of records it lacks (the other
+        side of a healed partition, a copy that kept what it missed).  It syncs - pulls what every other holder
+        has, the offerer's answer among them - and serves again only once it holds all of it (storage-anchors:
+        leadership only to a caught-up replica); requests wait meanwhile.  False if it is not a serving primary
+        or there is nobody to ask."""
+        if r.rank != 1 or r.stage is not Stage.SERVING:
+            return False
+        return self.start_pull(r, takeover=False, offered=offered)
+
     def start_pull(self, r: Replica, *, takeover: bool, offered: tuple[int, NodeInfo] | None = None) -> bool:
         """SYNC (a primary new to the topic) or TAKE_OVER (after a failure): ask the other holders; False if
         there is nobody to ask (the replica stays as it is).  offered: (corr, node) of an OFFER being answered
@@ -284,6 +316,16 @@ class ReplicationRole:
         )
         self.t.counters["handovers"] += 1
 
+    def _catch_up_newcomers(self, r: Replica, newcomers: list[SubRef], theirs: dict[str, SeqRanges]) -> None:
+        """Subscribers handed over by a holder that lacked some of r's records (the other side of a healed
+        partition) never got those: send them the acknowledged ones now, before anything newer (requests wait
+        while r syncs); those not yet acknowledged reach them with everyone else's (holder.commit)."""
+        if not newcomers:
+            return
+        waiting = {(x.publisher, x.seq) for x in r.undelivered}
+        recs = [x for x in r.log.missing_from(theirs) if (x.publisher, x.seq) not in waiting]
+        self.t.deliver_to(newcomers, r.name, recs)
+
     def _send_sync(self, r: Replica, to: NodeInfo, corr: int, records: list[Record]) -> None:
         """Records another holder lacks, with the subscribers and dedup state (the last frame carries corr)."""
         me = self.t.ov.me
@@ -320,15 +362,45 @@ class ReplicationRole:
         tertiary = ranked[2]
         corr = self.t.next_corr() if m.corr else 0
         if corr:
-            self._chained[corr] = (m.topic, m.origin, m.corr, tertiary.id)
+            self._chained[corr] = _Chained(m.topic, m.origin, m.corr, tertiary.id)
             if len(self._chained) > MAX_CHAINED:  # confirmations that never came; the primary re-sends anyway
                 del self._chained[next(iter(self._chained))]
+
+            def on_disk(exc: StorageError | None) -> None:
+                if exc is not None:
+                    log.warning("topic %s: %s", m.topic, exc)  # not confirmed: the primary re-sends the batch
+                    self._chained.pop(corr, None)
+                elif (c := self._chained.get(corr)) is not None:
+                    c.held_here = True
+                    self._chain_confirm(corr)
+
+            r.log.when_durable(on_disk)
         records, subs, dl, last_seq = m.records, m.subscribers, m.delegates, m.last_seq
         self.t.ov.route(
             tertiary.coord,
             Replicate(corr, m.topic, m.coord, self.t.ov.me, records, subs, dl, False, last_seq, sync=True),
         )
         return True
+
+    def _chain_confirm(self, corr: int) -> None:
+        """Level 3: confirm a batch to the primary once it is on this broker's disk and at the tertiary."""
+        c = self._chained[corr]
+        if c.held_here and c.held_there:
+            del self._chained[corr]
+            self.t.ov.route(c.origin.coord, Replicated(c.upstream, c.topic, self.t.ov.me.id))
+
+    def confirm_on_disk(self, r: Replica, to: NodeInfo, corr: int) -> None:
+        """REPLICATED to `to` once what r holds is on the disk as the write policy promises before an ACK (a
+        copy's confirmation counts toward one); a failed sync confirms nothing, so the sender tries again."""
+        me, topic = self.t.ov.me.id, r.name
+
+        def on_disk(exc: StorageError | None) -> None:
+            if exc is None:
+                self.t.ov.route(to.coord, Replicated(corr, topic, me))
+            else:
+                log.warning("topic %s: %s", topic, exc)
+
+        r.log.when_durable(on_disk)
 
     # ---- offers: handing records on to the topic's holders -----------------------------------------------
     def keeps(self, rank: int) -> bool:
@@ -357,16 +429,19 @@ class ReplicationRole:
         r = self.t.replicas.get(m.topic)
         if r is not None and same(r.coord, m.coord) and r.stage is not Stage.GONE:
             if covers(r.log.held, ranges_of(m.have)):
-                self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, me.id))
+                self.confirm_on_disk(r, m.origin, m.corr)
+                return
+            if self.sync_learned(r, offered=(m.corr, m.origin)):
+                # What it lacked never reached its subscribers (holder.merged), nor what the offerer lacked the
+                # offerer's subscribers, which come with its answer.
+                r.push_merged = True
+                r.offered[m.origin.id] = ranges_of(m.have)
                 return
             self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, r.log.digest()))
             return
         if r is None and self.t.rank_of_me(m.coord) == 1:
-            # A broker that joined closest to the topic learns of it from an offer: it syncs (pulls what every
-            # other holder has, the offerer's answer among them) and serves only once it holds all of it
-            # (storage-anchors: leadership only to a caught-up replica).
             r = self.holder.replica(m.topic, m.coord)
-            if r.stage is Stage.SERVING and self.start_pull(r, takeover=False, offered=(m.corr, m.origin)):
+            if self.sync_learned(r, offered=(m.corr, m.origin)):
                 return
         # Nothing of it here (or at another coordinate): ask for all of it; the answer makes the replica.
         self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, {}))

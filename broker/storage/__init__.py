@@ -1,8 +1,9 @@
 """A broker's data directory: one disk log per topic it holds (broker/storage/disklog.py), recovered at start.
 
 `DiskStore` owns `<data-dir>/topics/`: it reads every topic directory back at start (`recover`), creates the
-log of a topic the broker starts to hold (`open_log`), syncs the written logs on the INTERVAL policy's beat
-(`sync_due`) and closes them all on shutdown.  The on-disk format and what each write policy promises are in
+log of a topic the broker starts to hold (`open_log`), syncs the written logs off the event loop
+(broker/storage/commit.py: at once under ALWAYS and BATCH, on the INTERVAL policy's beat, `sync_due`) and
+closes them all on shutdown.  The on-disk format and what each write policy promises are in
 docs/storage.md.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from broker.storage.commit import GroupCommit
 from broker.storage.disklog import (
     DEFAULT_SEGMENT_BYTES,
     DiskLog,
@@ -19,6 +21,7 @@ from broker.storage.disklog import (
     RecoveryReport,
     StorageError,
     StorageFull,
+    SyncFailed,
     TopicMeta,
     recover,
     topic_dirname,
@@ -33,6 +36,7 @@ __all__ = [
     "RecoveryReport",
     "StorageError",
     "StorageFull",
+    "SyncFailed",
     "TopicMeta",
 ]
 
@@ -48,6 +52,7 @@ class DiskStore:
         self.topics_dir.mkdir(parents=True, exist_ok=True)
         self._logs: dict[str, DiskLog] = {}
         self._last_sync = 0.0
+        self.committer = GroupCommit(eager=policy.before_ack)
 
     def recover(self) -> tuple[list[Recovered], RecoveryReport]:
         """Read every topic directory back; the logs stay open for appending.  Unreadable ones are reported."""
@@ -55,7 +60,7 @@ class DiskStore:
         found: list[Recovered] = []
         for d in sorted(p for p in self.topics_dir.iterdir() if p.is_dir()):
             try:
-                rec, log = recover(d, self.policy, self.segment_bytes)
+                rec, log = recover(d, self.policy, self.segment_bytes, self.committer)
             except StorageError:
                 report.unreadable.append(d.name)
                 continue
@@ -78,7 +83,11 @@ class DiskStore:
         log = self._logs.get(meta.name)
         if log is None:
             log = self._logs[meta.name] = DiskLog(
-                self.topics_dir / topic_dirname(meta.name), meta, self.policy, self.segment_bytes
+                self.topics_dir / topic_dirname(meta.name),
+                meta,
+                self.policy,
+                self.segment_bytes,
+                committer=self.committer,
             )
         return log
 
@@ -89,15 +98,15 @@ class DiskStore:
             log.destroy()
 
     def sync_due(self, now: float) -> None:
-        """On the INTERVAL policy, force every written log to the disk once per interval."""
+        """On the INTERVAL policy, force every written log to the disk once per interval (off the loop)."""
         if self.policy.mode is not FsyncMode.INTERVAL or now - self._last_sync < self.policy.interval:
             return
         self._last_sync = now
-        for log in self._logs.values():
-            log.sync()
+        self.committer.start()
 
     def close(self) -> None:
         """Write, sync and close every log (graceful shutdown)."""
         for log in self._logs.values():
             log.close()
         self._logs.clear()
+        self.committer.close()

@@ -19,13 +19,14 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import msgpack
 
+from broker.storage.commit import GroupCommit
 from broker.storage.frames import Row, encode_into, scan
 
 SEGMENT_SUFFIX: Final = ".seg"
@@ -35,6 +36,9 @@ DEFAULT_SEGMENT_BYTES: Final = 8 << 20
 
 class StorageError(Exception):
     """Base of disk-store errors."""
+
+    # (publisher, seq) of the records a failed write or sync took back out of memory (broker/store.py).
+    lost: frozenset[tuple[str, int]] = frozenset()
 
 
 class StorageFull(StorageError):
@@ -49,11 +53,32 @@ class StorageFull(StorageError):
         self.lost = lost  # (publisher, seq) of the records taken back out of memory (broker/store.py)
 
 
+class SyncFailed(StorageError):
+    """fdatasync of a topic's log failed (an I/O error of the disk): what it should have covered is not
+    known to be on the disk, so those records were taken back out of memory and not acknowledged."""
+
+    def __init__(self, directory: Path, error: OSError, lost: frozenset[tuple[str, int]] = frozenset()) -> None:
+        super().__init__(
+            f"the disk did not confirm a write to {directory} ({error}): check the disk (dmesg, SMART); the "
+            "records since the last sync were refused (storage_full) and their publishers re-send them"
+        )
+        self.directory = directory
+        self.error = error
+        self.lost = lost
+
+
+def sync_error(directory: Path, error: OSError, lost: frozenset[tuple[str, int]]) -> StorageError:
+    """The error for a failed sync: no room (StorageFull), else SyncFailed."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(directory, lost)
+    return SyncFailed(directory, error, lost)
+
+
 class FsyncMode(enum.Enum):
     """When a written record is forced to the disk (docs/storage.md says what an ACK means under each)."""
 
-    ALWAYS = "always"  # every record synced on its own before the broker goes on
-    BATCH = "batch"  # the records of one loop turn synced together, before any of them is acknowledged
+    ALWAYS = "always"  # every record written as it is stored, synced (group commit) before its ACK
+    BATCH = "batch"  # the records of one loop turn written together, synced (group commit) before their ACK
     INTERVAL = "interval"  # written at once, synced every interval: an OS crash loses at most the interval
     NEVER = "never"  # written at once, synced when the kernel chooses
 
@@ -84,6 +109,11 @@ class FsyncPolicy:
         if arg:
             raise ValueError(f"--fsync {name} takes no argument, got {text!r}")
         return cls(mode)
+
+    @property
+    def before_ack(self) -> bool:
+        """An ACK (and a copy's confirmation) waits until the record is on the disk."""
+        return self.mode in (FsyncMode.ALWAYS, FsyncMode.BATCH)
 
     def __str__(self) -> str:
         if self.mode is FsyncMode.INTERVAL:
@@ -179,6 +209,7 @@ class DiskLog:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         *,
         existing: Iterable[_Segment] = (),
+        committer: GroupCommit | None = None,
     ) -> None:
         self.directory = directory
         self.meta = meta
@@ -189,6 +220,13 @@ class DiskLog:
         self._pending_max_ts = -math.inf
         self._dirty = False  # written since the last sync
         self._fd = -1
+        # Group commit (broker/storage/commit.py); None: every sync runs in place, on the caller's thread.
+        self._committer = committer
+        self.cover = 0  # the sync round that covers the last write
+        self._waiters: list[tuple[int, Callable[[StorageError | None], None]]] = []
+        # Set by the owner (broker/store.py TopicLog): a round failed for this log; takes the records it should
+        # have covered back out of memory and returns the error to give the waiters.
+        self.on_sync_failed: Callable[[OSError], StorageError] | None = None
         directory.mkdir(parents=True, exist_ok=True)
         meta_path = directory / "meta.json"
         if not meta_path.exists() or TopicMeta.from_json(meta_path.read_bytes()) != meta:
@@ -245,10 +283,43 @@ class DiskLog:
         self._pending = bytearray()
         self._pending_max_ts = -math.inf
         self._dirty = True
-        if self.policy.mode in (FsyncMode.ALWAYS, FsyncMode.BATCH):
+        if self._committer is not None:
+            if self.policy.mode is not FsyncMode.NEVER:
+                self.cover = self._committer.written(self, self._current_fd)
+        elif self.policy.before_ack:
             self.sync()
         if active.size >= self.segment_bytes:
             self._roll()
+
+    def _current_fd(self) -> int:
+        return self._fd
+
+    def when_synced(self, fn: Callable[[StorageError | None], None]) -> None:
+        """Call fn once everything written so far is on the disk as the policy promises before an ACK: at once
+        under INTERVAL and NEVER (or when it is already synced), else when the round covering it completed;
+        with the error if that round failed (the records were taken back out of memory first)."""
+        if not self.policy.before_ack or self._committer is None or self.cover <= self._committer.done_round:
+            fn(None)
+            return
+        self._waiters.append((self.cover, fn))
+
+    def round_done(self, round_id: int, error: OSError | None) -> None:
+        """A sync round that covered this log completed (GroupCommit)."""
+        if error is None:
+            self._dirty = self.cover > round_id
+            done = [fn for r, fn in self._waiters if r <= round_id]
+            if done:
+                self._waiters = [(r, fn) for r, fn in self._waiters if r > round_id]
+            for fn in done:
+                fn(None)
+            return
+        # Everything not yet known to be synced is refused: the rounds after this one cover writes made after
+        # it began, which the failed sync may have left behind on the disk in any state.
+        failed = self.on_sync_failed
+        exc = failed(error) if failed is not None else sync_error(self.directory, error, frozenset())
+        waiters, self._waiters = self._waiters, []
+        for _, fn in waiters:
+            fn(exc)
 
     def discard_pending(self) -> None:
         """Forget what was staged and not yet written (the caller rolled those records back)."""
@@ -256,14 +327,18 @@ class DiskLog:
         self._pending_max_ts = -math.inf
 
     def sync(self) -> None:
-        """Force what was written to the disk (INTERVAL's timer; ALWAYS and BATCH after each write)."""
+        """Force what was written to the disk, in place (without group commit, and on closing)."""
         if self._dirty:
             os.fdatasync(self._fd)
             self._dirty = False
 
     def _roll(self) -> None:
-        self.sync()
-        os.close(self._fd)
+        if self._committer is not None:
+            # The next round syncs and closes the full segment off the loop; it covers what was written to it.
+            self.cover = self._committer.retire(self, self._fd)
+        else:
+            self.sync()
+            os.close(self._fd)
         nxt = self._segments[-1].number + 1
         self._segments.append(_Segment(nxt, _segment_path(self.directory, nxt)))
         self._open_active()
@@ -338,7 +413,10 @@ class DiskLog:
 
 
 def recover(
-    directory: Path, policy: FsyncPolicy, segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    directory: Path,
+    policy: FsyncPolicy,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    committer: GroupCommit | None = None,
 ) -> tuple[Recovered, DiskLog]:
     """Read a topic's directory back: records by timestamp, dedup state, damage and torn tails.
 
@@ -395,7 +473,7 @@ def recover(
             rec.last_seen[pub] = ts
     rec.rows = rows
     rec.segments = len(segs)
-    return rec, DiskLog(directory, meta, policy, segment_bytes, existing=segs)
+    return rec, DiskLog(directory, meta, policy, segment_bytes, existing=segs, committer=committer)
 
 
 @dataclass(slots=True)
