@@ -99,30 +99,34 @@ async def test_sigkill_of_every_broker_loses_no_acknowledged_message(tmp_path: P
 
 
 async def test_syncing_every_record_stalls_no_broker_into_a_false_failover(tmp_path: Path) -> None:
-    # `--fsync always` at level 2 under a steady stream of large batches on several topics (a window of 4096
-    # messages of 1 KiB over 8 topics: a loop turn of a broker stores thousands of records).  The syncs run off
-    # the event loop (group commit), so heartbeats keep flowing at the default failure detection (0.2 s x 3
-    # misses): no neighbour is declared dead, no topic taken over.  With the sync on the loop (an fdatasync per
-    # record, 0.2-1.5 ms each on this machine's disk) such a turn held a broker for seconds and its neighbours
-    # failed it over.
+    # `--fsync always` at level 2 under a steady stream of large batches: 8 publishers at once, each with a
+    # window of 4096 small messages over 4 topics of its own, so one loop turn of a broker stores thousands of
+    # records.  The syncs run off the event loop (group commit), so heartbeats keep flowing at the default
+    # failure detection (0.2 s x 3 misses): no neighbour is declared dead, no topic taken over.  With the sync
+    # on the loop (an fdatasync per record, 0.2-1.5 ms each on this machine's disk) such a turn held a broker
+    # for seconds and its neighbours failed it over.
     args = (
         "--hello-timeout", "2.0", "--heartbeat-interval", "0.2", "--heartbeat-misses", "3",
         "--client-timeout", "3.0", "--fsync", "always",
     )  # fmt: skip
-    topics = [f"grid/disk/stream/{i}" for i in range(32)]
-    n = 40_000
+    publishers, per_publisher = 8, 5000
     async with LocalCluster(3, coords=COORDS[:3], state_dir=tmp_path, broker_args=args, data_dirs=True) as cluster:
         await cluster.wait_converged(20.0)
-        payload = b"x" * 16
-        async with Client([bp.listen for bp in cluster.nodes], credentials=cluster.credentials()) as c:
-            acks = [await c.publish_nowait(topics[k % len(topics)], payload) for k in range(n)]
-            done = await asyncio.wait_for(asyncio.gather(*acks), 120.0)
-        assert len(done) == n
+        addrs = [bp.listen for bp in cluster.nodes]
+
+        async def publish(k: int) -> int:
+            topics = [f"grid/disk/stream/{k}/{i}" for i in range(4)]
+            async with Client(addrs, credentials=cluster.credentials()) as c:
+                acks = [await c.publish_nowait(topics[i % 4], b"x" * 16) for i in range(per_publisher)]
+                return len(await asyncio.wait_for(asyncio.gather(*acks), 120.0))
+
+        done = await asyncio.gather(*(publish(k) for k in range(publishers)))
+        assert done == [per_publisher] * publishers
         statuses = await cluster.statuses()
         for nid, st in statuses.items():
             assert st.counters["failures_detected"] == 0, f"{nid} took a neighbour for dead"
             assert st.counters["takeovers"] == 0, f"{nid} took a topic over"
-        assert sum(st.counters["published"] for st in statuses.values()) == n
+        assert sum(st.counters["published"] for st in statuses.values()) == publishers * per_publisher
 
 
 def _broker_on_a_small_tmpfs(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
