@@ -64,6 +64,14 @@ _Row: TypeAlias = tuple[float, str, int, bytes]
 _as_record = Record._make
 
 
+@dataclass(slots=True)
+class _Unsynced:
+    """Records written to a journal and not yet synced, under always/batch."""
+
+    cover: int  # the sync round that covers them (-1 until the write returned)
+    rows: list[_Row]
+
+
 @dataclass(frozen=True, slots=True)
 class Subscriber:
     """A subscription: which access broker holds the client session, and the session's id there."""
@@ -95,7 +103,7 @@ class TopicLog:
     _staged_prev: dict[str, int] = field(default_factory=dict)
     # Written to the journal but not yet synced, under `always`/`batch`, by the sync round that covers them:
     # what a failed sync takes back out of memory.
-    _unsynced: list[tuple[int, list[_Row]]] = field(default_factory=list)
+    _unsynced: list[_Unsynced] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.journal is not None:
@@ -130,30 +138,36 @@ class TopicLog:
         if self.journal is None or not self._staged:
             return
         journal = self.journal
+        waits = journal.policy.before_ack
+        # Unsynced before the write: a round that runs in place (no event loop) and fails inside persist() takes
+        # these records back out with the others (_sync_failed); its cover is known once persist() returns.
+        pending = _Unsynced(-1, self._staged)
+        if waits:
+            self._unsynced.append(pending)
         try:
             journal.persist()
         except StorageFull as exc:
+            if waits:
+                self._unsynced.pop()
             raise StorageFull(exc.directory, self._roll_back()) from None
-        if journal.policy.before_ack:
-            cover = journal.cover
-            if self._unsynced and self._unsynced[-1][0] == cover:
-                self._unsynced[-1][1].extend(self._staged)  # `always`: a persist per record, one entry per round
-                self._staged.clear()
-            else:
-                self._unsynced.append((cover, self._staged))
-                self._staged = []
-                journal.when_synced(lambda exc: self._synced(cover, exc))
-        else:
-            self._staged.clear()
+        self._staged = []
         self._staged_prev.clear()
+        if not waits or not self._unsynced or self._unsynced[-1] is not pending:
+            return  # no sync to wait for, or a round in place already synced them (or failed and took them out)
+        cover = pending.cover = journal.cover
+        if len(self._unsynced) > 1 and self._unsynced[-2].cover == cover:
+            self._unsynced.pop()  # `always`: a persist per record, one entry per round
+            self._unsynced[-1].rows.extend(pending.rows)
+            return
+        journal.when_synced(lambda exc: self._synced(cover, exc))
 
     def _synced(self, cover: int, exc: StorageError | None) -> None:
-        if exc is None and self._unsynced and self._unsynced[0][0] <= cover:
-            self._unsynced = [(r, rows) for r, rows in self._unsynced if r > cover]
+        if exc is None and self._unsynced and self._unsynced[0].cover <= cover:
+            self._unsynced = [u for u in self._unsynced if u.cover > cover]
 
     def _sync_failed(self, error: OSError) -> StorageError:
         """A sync round failed for this journal: take back everything not known to be synced."""
-        rows = [row for _, batch in self._unsynced for row in batch]
+        rows = [row for u in self._unsynced for row in u.rows]
         self._unsynced.clear()
         first: dict[str, int] = {}
         for _, pub, seq, _ in rows:

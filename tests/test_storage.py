@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from broker.pubsub import PubSub, PubSubConfig
 from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageError, StorageFull, SyncFailed, TopicMeta
 from broker.storage.frames import HEADER, encode, scan
 from broker.store import Retention, TopicStore
-from overlay.pubsub import Record
+from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo
+from overlay.pubsub import Ack, Fetch, Fetched, Nack, Publish, Record
 from tests import tmpfs
 
 TMPFS_MISSING = tmpfs.unavailable()
@@ -379,3 +381,73 @@ async def test_a_failed_sync_takes_the_records_back_and_says_why(tmp_path: Path)
     log.persist()
     assert await _durable(log) is None
     store.close()
+
+
+class _Alone:
+    """The pub/sub engine's port for one broker alone (level 1), run in place: no event loop, so every sync
+    round runs in place too, and a failing one is seen at once."""
+
+    def __init__(self, store: TopicStore) -> None:
+        self._me = NodeInfo("n0", (0.5, 0.5), "127.0.0.1:1")
+        self.queue: list[Message] = []
+        self.deferred: list[object] = []
+        self.inbox: list[Message] = []
+        self.ps = PubSub(self, PubSubConfig(resilience=1), store)
+
+    @property
+    def me(self) -> NodeInfo:
+        return self._me
+
+    def view(self) -> dict[str, NodeInfo]:
+        return {"n0": self._me}
+
+    def route(self, dest: tuple[float, float], msg: Message) -> None:
+        self.queue.append(msg)
+
+    def to_session(self, session: str, frame: bytes) -> bool:
+        for f in FrameDecoder().feed(frame):
+            assert isinstance(f, ControlFrame)
+            self.inbox.append(f.message)
+        return True
+
+    def now(self) -> float:
+        return 1000.0
+
+    def defer(self, fn: object) -> None:
+        self.deferred.append(fn)
+
+    def request(self, msg: Message) -> list[Message]:
+        self.inbox.clear()
+        self.ps.client_message("s", msg)
+        while self.queue or self.deferred:
+            if self.queue:
+                self.ps.routed(self.queue.pop(0))
+            else:
+                self.deferred.pop(0)()  # type: ignore[operator]
+        return list(self.inbox)
+
+
+def test_a_publish_whose_sync_fails_is_refused_with_storage_full_not_acknowledged(tmp_path: Path) -> None:
+    broker = _Alone(_store(tmp_path, "batch"))
+    topic = "grid/sync/fails"
+    assert [type(m) for m in broker.request(Publish(topic, "P", 0, b"kept", 0))] == [Ack]
+    journal = broker.ps.store.get(topic).journal
+    assert journal is not None
+    fd = journal._fd
+    saved = os.dup(fd)
+    r, w = os.pipe()
+    os.dup2(w, fd)  # fdatasync on a pipe: EINVAL, as a failing disk answers EIO
+    try:
+        (refused,) = broker.request(Publish(topic, "P", 1, b"lost", 1))
+    finally:
+        os.dup2(saved, fd)
+        for x in (saved, r, w):
+            os.close(x)
+    assert isinstance(refused, Nack) and refused.code == "storage_full" and refused.seq == 1
+    assert "check the disk" in refused.text
+    (fetched,) = broker.request(Fetch(7, topic, 0.0))
+    assert isinstance(fetched, Fetched) and [m.seq for m in fetched.records] == [0]
+    # The publisher re-sends: stored, synced, acknowledged.
+    (ack,) = broker.request(Publish(topic, "P", 1, b"again", 1))
+    assert isinstance(ack, Ack) and ack.seq == 1
+    broker.ps.close()

@@ -224,6 +224,10 @@ class DiskLog:
         self._committer = committer
         self.cover = 0  # the sync round that covers the last write
         self._waiters: list[tuple[int, Callable[[StorageError | None], None]]] = []
+        # The last round that failed for this log, and its error: a waiter for a write that round covered is
+        # told so even when it asks after the round completed (a round run in place, without an event loop).
+        self._failed_round = -1
+        self._failure: StorageError | None = None
         # Set by the owner (broker/store.py TopicLog): a round failed for this log; takes the records it should
         # have covered back out of memory and returns the error to give the waiters.
         self.on_sync_failed: Callable[[OSError], StorageError] | None = None
@@ -298,10 +302,12 @@ class DiskLog:
         """Call fn once everything written so far is on the disk as the policy promises before an ACK: at once
         under INTERVAL and NEVER (or when it is already synced), else when the round covering it completed;
         with the error if that round failed (the records were taken back out of memory first)."""
-        if not self.policy.before_ack or self._committer is None or self.cover <= self._committer.done_round:
+        if not self.policy.before_ack or self._committer is None:
             fn(None)
-            return
-        self._waiters.append((self.cover, fn))
+        elif self.cover <= self._committer.done_round:
+            fn(self._failure if self._failed_round >= self.cover else None)
+        else:
+            self._waiters.append((self.cover, fn))
 
     def round_done(self, round_id: int, error: OSError | None) -> None:
         """A sync round that covered this log completed (GroupCommit)."""
@@ -317,6 +323,7 @@ class DiskLog:
         # it began, which the failed sync may have left behind on the disk in any state.
         failed = self.on_sync_failed
         exc = failed(error) if failed is not None else sync_error(self.directory, error, frozenset())
+        self._failed_round, self._failure = round_id, exc
         waiters, self._waiters = self._waiters, []
         for _, fn in waiters:
             fn(exc)
