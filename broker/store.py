@@ -233,7 +233,7 @@ class TopicLog:
         self._held(msg.publisher).add(msg.seq)
         self.last_seen[msg.publisher] = now
         if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
-            self.persist()  # every record on the disk before the broker goes on (StorageFull: rolled back)
+            self.persist()  # written as it is stored, its sync started at once (StorageFull: rolled back)
         self.expire(now)
         return True
 
