@@ -9,7 +9,7 @@ topic for the end-of-turn flush).  No role reaches into another's fields; they c
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count
 from typing import Final, Protocol
 
@@ -107,8 +107,9 @@ class TopicTable:
         self.dirty: dict[str, Replica] = {}
         self._flush_scheduled = False
         self.on_flush: Callable[[], None] = lambda: None
-        # Set by the engine: a reply for a session of this broker (the access role hands it to the session).
-        self.on_local_reply: Callable[[TopicReply], None] = lambda rep: None
+        # Set by the engine: a reply (sessions, encoded message) for sessions of this broker (the access role
+        # hands it to them); no TOPIC_REPLY is built for what never leaves the broker.
+        self.on_local_reply: Callable[[Sequence[str], bytes], None] = lambda sessions, body: None
         self.counters: dict[str, int] = {
             "published": 0,
             "published_bytes": 0,
@@ -173,8 +174,10 @@ class TopicTable:
 
     def secondary(self, r: Replica) -> NodeInfo | None:
         """The broker that must hold a copy of r (None at resilience 1 or alone)."""
+        if self.config.resilience < 2:
+            return None  # no ranking of the view per flush when no copy is kept
         ranked = self.ranked(r.coord)
-        return ranked[1] if len(ranked) > 1 and self.config.resilience >= 2 else None
+        return ranked[1] if len(ranked) > 1 else None
 
     def mark(self, r: Replica) -> None:
         """r has new work for the end of this turn's input (replicate, acknowledge, deliver)."""
@@ -196,7 +199,7 @@ class TopicTable:
 
     def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes) -> None:
         if access.id == self.ov.me.id:
-            self.on_local_reply(TopicReply(access.id, tuple(sessions), body))
+            self.on_local_reply(sessions, body)
         else:
             self.ov.route(access.coord, TopicReply(access.id, tuple(sessions), body))
 

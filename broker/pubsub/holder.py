@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sedax.pubsub")
 
+# commit()'s `upto` when nothing waits for a copy: everything stored so far.
+_EVERYTHING = float("inf")
+
 
 class HolderRole:
     """Requests at the topic's holders (see the module docstring)."""
@@ -252,6 +255,17 @@ class HolderRole:
             self.t.mark(r)
 
     # ---- publishing ------------------------------------------------------------------------------------
+    def publish_local(self, r: Replica, me: NodeInfo, session: str, p: Publish) -> None:
+        """A PUBLISH of a client of this broker (checked on arrival) for r, served here as the primary."""
+        seq = p.seq
+        if not p.more:
+            self._publish_one(r, me, session, p.publisher, seq, p.payload, p.base)
+            return
+        for payload in p.payloads():
+            if not self._publish_one(r, me, session, p.publisher, seq, payload, p.base):
+                break  # out of order: the publisher re-sends from the expected number, the rest with it
+            seq += 1
+
     def _publish(self, r: Replica, access: NodeInfo, session: str, p: Publish) -> None:
         # A local client's publish was checked on arrival (client_message); one from another access broker
         # is checked here, once.
@@ -388,10 +402,23 @@ class HolderRole:
         """Messages stored up to timestamp upto are safe: acknowledge them, then deliver in order."""
         if r.stage in (Stage.RECEIVING, Stage.HANDING_OVER):
             return  # a hand-over in progress: one node acknowledges and delivers, the one that ends up primary
-        done = [w for w in r.waiting if w.record.ts <= upto]
-        if not done:
+        waiting = r.waiting
+        if not waiting:
             return
-        self._keep_waiting(r, [w for w in r.waiting if w.record.ts > upto])
+        everything = upto == _EVERYTHING
+        if everything:  # no copy to wait for (resilience 1): all of it, without a test per record
+            done, keep = waiting, []
+        else:
+            done = [w for w in waiting if w.record.ts <= upto]
+            if not done:
+                return
+            keep = [w for w in waiting if w.record.ts > upto]
+        if keep:
+            self._keep_waiting(r, keep)
+        else:
+            r.waiting = []
+            r.first_waiting.clear()
+            r.waiter_max.clear()
         upto = max(w.record.ts for w in done)
         # ACK is cumulative per publisher: one answers everything a session published in this batch.
         last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}
@@ -402,6 +429,11 @@ class HolderRole:
         for w, rec in last.values():
             self.t.reply(w.access, [w.session], Ack(r.name, rec.publisher, rec.seq, rec.ts))
         self.t.counters["acked"] += len(done)
-        deliver = [x for x in r.undelivered if x.ts <= upto]
-        r.undelivered = [x for x in r.undelivered if x.ts > upto]
-        self.t.deliver_to(r.subscribers.values(), r.name, deliver)
+        undelivered = r.undelivered
+        if everything:
+            deliver, r.undelivered = undelivered, []
+        else:
+            deliver = [x for x in undelivered if x.ts <= upto]
+            r.undelivered = [x for x in undelivered if x.ts > upto]
+        if r.subscribers:
+            self.t.deliver_to(r.subscribers.values(), r.name, deliver)
