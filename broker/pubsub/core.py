@@ -21,6 +21,8 @@ from overlay.protocol import FrameKind, Message, NodeInfo, encode_message
 from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Deliver, Record, SubRef, TopicReply
 
 _CONTROL_PREFIX: Final = struct.Struct(">IB")
+# Coordinates whose ranking TopicTable keeps for the current view (a bound, not a second topic table).
+RANKED_CACHE: Final = 100_000
 
 
 def control_frame(body: bytes) -> bytes:
@@ -37,7 +39,8 @@ class Overlay(Protocol):
         ...
 
     def view(self) -> Mapping[str, NodeInfo]:
-        """Every live broker this one knows (itself, its neighbours and theirs), by node id."""
+        """Every live broker this one knows (itself, its neighbours and theirs), by node id: a new mapping
+        whenever the view changes, never one changed in place (`TopicTable.ranked` caches by it)."""
         ...
 
     def route(self, dest: Coord, msg: Message) -> None:
@@ -102,6 +105,9 @@ class TopicTable:
         self.replicas: dict[str, Replica] = {}
         self._corr = count(1)
         self._homes: dict[str, Coord] = {}
+        # ranked() per coordinate for the current view (a primary ranks its topic's holders on every flush).
+        self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}
+        self._ranked_view: Mapping[str, NodeInfo] | None = None
         # Topics with new work, flushed once per batch of input (one replication, ACK and DELIVER frame carry
         # everything that arrived together); the engine flushes them through `on_flush`.
         self.dirty: dict[str, Replica] = {}
@@ -154,8 +160,16 @@ class TopicTable:
     def ranked(self, coord: Coord) -> list[NodeInfo]:
         """N1, N2, N3 of coord (fewer if fewer brokers are known)."""
         view = self.ov.view()
-        ids = closest({nid: n.coord for nid, n in view.items()}, coord, 3)
-        return [view[i] for i in ids]
+        if view is not self._ranked_view:
+            self._ranked_view = view
+            self._ranked.clear()
+        hit = self._ranked.get(coord)
+        if hit is None:
+            ids = closest({nid: n.coord for nid, n in view.items()}, coord, 3)
+            hit = tuple(view[i] for i in ids)
+            if len(self._ranked) < RANKED_CACHE:
+                self._ranked[coord] = hit
+        return list(hit)
 
     def rank_of_me(self, coord: Coord) -> int:
         """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""

@@ -1,11 +1,11 @@
 """The holder role: requests that reach the broker closest to a topic's coordinate, and serving them.
 
 The broker closest to C(t) is the topic's primary (Sec. I-A).  It stores each message, has it copied to the
-secondary (replication.py), acknowledges once the copy is confirmed (`commit`) and then delivers it to the
-subscribers.  Requests for a topic whose replica is WAITING (a pull, a placement or a move under way) are
-queued on the replica and served when it is done.  Requests that reach a broker that is not the primary go
-where the topic lives: the home forwards to the delegate coordinate (Sec. III-B), a former primary to the new
-one.
+secondary (replication.py), and once the copy is confirmed (`commit`) delivers it to the subscribers and
+acknowledges it to the publisher.  Requests for a topic whose replica is WAITING (a pull, a placement or a
+move under way) are queued on the replica and served when it is done.  Requests that reach a broker that is
+not the primary go where the topic lives: the home forwards to the delegate coordinate (Sec. III-B), a former
+primary to the new one.
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ class HolderRole:
         r.waiter_max[key] = max(r.waiter_max.get(key, -1), rec.seq)
 
     def commit(self, r: Replica, upto: float) -> None:
-        """Messages stored up to timestamp upto are safe: acknowledge them, then deliver in order."""
+        """Messages stored up to timestamp upto are safe: deliver them in order and acknowledge them."""
         if r.stage in (Stage.RECEIVING, Stage.HANDING_OVER):
             return  # a hand-over in progress: one node acknowledges and delivers, the one that ends up primary
         waiting = r.waiting
@@ -420,6 +420,17 @@ class HolderRole:
             r.first_waiting.clear()
             r.waiter_max.clear()
         upto = max(w.record.ts for w in done)
+        # Deliveries are written before the acknowledgements of the same commit: both are safe now, and a
+        # subscriber's frame should not wait behind the system calls of the ACK writes (a lone message's
+        # publish -> deliver latency).
+        undelivered = r.undelivered
+        if everything:
+            deliver, r.undelivered = undelivered, []
+        else:
+            deliver = [x for x in undelivered if x.ts <= upto]
+            r.undelivered = [x for x in undelivered if x.ts > upto]
+        if r.subscribers:
+            self.t.deliver_to(r.subscribers.values(), r.name, deliver)
         # ACK is cumulative per publisher: one answers everything a session published in this batch.
         last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}
         for w in done:
@@ -429,11 +440,3 @@ class HolderRole:
         for w, rec in last.values():
             self.t.reply(w.access, [w.session], Ack(r.name, rec.publisher, rec.seq, rec.ts))
         self.t.counters["acked"] += len(done)
-        undelivered = r.undelivered
-        if everything:
-            deliver, r.undelivered = undelivered, []
-        else:
-            deliver = [x for x in undelivered if x.ts <= upto]
-            r.undelivered = [x for x in undelivered if x.ts > upto]
-        if r.subscribers:
-            self.t.deliver_to(r.subscribers.values(), r.name, deliver)
