@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_latency.py [--rates 5000,10000] [--duration 3] [--out docs/benchmarks-latency.md]
 
 One publisher and one subscriber process (benchmarks/bench_pubsub.py's discipline: a Python asyncio client
-under uvloop each, 100-byte payloads, the publisher paced at a fixed rate with uvloop's 1 ms timers), for:
+under uvloop each, 100-byte payloads, the publisher paced at a fixed rate, by default each message on time
+with the sub-millisecond part of the wait in nanosleep: `--pace`, bench_pubsub.PACES), for:
 
 * Mosquitto (publish QoS 1, subscription QoS 0): the reference, measured in the same run;
 * SeDAX resilience 1, 0 hops (one broker), with the client's batching and with one PUBLISH per message;
