@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_latency.py [--rates 5000,10000] [--duration 3] [--out docs/benchmarks-latency.md]
 
 One publisher and one subscriber process (benchmarks/bench_pubsub.py's discipline: a Python asyncio client
-under uvloop each, 100-byte payloads, the publisher paced at a fixed rate with uvloop's 1 ms timers), for:
+under uvloop each, 100-byte payloads, the publisher paced at a fixed rate, by default each message on time
+with the sub-millisecond part of the wait in nanosleep: `--pace`, bench_pubsub.PACES), for:
 
 * Mosquitto (publish QoS 1, subscription QoS 0): the reference, measured in the same run;
 * SeDAX resilience 1, 0 hops (one broker), with the client's batching and with one PUBLISH per message;
@@ -60,6 +61,19 @@ def payload(flag: int, index: int, t: float) -> bytes:
     return (stamp(t) + _TAIL.pack(flag, index)).ljust(PAYLOAD_SIZE, b"x")
 
 
+def schedstat(pid: int | str = "self") -> tuple[int, int, int]:
+    """/proc/PID/schedstat: ns on a CPU, ns waiting on a run queue (runnable, no core free), timeslices."""
+    try:
+        run, wait, slices = Path(f"/proc/{pid}/schedstat").read_text().split()[:3]
+    except (OSError, ValueError):
+        return (0, 0, 0)
+    return int(run), int(wait), int(slices)
+
+
+def sched_delta(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return (b[0] - a[0], b[1] - a[1], b[2] - a[2])
+
+
 def pct(vals: list[float], q: float) -> float:
     return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
 
@@ -92,6 +106,7 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
                     await done.wait()
 
     cpu0 = time.process_time()
+    sched0 = schedstat()
     if spec["system"] == "sedax":
         from client.client import Client
 
@@ -119,7 +134,8 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
             await wait()
         finally:
             await mq.close()
-    return {"t0": list(t0s), "rx": list(rx), "cpu": time.process_time() - cpu0}
+    sched = sched_delta(sched0, schedstat())
+    return {"t0": list(t0s), "rx": list(rx), "cpu": time.process_time() - cpu0, "sched": sched}
 
 
 async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -157,22 +173,33 @@ async def pub_worker(spec: dict[str, Any]) -> dict[str, Any]:
             await flush()
         n, rate = spec["count"], spec["rate"]
         cpu0 = time.process_time()
+        sched0 = schedstat()
+        late = array("d")  # each message's send time minus its intended time t_start + i / rate
+        bursts: collections.Counter[int] = collections.Counter()  # messages sent per wake-up
         t_start = perf()
         i = 0
         while i < n:
             due = min(n, int((perf() - t_start) * rate) + 1)
+            bursts[due - i] += 1
             while i < due:
                 t = perf()
+                late.append(t - (t_start + i / rate))
+                # The stamp is the actual send time (as for Mosquitto): lateness of the pacing is reported apart.
                 await publish(payload(0, i, t), t, True)
                 i += 1
-            await asyncio.sleep(max(0.0, t_start + i / rate - perf()))
+            await bp.pace(spec["pace"], t_start + i / rate)
         offered = n / (perf() - t_start)
         async with asyncio.timeout(60.0):
             await flush()
         cpu = time.process_time() - cpu0
+        sched = sched_delta(sched0, schedstat())
     finally:
         await close()
-    return {"sent": n, "offered": offered, "cpu": cpu, "acks": [[t, a] for t, a in acks.items()]}
+    lates = sorted(late)
+    return {
+        "sent": n, "offered": offered, "cpu": cpu, "acks": [[t, a] for t, a in acks.items()], "sched": sched,
+        "late": [pct(lates, 0.5), pct(lates, 0.99)], "bursts": sorted(bursts.items()),
+    }  # fmt: skip
 
 
 def worker_main(spec_text: str) -> int:
@@ -215,6 +242,7 @@ class Result:
     stages: list[tuple[str, float, float, float]] = field(default_factory=list)  # step, p50, p99, mean (s)
     gc: str = ""
     load: tuple[float, float] = (0.0, 0.0)
+    sched: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # CPU ms, run-queue wait ms, slices
     notes: list[str] = field(default_factory=list)
 
 
@@ -258,11 +286,13 @@ class Driver:
             if json.loads(line or b"{}").get("event") != "ready":
                 raise RuntimeError(f"subscriber not ready: {line!r}")
             cpu0 = bp.cpu_seconds(pids)
+            sched0 = {pid: schedstat(pid) for pid in pids}
             pub = await self.spawn(dict(spec, role="pub", addr=pub_addr, out=outs["pub"]), traced)
             procs.append(pub)
             async with asyncio.timeout(count / 1000 + 2 * bp.IDLE_TIMEOUT + 60):
                 await asyncio.gather(pub.communicate(), sub.communicate())
             cpu1 = bp.cpu_seconds(pids)
+            sched1 = {pid: schedstat(pid) for pid in pids}
             if pub.returncode or sub.returncode:
                 raise RuntimeError(f"worker failed (pub {pub.returncode}, sub {sub.returncode}); see {self.workdir}")
         except BaseException:
@@ -281,6 +311,18 @@ class Driver:
             res.notes.append(f"{res.got} of {res.sent} delivered")
         if res.offered < 0.95 * res.rate:
             res.notes.append(f"publisher reached {res.offered:.0f} msg/s")
+        # Waiting for a core: each process's run-queue time over the run (schedstat's second field).
+        waits = [(f"b{i}", sched_delta(sched0[pid], sched1[pid])) for i, pid in enumerate(pids)]
+        waits += [("pub", tuple(pr["sched"])), ("sub", tuple(sr["sched"]))]
+        res.sched = {name: (w[0] / 1e6, w[1] / 1e6, w[2]) for name, w in waits}  # type: ignore[misc]
+        res.notes.append(
+            "run-queue wait ms / CPU ms / slices: "
+            + ", ".join(f"{k} {w:.1f} / {r:.0f} / {n}" for k, (r, w, n) in res.sched.items())
+        )
+        res.notes.append(
+            f"pacing: late p50 {pr['late'][0] * 1e3:.2f} p99 {pr['late'][1] * 1e3:.2f} ms, "
+            f"messages per wake-up {', '.join(f'{k}:{v}' for k, v in pr['bursts'][:8])}"
+        )
         self._last = (sr, pr)
         return {pub.pid: "publisher", sub.pid: "subscriber"}
 
@@ -300,7 +342,8 @@ class Driver:
             addr = f"127.0.0.1:{port}"
             for rate in self.args.rate_list:
                 res = Result("Mosquitto", "pub QoS 1, sub QoS 0", rate)
-                await self.run_pair(res, {"system": "mqtt", "unbatched": True}, addr, addr, [proc.pid], False)
+                spec = {"system": "mqtt", "unbatched": True, "pace": self.args.pace}
+                await self.run_pair(res, spec, addr, addr, [proc.pid], False)
                 self.report(res)
         finally:
             bp.stop_proc(proc)
@@ -329,7 +372,7 @@ class Driver:
                         config = f"resilience {level}, {h} hop{'s' if h != 1 else ''}"
                         config += ", one PUBLISH per message" if unbatched else ""
                         res = Result("SeDAX", config, rate)
-                        spec = {"system": "sedax", "unbatched": unbatched}
+                        spec = {"system": "sedax", "unbatched": unbatched, "pace": self.args.pace}
                         batches0 = await replication_counters(primary)
                         workers = await self.run_pair(res, spec, primary, cluster.nodes[h].listen, pids, traced)
                         if level >= 2:
@@ -526,6 +569,7 @@ def main() -> int:
     p.add_argument("--only", default="mosquitto,l1,l2", help="subset of mosquitto,l1,l2 (default all)")
     p.add_argument("--far-hops", type=int, default=3, help="hops of the far access broker at level 2 (default 3)")
     p.add_argument("--broker-args", default=bp.SEDAX_BROKER_ARGS, help="SeDAX broker flags")
+    p.add_argument("--pace", choices=bp.PACES, default="sleep", help=bp.PACE_HELP)
     p.add_argument("--no-trace", action="store_true", help="run without SEDAX_TRACE (no breakdown)")
     p.add_argument("--out", help="write the markdown report here (the part after the results marker)")
     p.add_argument("--worker", help=argparse.SUPPRESS)

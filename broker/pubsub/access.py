@@ -8,7 +8,7 @@ arrive in one loop turn travel in one TOPIC_REQUEST.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, byte_chunks, control_frame, same
@@ -111,6 +111,12 @@ class AccessRole:
         me = self.t.ov.me
         r = self.t.replicas.get(topic)
         if (r.rank == 1 and r.coord == coord) if r is not None else self.t.closest_id(coord) == me.id:
+            if r is not None and type(msg) is Publish and not r.waits and self.t.config.acl is None:
+                # The common 0-hop case, a publish to a topic this broker serves as its primary: what
+                # handle_request would decide (no ACL, nothing queued, the primary at the coordinate asked for),
+                # without deciding it again per message.
+                self.holder.publish_local(r, me, session, msg)
+                return
             self.holder.handle_request(me, session, msg, coord, identity=self.identities.get(session, ""))  # 0 hops
         else:
             self._outgoing.setdefault((coord, session), []).append(encode_message(msg))
@@ -147,10 +153,19 @@ class AccessRole:
             # The access broker the reply was for is gone and this broker is now closest to its coordinate.
             self._sessions_gone(rep.sessions, rep.reply)
             return
-        frame = control_frame(rep.reply)
-        missing = [s for s in rep.sessions if not self.t.ov.to_session(s, frame)]
+        self.local_reply(rep.sessions, rep.reply)
+
+    def local_reply(self, sessions: Sequence[str], reply: bytes) -> None:
+        """An answer (an encoded message) for sessions of this broker, from a TOPIC_REPLY or a local holder."""
+        frame = control_frame(reply)
+        to_session = self.t.ov.to_session
+        if len(sessions) == 1:  # an ACK, a reply, a DELIVER to one subscriber here: no list per message
+            if not to_session(sessions[0], frame):
+                self._sessions_gone(sessions, reply)
+            return
+        missing = [s for s in sessions if not to_session(s, frame)]
         if missing:
-            self._sessions_gone(missing, rep.reply)
+            self._sessions_gone(missing, reply)
 
     def _sessions_gone(self, sessions: Iterable[str], reply: bytes) -> None:
         try:

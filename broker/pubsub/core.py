@@ -9,7 +9,7 @@ topic for the end-of-turn flush).  No role reaches into another's fields; they c
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count
 from typing import Final, Protocol
 
@@ -21,6 +21,8 @@ from overlay.protocol import FrameKind, Message, NodeInfo, encode_message
 from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Deliver, Record, SubRef, TopicReply
 
 _CONTROL_PREFIX: Final = struct.Struct(">IB")
+# Coordinates whose ranking TopicTable keeps for the current view (a bound, not a second topic table).
+RANKED_CACHE: Final = 100_000
 
 
 def control_frame(body: bytes) -> bytes:
@@ -37,7 +39,8 @@ class Overlay(Protocol):
         ...
 
     def view(self) -> Mapping[str, NodeInfo]:
-        """Every live broker this one knows (itself, its neighbours and theirs), by node id."""
+        """Every live broker this one knows (itself, its neighbours and theirs), by node id: a new mapping
+        whenever the view changes, never one changed in place (`TopicTable.ranked` caches by it)."""
         ...
 
     def route(self, dest: Coord, msg: Message) -> None:
@@ -102,13 +105,17 @@ class TopicTable:
         self.replicas: dict[str, Replica] = {}
         self._corr = count(1)
         self._homes: dict[str, Coord] = {}
+        # ranked() per coordinate for the current view (a primary ranks its topic's holders on every flush).
+        self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}
+        self._ranked_view: Mapping[str, NodeInfo] | None = None
         # Topics with new work, flushed once per batch of input (one replication, ACK and DELIVER frame carry
         # everything that arrived together); the engine flushes them through `on_flush`.
         self.dirty: dict[str, Replica] = {}
         self._flush_scheduled = False
         self.on_flush: Callable[[], None] = lambda: None
-        # Set by the engine: a reply for a session of this broker (the access role hands it to the session).
-        self.on_local_reply: Callable[[TopicReply], None] = lambda rep: None
+        # Set by the engine: a reply (sessions, encoded message) for sessions of this broker (the access role
+        # hands it to them); no TOPIC_REPLY is built for what never leaves the broker.
+        self.on_local_reply: Callable[[Sequence[str], bytes], None] = lambda sessions, body: None
         self.counters: dict[str, int] = {
             "published": 0,
             "published_bytes": 0,
@@ -153,8 +160,16 @@ class TopicTable:
     def ranked(self, coord: Coord) -> list[NodeInfo]:
         """N1, N2, N3 of coord (fewer if fewer brokers are known)."""
         view = self.ov.view()
-        ids = closest({nid: n.coord for nid, n in view.items()}, coord, 3)
-        return [view[i] for i in ids]
+        if view is not self._ranked_view:
+            self._ranked_view = view
+            self._ranked.clear()
+        hit = self._ranked.get(coord)
+        if hit is None:
+            ids = closest({nid: n.coord for nid, n in view.items()}, coord, 3)
+            hit = tuple(view[i] for i in ids)
+            if len(self._ranked) < RANKED_CACHE:
+                self._ranked[coord] = hit
+        return list(hit)
 
     def rank_of_me(self, coord: Coord) -> int:
         """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""
@@ -173,8 +188,10 @@ class TopicTable:
 
     def secondary(self, r: Replica) -> NodeInfo | None:
         """The broker that must hold a copy of r (None at resilience 1 or alone)."""
+        if self.config.resilience < 2:
+            return None  # no ranking of the view per flush when no copy is kept
         ranked = self.ranked(r.coord)
-        return ranked[1] if len(ranked) > 1 and self.config.resilience >= 2 else None
+        return ranked[1] if len(ranked) > 1 else None
 
     def mark(self, r: Replica) -> None:
         """r has new work for the end of this turn's input (replicate, acknowledge, deliver)."""
@@ -196,7 +213,7 @@ class TopicTable:
 
     def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes) -> None:
         if access.id == self.ov.me.id:
-            self.on_local_reply(TopicReply(access.id, tuple(sessions), body))
+            self.on_local_reply(sessions, body)
         else:
             self.ov.route(access.coord, TopicReply(access.id, tuple(sessions), body))
 

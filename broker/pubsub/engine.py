@@ -69,7 +69,7 @@ class PubSub:
         self.moves.holder, self.moves.replication, self.moves.home = self.holder, self.replication, self.home
         self.home.holder = self.holder
         t.on_flush = self._flush_turn
-        t.on_local_reply = self.access.reply_arrived
+        t.on_local_reply = self.access.local_reply
         self._handlers: dict[type[Message], Handler] = {
             TopicRequest: self.holder.topic_request_arrived,
             TopicReply: self.access.reply_arrived,

@@ -1,11 +1,11 @@
 """The holder role: requests that reach the broker closest to a topic's coordinate, and serving them.
 
 The broker closest to C(t) is the topic's primary (Sec. I-A).  It stores each message, has it copied to the
-secondary (replication.py), acknowledges once the copy is confirmed (`commit`) and then delivers it to the
-subscribers.  Requests for a topic whose replica is WAITING (a pull, a placement or a move under way) are
-queued on the replica and served when it is done.  Requests that reach a broker that is not the primary go
-where the topic lives: the home forwards to the delegate coordinate (Sec. III-B), a former primary to the new
-one.
+secondary (replication.py), and once the copy is confirmed (`commit`) delivers it to the subscribers and
+acknowledges it to the publisher.  Requests for a topic whose replica is WAITING (a pull, a placement or a
+move under way) are queued on the replica and served when it is done.  Requests that reach a broker that is
+not the primary go where the topic lives: the home forwards to the delegate coordinate (Sec. III-B), a former
+primary to the new one.
 """
 
 from __future__ import annotations
@@ -256,6 +256,17 @@ class HolderRole:
             self.t.mark(r)
 
     # ---- publishing ------------------------------------------------------------------------------------
+    def publish_local(self, r: Replica, me: NodeInfo, session: str, p: Publish) -> None:
+        """A PUBLISH of a client of this broker (checked on arrival) for r, served here as the primary."""
+        seq = p.seq
+        if not p.more:
+            self._publish_one(r, me, session, p.publisher, seq, p.payload, p.base)
+            return
+        for payload in p.payloads():
+            if not self._publish_one(r, me, session, p.publisher, seq, payload, p.base):
+                break  # out of order: the publisher re-sends from the expected number, the rest with it
+            seq += 1
+
     def _publish(self, r: Replica, access: NodeInfo, session: str, p: Publish) -> None:
         # A local client's publish was checked on arrival (client_message); one from another access broker
         # is checked here, once.
@@ -418,30 +429,48 @@ class HolderRole:
         r.waiter_max[key] = max(r.waiter_max.get(key, -1), rec.seq)
 
     def commit(self, r: Replica, upto: float) -> None:
-        """Messages stored up to timestamp upto have their copies: acknowledge those that are also on this
-        broker's disk as the write policy promises (`await_disk`), then deliver them in order."""
+        """Messages stored up to timestamp upto have their copies: deliver and acknowledge, in order, those that
+        are also on this broker's disk as the write policy promises (`await_disk`)."""
         if r.stage in (Stage.RECEIVING, Stage.HANDING_OVER):
             return  # a hand-over in progress: one node acknowledges and delivers, the one that ends up primary
         r.confirmed_upto = max(r.confirmed_upto, upto)
         if r.log.waits_for_disk:
             upto = min(r.confirmed_upto, r.synced_upto)  # and on this broker's disk (await_disk)
         # Both lists are in timestamp order: nothing due is found without a scan (commit runs twice per turn
-        # under always/batch, once for the copies and once for the disk).
-        if (not r.waiting or r.waiting[0].record.ts > upto) and (not r.undelivered or r.undelivered[0].ts > upto):
+        # under always/batch, once for the copies and once for the disk), and what is due is a prefix - all of
+        # it whenever nothing waits for a copy (resilience 1), taken without a test per record.
+        waiting, undelivered = r.waiting, r.undelivered
+        if (not waiting or waiting[0].record.ts > upto) and (not undelivered or undelivered[0].ts > upto):
             return
-        done = [w for w in r.waiting if w.record.ts <= upto]
+        if waiting and waiting[-1].record.ts <= upto:
+            done = waiting
+            r.waiting = []
+            r.first_waiting.clear()
+            r.waiter_max.clear()
+        else:
+            done = [w for w in waiting if w.record.ts <= upto]
+            if done:
+                self._keep_waiting(r, waiting[len(done) :])
         if done:
-            self._keep_waiting(r, [w for w in r.waiting if w.record.ts > upto])
-            upto = max(w.record.ts for w in done)
-            # ACK is cumulative per publisher: one answers everything a session published in this batch.
-            last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}
-            for w in done:
-                key = (w.access.id, w.session, w.record.publisher)
-                if key not in last or w.record.seq > last[key][1].seq:
-                    last[key] = (w, w.record)
-            for w, rec in last.values():
-                self.t.reply(w.access, [w.session], Ack(r.name, rec.publisher, rec.seq, rec.ts))
-            self.t.counters["acked"] += len(done)
-        deliver = [x for x in r.undelivered if x.ts <= upto]
-        r.undelivered = [x for x in r.undelivered if x.ts > upto]
-        self.t.deliver_to(r.subscribers.values(), r.name, deliver)
+            upto = done[-1].record.ts
+        if undelivered and undelivered[-1].ts <= upto:
+            deliver, r.undelivered = undelivered, []
+        else:
+            deliver = [x for x in undelivered if x.ts <= upto]
+            r.undelivered = undelivered[len(deliver) :]
+        # Deliveries are written before the acknowledgements of the same commit: both are safe now, and a
+        # subscriber's frame should not wait behind the system calls of the ACK writes (a lone message's
+        # publish -> deliver latency).
+        if deliver and r.subscribers:
+            self.t.deliver_to(r.subscribers.values(), r.name, deliver)
+        if not done:
+            return
+        # ACK is cumulative per publisher: one answers everything a session published in this batch.
+        last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}
+        for w in done:
+            key = (w.access.id, w.session, w.record.publisher)
+            if key not in last or w.record.seq > last[key][1].seq:
+                last[key] = (w, w.record)
+        for w, rec in last.values():
+            self.t.reply(w.access, [w.session], Ack(r.name, rec.publisher, rec.seq, rec.ts))
+        self.t.counters["acked"] += len(done)
