@@ -356,7 +356,11 @@ class Broker(Membership, Routing):
             link.send_nowait(BalancePlanned(corr, texts))
 
     async def _ticker(self) -> None:
-        """The broker's timers (see PUBSUB_TICK above): heartbeats, load reports, pub/sub, sweeps, trimming."""
+        """The broker's timers (see PUBSUB_TICK above): heartbeats, load reports, pub/sub, sweeps, trimming.
+
+        Each wake-up is a plain timer callback, not a task's sleep: an idle broker's wake-ups are most of what it
+        costs, and a callback is ~40 us of CPU cheaper per wake-up than waking a task (docs/benchmarks-scale.md).
+        """
         loop = asyncio.get_running_loop()
         beat = self.config.heartbeat_interval
         wall = time.time() - loop.time()  # the wall clock's offset, to put the beats on its multiples
@@ -372,16 +376,24 @@ class Broker(Membership, Routing):
         busy_until = 0.0
         delivered = self.stats.routed_delivered
         known = self._known_ids  # replaced (not changed in place) whenever the live view changes
-        while not self._closing:
-            wake = min(beat_at, deadline, pubsub_at)
-            await asyncio.sleep(max(0.0, wake - loop.time()))
+        stopped: asyncio.Future[None] = loop.create_future()
+        handle: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal beat_at, deadline, pubsub_at, idle_pubsub_at, busy_until, delivered, known, handle
+            if self._closing:
+                stopped.set_result(None)
+                return
             # A timer may fire a little early (uvloop's clock has millisecond steps): what is due within
-            # TICK_SLACK counts as due, or the loop would spin in zero-length sleeps up to its deadline.
+            # TICK_SLACK counts as due, or the loop would spin in zero-length waits up to its deadline.
             now = loop.time()
             due = now + TICK_SLACK
             on_beat = due >= beat_at
             if on_beat or due >= deadline:
-                late = max(0.0, now - min(beat_at, deadline))
+                # Only a beat's lateness means the process was busy: a deadline wake-up is often a millisecond
+                # late (the timer's steps), and counting that would push the deadline on by as much, again and
+                # again.
+                late = max(0.0, now - beat_at) if on_beat else 0.0
                 deadline = never
                 for link in list(self.links):
                     d = link.tick(now, late, on_beat)
@@ -404,6 +416,21 @@ class Broker(Membership, Routing):
                 busy = now < busy_until
                 pubsub_at = now + PUBSUB_TICK if busy else never
                 idle_pubsub_at = now + PUBSUB_IDLE_TICK
+            handle = loop.call_at(min(beat_at, deadline, pubsub_at), guarded)
+
+        def guarded() -> None:
+            try:
+                tick()
+            except Exception as exc:  # noqa: BLE001 - as a task's failure: logged by the task set, timers stop
+                if not stopped.done():
+                    stopped.set_exception(exc)
+
+        handle = loop.call_at(min(beat_at, pubsub_at), guarded)
+        try:
+            await stopped
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     def _subscribed(self, link: PeerLink) -> bool:
         sid = self._session_of.get(link)
