@@ -121,6 +121,7 @@ NOISY_CLOSES: Final = frozenset(
 
 _link_ids = itertools.count(1)
 _NEVER: Final = float("inf")
+FRESH_WRITE: Final = 0.5
 BEAT: Final = encode_control(Ping(0))  # a broker link's heartbeat, the same bytes every time
 # A timer may fire a little early (uvloop's clock has millisecond steps): what is due within this counts as due.
 TICK_SLACK: Final = 0.002
@@ -130,8 +131,8 @@ TICK_SLACK: Final = 0.002
 # any work, a frame read in a wake-up of its own ~150 us.  So every broker link carries one frame each way per
 # heartbeat interval and no more, and a broker does all of a beat's liveness work in one wake-up:
 #
-# * Beats, not PING/PONG.  On a broker link each end sends a PING at every beat at which it has written nothing
-#   since the previous beat (any frame proves liveness as well); PINGs on broker links are not answered.  A
+# * Beats, not PING/PONG.  On a broker link each end sends a PING at every beat unless it wrote something else
+#   lately (any frame proves liveness as well); PINGs on broker links are not answered.  A
 #   PONG would be a second frame for the pinger to wake up for.
 # * One tick per interval, on the wall clock.  The owner's ticker (Broker._ticker) ticks every link once per
 #   heartbeat interval at whole multiples of it on the wall clock, so the brokers of a machine tick together
@@ -146,9 +147,11 @@ TICK_SLACK: Final = 0.002
 #   the stream and a reset wake the reader as before, and it takes the waiting PINGs with them.  A beat PING
 #   is always the same BEAT bytes (seq 0), so the PINGs waiting are a whole number of them.
 #
-# Each end so hears from the other at least every two intervals (a frame just after one beat, then a PING two
-# beats later), against a limit of `misses` (3) intervals.  Client and tool links keep PING and PONG: the
-# broker pings, the client answers, and clients have a wider window (`client_timeout`).
+# A beat skips its PING when the link wrote something within the last FRESH_WRITE intervals, so each end
+# hears from the other at least every 1.5 intervals (a frame just over half an interval before one beat, then
+# the PING of the next), against a limit of `misses` intervals (3 by default; 2 still leaves half an
+# interval).  Client and tool links keep PING and PONG: the broker pings, the client answers, and clients have
+# a wider window (`client_timeout`).
 
 
 def _beats(frames: list[ControlFrame | RoutedFrame]) -> bool:
@@ -201,7 +204,7 @@ class PeerLink:
         self._ticked = ticked
         now = self._loop.time()
         self._hello_deadline = now + hello_timeout
-        self._sent = False  # something was written since the last beat (cheaper than a clock read per write)
+        self._wrote_at = now  # when this end last wrote (uvloop's clock is a cached read: cheap per write)
         self.pings_sent = 0
         self._requests = Requests()
         self._closed = asyncio.Event()
@@ -333,7 +336,7 @@ class PeerLink:
                 case Ping(seq=seq):
                     if self.role != "broker":  # a broker link's PINGs are beats, answered by the peer's own
                         self._t.write(encode_control(Pong(seq)))
-                        self._sent = True
+                        self._wrote_at = self._loop.time()
                 case Pong():
                     pass
                 case Hello() | HelloOk():
@@ -411,8 +414,8 @@ class PeerLink:
             )
             return _NEVER
         if beat:
-            if self._sent:
-                self._sent = False  # written since the last beat: that frame is this beat's proof of life
+            if now - self._wrote_at < FRESH_WRITE * self._heartbeat_interval:
+                pass  # written lately: that frame is this beat's proof of life
             elif self.pinger:
                 self._ping()
         return hb.deadline()
@@ -485,7 +488,7 @@ class PeerLink:
             self._overflow()
             return
         t.write(data)
-        self._sent = True  # heartbeat: no PING needed at the next beat
+        self._wrote_at = self._loop.time()  # heartbeat: no PING needed at the next beat
 
     def limit_frames(self, size: int) -> None:
         """Refuse frames larger than size from now on (a protocol error that closes the link)."""
