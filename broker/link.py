@@ -24,6 +24,7 @@ from net.connection import (
     HandshakeRefused,
     Heartbeat,
     LinkClosed,
+    QuietReceive,
     Requests,
     open_handshake,
 )
@@ -119,19 +120,43 @@ NOISY_CLOSES: Final = frozenset(
 )
 
 _link_ids = itertools.count(1)
+_NEVER: Final = float("inf")
+FRESH_WRITE: Final = 0.5
+BEAT: Final = encode_control(Ping(0))  # a broker link's heartbeat, the same bytes every time
+# A timer may fire a little early (uvloop's clock has millisecond steps): what is due within this counts as due.
+TICK_SLACK: Final = 0.002
 
-# Liveness costs frames, and on an idle overlay those frames are nearly all a broker does (measured in
-# docs/benchmarks-scale.md: a PING and a PONG each way every interval on every link cost an idle broker 13 ms
-# of CPU a second).  So a link is checked on a tick every HEARTBEAT_TICK heartbeat intervals, and sends a PING
-# only when it has sent nothing else for PING_IDLE intervals: traffic proves liveness as well as a PING.  On
-# a broker link only one end pings (the smaller node id: both ends agree without a message); the other end
-# answers with PONG, and pings by itself only when the pinger's PINGs have not come for PINGER_QUIET
-# intervals (the pinger is busy sending other frames, or is gone).  So each end hears from the other at least
-# every 1.25 intervals (PING_IDLE plus a tick; once 1.75, when the pinger turns to other traffic), against a
-# limit of `misses` intervals (3: the same detection time as a PING each way every interval).
-HEARTBEAT_TICK: Final = 0.5
-PING_IDLE: Final = 0.75
-PINGER_QUIET: Final = 1.25
+# Liveness costs wake-ups, and on an idle overlay they are nearly all a broker does: measured on this project's
+# 2-core machine (docs/benchmarks-scale.md), one wake-up of an idle uvloop process costs ~100 us of CPU before
+# any work, a frame read in a wake-up of its own ~150 us.  So every broker link carries one frame each way per
+# heartbeat interval and no more, and a broker does all of a beat's liveness work in one wake-up:
+#
+# * Beats, not PING/PONG.  On a broker link each end sends a PING at every beat unless it wrote something else
+#   lately (any frame proves liveness as well); PINGs on broker links are not answered.  A
+#   PONG would be a second frame for the pinger to wake up for.
+# * One tick per interval, on the wall clock.  The owner's ticker (Broker._ticker) ticks every link once per
+#   heartbeat interval at whole multiples of it on the wall clock, so the brokers of a machine tick together
+#   and a beat's PINGs mostly arrive while their receiver is awake for its own beat.  Between beats the ticker
+#   wakes only for a deadline: the moment a silent peer's limit runs out (`tick` returns it), so silence is
+#   declared exactly `misses` intervals after the peer was last heard, not up to a tick later.
+#
+# * Heartbeats that wake no one and are not read.  A PING arriving at a broker asleep between its beats would
+#   wake it for that frame alone, and reading it costs Python work even in a wake-up made anyway.  While a
+#   broker link carries nothing but PINGs they wait in the kernel (net.connection.QuietReceive: SO_RCVLOWAT
+#   just above the PINGs waiting plus one, TCP_INFO for when data last arrived); every other frame, the end of
+#   the stream and a reset wake the reader as before, and it takes the waiting PINGs with them.  A beat PING
+#   is always the same BEAT bytes (seq 0), so the PINGs waiting are a whole number of them.
+#
+# A beat skips its PING when the link wrote something within the last FRESH_WRITE intervals, so each end
+# hears from the other at least every 1.5 intervals (a frame just over half an interval before one beat, then
+# the PING of the next), against a limit of `misses` intervals (3 by default; 2 still leaves half an
+# interval).  Client and tool links keep PING and PONG: the broker pings, the client answers, and clients have
+# a wider window (`client_timeout`).
+
+
+def _beats(frames: list[ControlFrame | RoutedFrame]) -> bool:
+    """True if frames are heartbeats alone (PING, or a PONG from a broker of an older version)."""
+    return bool(frames) and all(type(f) is ControlFrame and type(f.message) in (Ping, Pong) for f in frames)
 
 
 class PeerLink:
@@ -179,16 +204,14 @@ class PeerLink:
         self._ticked = ticked
         now = self._loop.time()
         self._hello_deadline = now + hello_timeout
-        self._sent = False  # something was written since the last tick (cheaper than a clock read per write)
-        self._last_tx = now  # when this end last sent, as far as the ticks know (never later than the truth)
-        self._last_ping_rx = now
-        self._prev_tick = now
+        self._wrote_at = now  # when this end last wrote (uvloop's clock is a cached read: cheap per write)
         self.pings_sent = 0
         self._requests = Requests()
         self._closed = asyncio.Event()
         self._read_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._ping_seq = 0
+        self._quiet: QuietReceive | None = None
         self._intended: tuple[CloseReason, str] | None = None
         # Two-phase UNLINK (see retire): each side stops writing after its own UNLINK and closes only when it
         # has both sent one and received the peer's, so no frame in flight on the link is lost.
@@ -256,6 +279,7 @@ class PeerLink:
         self.peer = ok.node
         self._beat.received()
         self._set_state(LinkState.ESTABLISHED)
+        self._watch_quietly()
         self._handler.on_established(self)
         self.start()
         for frame in rest:
@@ -277,6 +301,8 @@ class PeerLink:
                     self._dispatch(frame)
                     if self.state in (LinkState.CLOSED, LinkState.ERROR):
                         return
+                if self._quiet is not None:
+                    self._quiet.after_read(not self._decoder.buffered and _beats(frames))
                 if self._handler.needs_flush():
                     # Paused on backpressure we read nothing from this peer, so its silence would be ours:
                     # the watchdog ignores the pause and the clock restarts when reading resumes.
@@ -308,8 +334,9 @@ class PeerLink:
             msg = frame.message
             match msg:
                 case Ping(seq=seq):
-                    self._t.write(encode_control(Pong(seq)))
-                    self._last_ping_rx = self._last_tx = self._loop.time()
+                    if self.role != "broker":  # a broker link's PINGs are beats, answered by the peer's own
+                        self._t.write(encode_control(Pong(seq)))
+                        self._wrote_at = self._loop.time()
                 case Pong():
                     pass
                 case Hello() | HelloOk():
@@ -342,12 +369,15 @@ class PeerLink:
         if hello.role == "broker" and hello.coord is not None:
             self.peer = NodeInfo(hello.node, hello.coord, hello.listen)
         self._set_state(LinkState.ESTABLISHED)
+        self._watch_quietly()
         self._handler.on_established(self)
 
     # ---------------------------------------------------------------------------------------- heartbeat
 
-    def tick(self, now: float, late: float = 0.0) -> None:
-        """The link's timers, every HEARTBEAT_TICK intervals: the hello deadline, then silence and keep-alive.
+    def tick(self, now: float, late: float = 0.0, beat: bool = True) -> float:
+        """The link's timers, once per heartbeat interval (beat) or at a deadline it returned: the hello
+        deadline, then silence and the keep-alive PING.  Returns when the peer's silence would run out (the
+        owner wakes then if that is before the next beat; inf while nothing is watched).
 
         now: the loop's clock; late: how much later than planned this tick runs (the process was busy, so
         the peer's silence over that stretch is not the peer's fault: it could not have been read either).
@@ -355,52 +385,69 @@ class PeerLink:
         state = self.state
         if state is LinkState.CONNECTING or state is LinkState.HELLO_SENT:
             # An outbound link's handshake is bounded by open() itself.
-            if not self.outbound and now >= self._hello_deadline:
-                self.close_soon(CloseReason.HELLO_TIMEOUT, f"no handshake within {self._hello_timeout} s")
-            return
+            if not self.outbound:
+                if now + TICK_SLACK >= self._hello_deadline:
+                    self.close_soon(CloseReason.HELLO_TIMEOUT, f"no handshake within {self._hello_timeout} s")
+                    return _NEVER
+                return self._hello_deadline
+            return _NEVER
         if not self._watched() or self._intended is not None:
-            return
-        beat = self._beat
+            return _NEVER
+        hb = self._beat
         if late > 0:
-            beat.last_rx += late
-        if self._sent:
-            # Written some time since the previous tick: count it from the previous tick, so a gap between two
-            # frames is never longer than the keep-alive rule intends.
-            self._sent = False
-            self._last_tx = max(self._last_tx, self._prev_tick)
-        self._prev_tick = now
-        silent = beat.silent_for()
+            hb.last_rx += late
+        quiet = self._quiet
+        if quiet is not None and quiet.raised:
+            # A PING may wait unread below the mark: the kernel knows when the peer's data last arrived.
+            hb.last_rx = max(hb.last_rx, quiet.arrived(now))
+            if beat:
+                quiet.at_beat()
         if self.role != "broker":
             # A client's liveness decides no failover, and a client process may be busy for a while (a burst
             # of publishes, a slow consumer): give it a wider window than a neighbour broker.
-            beat.limit = max(beat.limit, self._client_timeout)
-        if silent > beat.limit:
+            hb.limit = max(hb.limit, self._client_timeout)
+        silent = hb.silent_for()
+        if silent + TICK_SLACK > hb.limit:
             self.close_soon(
                 CloseReason.HEARTBEAT_TIMEOUT,
                 f"silent for {silent:.2f} s ({self._heartbeat_misses} heartbeats missed)",
             )
-            return
-        interval = self._heartbeat_interval
-        if now - self._last_tx >= PING_IDLE * interval and (
-            self.pinger or now - self._last_ping_rx >= PINGER_QUIET * interval
-        ):
-            self._ping(now)
+            return _NEVER
+        if beat:
+            if now - self._wrote_at < FRESH_WRITE * self._heartbeat_interval:
+                pass  # written lately: that frame is this beat's proof of life
+            elif self.pinger:
+                self._ping()
+        return hb.deadline()
 
     def heard_within(self, fraction: float) -> bool:
         """True if the peer was heard within `fraction` of the silence this link tolerates (WITNESS answers)."""
-        return self.state is LinkState.ESTABLISHED and self._beat.silent_for() < fraction * self._beat.limit
+        if not self._watched():
+            return False
+        if self._quiet is not None and self._quiet.raised:
+            self._beat.last_rx = max(self._beat.last_rx, self._quiet.arrived(self._loop.time()))
+        return self._beat.silent_for() < fraction * self._beat.limit
+
+    def _watch_quietly(self) -> None:
+        # Only where the owner's ticker reads waiting PINGs at its beats, and only where a PING's size on the
+        # wire is known (plain TCP, TLS 1.3).
+        if self.role != "broker" or not self._ticked:
+            return
+        found = self._t.tcp_socket()
+        if found is not None:
+            sock, overhead = found
+            self._quiet = QuietReceive(sock, len(BEAT) + overhead)
 
     @property
     def pinger(self) -> bool:
-        """True if this end keeps the link alive with PINGs; the other end answers them (see HEARTBEAT_TICK)."""
-        if self.role == "broker":
-            return self._local_id < (self.peer_id or "")
-        return not self.outbound  # a client or admin tool is pinged by the broker it connected to
+        """True if this end sends PINGs on an idle link: both ends of a broker link (beats); on a client or tool
+        link the broker, and the client answers (see the comment above PeerLink)."""
+        return self.role == "broker" or not self.outbound
 
     async def _watchdog(self) -> None:
         # A link without an owner's ticker (a tool's link in tests) ticks by itself.
         loop = self._loop
-        period = self._heartbeat_interval * HEARTBEAT_TICK
+        period = self._heartbeat_interval
         wake = loop.time()
         while self.state not in (LinkState.CLOSED, LinkState.ERROR) and self._intended is None:
             wake += period
@@ -415,11 +462,13 @@ class PeerLink:
         # The read loop is closing the link once the transport is: nothing left to watch then.
         return self.state is LinkState.ESTABLISHED and not self._t.is_closing()
 
-    def _ping(self, now: float) -> None:
-        self._ping_seq += 1
+    def _ping(self) -> None:
         self.pings_sent += 1
-        self._t.write(encode_control(Ping(self._ping_seq)))
-        self._last_tx = now
+        if self.role == "broker":
+            self._t.write(BEAT)
+        else:
+            self._ping_seq += 1
+            self._t.write(encode_control(Ping(self._ping_seq)))
 
     # ---------------------------------------------------------------------------------------- send side
 
@@ -439,7 +488,7 @@ class PeerLink:
             self._overflow()
             return
         t.write(data)
-        self._sent = True  # heartbeat: no PING needed this interval
+        self._wrote_at = self._loop.time()  # heartbeat: no PING needed at the next beat
 
     def limit_frames(self, size: int) -> None:
         """Refuse frames larger than size from now on (a protocol error that closes the link)."""
@@ -524,6 +573,9 @@ class PeerLink:
             self._t.abort()
         else:
             self._t.close()
+        if self._quiet is not None:
+            self._quiet.close()
+            self._quiet = None
         current = asyncio.current_task()
         for task in (self._read_task, self._watchdog_task):
             if task is not None and task is not current and not task.done():

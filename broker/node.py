@@ -29,7 +29,7 @@ from broker.balancer import Balancer
 from broker.config import BrokerConfig
 from broker.eventlog import EventLog
 from broker.guard import Guard
-from broker.link import HEARTBEAT_TICK, CloseReason, LinkClosed, PeerLink
+from broker.link import TICK_SLACK, CloseReason, LinkClosed, PeerLink
 from broker.membership import Membership
 from broker.memory import HeapTrimmer
 from broker.pubsub import PubSub, PubSubConfig
@@ -71,9 +71,10 @@ if TYPE_CHECKING:
 
 # One ticker serves every timer of the broker that shares a beat (`Broker._ticker`): the links' heartbeats and
 # hello deadlines, the load reports, pub/sub's time-outs, the idle sweep, the close log and heap trimming.  An
-# idle broker so wakes up a few times a second, not once per link per heartbeat plus twenty times for pub/sub.
-# Heartbeat ticks fall on whole multiples of their period on the wall clock, so the brokers of one machine tick
-# together and the PINGs and PONGs of a beat reach a peer in one wake-up rather than one each.
+# idle broker so wakes up once per heartbeat interval (broker/link.py says why), not once per link per
+# heartbeat plus twenty times for pub/sub.  Beats fall on whole multiples of the interval on the wall clock, so
+# the brokers of one machine tick together and a beat's PINGs mostly reach a peer while it is awake for its
+# own; between beats the ticker wakes only for a link's silence deadline or busy pub/sub.
 #
 # How often the pub/sub layer's timers run while it has work under way (replication and pull time-outs):
 # a tenth of the replication time-out, so a lost replica is noticed within ~0.05 s of its deadline ...
@@ -82,10 +83,10 @@ PUBSUB_TICK: Final = 0.05
 # view): every time-out whose precision matters (replication 0.5 s, pull 1 s, a delegate list's re-send 1 s)
 # is armed by such an input and falls due within it ...
 PUBSUB_BUSY: Final = 2.0
-# ... and otherwise this often: what is left then (retention, expired forwards and notes, a move's 5 s
-# time-out, a replica's backed-off re-send) is coarse, and an idle broker makes one call a second, not twenty.
+# ... and otherwise at the first beat after this long: what is left then (retention, expired forwards and notes,
+# a move's 5 s time-out, a replica's backed-off re-send) is coarse, and an idle broker makes one call a second,
+# not twenty, in a wake-up it makes anyway.
 PUBSUB_IDLE_TICK: Final = 1.0
-TICK_SLACK: Final = 0.002
 
 
 def _stored_after(store: TopicStore, topic: str, ts: float) -> int:
@@ -355,29 +356,50 @@ class Broker(Membership, Routing):
             link.send_nowait(BalancePlanned(corr, texts))
 
     async def _ticker(self) -> None:
-        """The broker's timers (see PUBSUB_TICK above): heartbeats, load reports, pub/sub, sweeps, trimming."""
+        """The broker's timers (see PUBSUB_TICK above): heartbeats, load reports, pub/sub, sweeps, trimming.
+
+        Each wake-up is a plain timer callback, not a task's sleep: an idle broker's wake-ups are most of what it
+        costs, and a callback is ~40 us of CPU cheaper per wake-up than waking a task (docs/benchmarks-scale.md).
+        """
         loop = asyncio.get_running_loop()
-        beat = self.config.heartbeat_interval * HEARTBEAT_TICK
+        beat = self.config.heartbeat_interval
         wall = time.time() - loop.time()  # the wall clock's offset, to put the beats on its multiples
 
         def next_beat(after: float) -> float:
             return (math.floor((after + wall) / beat) + 1) * beat - wall
 
+        never = float("inf")
         beat_at = next_beat(loop.time())
-        pubsub_at = loop.time() + PUBSUB_TICK
+        deadline = never  # the earliest moment a link's silence runs out, as the last tick saw it
+        pubsub_at = loop.time() + PUBSUB_TICK  # the next fast pub/sub tick (never while idle)
+        idle_pubsub_at = pubsub_at  # while idle: pub/sub ticks at the first beat from then on
         busy_until = 0.0
         delivered = self.stats.routed_delivered
         known = self._known_ids  # replaced (not changed in place) whenever the live view changes
-        while not self._closing:
-            await asyncio.sleep(max(0.0, min(beat_at, pubsub_at) - loop.time()))
+        stopped: asyncio.Future[None] = loop.create_future()
+        handle: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal beat_at, deadline, pubsub_at, idle_pubsub_at, busy_until, delivered, known, handle
+            if self._closing:
+                stopped.set_result(None)
+                return
             # A timer may fire a little early (uvloop's clock has millisecond steps): what is due within
-            # TICK_SLACK counts as due, or the loop would spin in zero-length sleeps up to its deadline.
+            # TICK_SLACK counts as due, or the loop would spin in zero-length waits up to its deadline.
             now = loop.time()
             due = now + TICK_SLACK
-            if due >= beat_at:
-                late = max(0.0, now - beat_at)
+            on_beat = due >= beat_at
+            if on_beat or due >= deadline:
+                # Only a beat's lateness means the process was busy: a deadline wake-up is often a millisecond
+                # late (the timer's steps), and counting that would push the deadline on by as much, again and
+                # again.
+                late = max(0.0, now - beat_at) if on_beat else 0.0
+                deadline = never
                 for link in list(self.links):
-                    link.tick(now, late)
+                    d = link.tick(now, late, on_beat)
+                    if d < deadline:
+                        deadline = d
+            if on_beat:
                 self.balancer.tick(now)
                 beat_at = next_beat(max(now, beat_at) + TICK_SLACK)
             if self._pubsub_input or self.stats.routed_delivered != delivered or self._known_ids is not known:
@@ -386,12 +408,29 @@ class Broker(Membership, Routing):
                 known = self._known_ids
                 busy_until = now + PUBSUB_BUSY
                 pubsub_at = min(pubsub_at, now + PUBSUB_TICK)
-            if due >= pubsub_at:
+            if due >= pubsub_at or (on_beat and due >= idle_pubsub_at):
                 self.pubsub.tick()
                 self.guard.sweep_idle(self.links, now, self._subscribed)
                 self.guard.closes.tick(now)
                 self.trimmer.maybe_trim(now)
-                pubsub_at = now + (PUBSUB_TICK if now < busy_until else PUBSUB_IDLE_TICK)
+                busy = now < busy_until
+                pubsub_at = now + PUBSUB_TICK if busy else never
+                idle_pubsub_at = now + PUBSUB_IDLE_TICK
+            handle = loop.call_at(min(beat_at, deadline, pubsub_at), guarded)
+
+        def guarded() -> None:
+            try:
+                tick()
+            except Exception as exc:  # noqa: BLE001 - as a task's failure: logged by the task set, timers stop
+                if not stopped.done():
+                    stopped.set_exception(exc)
+
+        handle = loop.call_at(min(beat_at, pubsub_at), guarded)
+        try:
+            await stopped
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     def _subscribed(self, link: PeerLink) -> bool:
         sid = self._session_of.get(link)

@@ -5,8 +5,13 @@ and the heartbeat.  Broker links (broker/link.py), clients (client/client.py) an
 
 from __future__ import annotations
 
+import array
 import asyncio
 import enum
+import fcntl
+import socket
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -187,6 +192,10 @@ class Heartbeat:
         """Seconds since the peer was last heard (0 while paused)."""
         return 0.0 if self.paused else asyncio.get_running_loop().time() - self.last_rx
 
+    def deadline(self) -> float:
+        """When the peer's silence runs over the limit, on the loop's clock (inf while paused)."""
+        return float("inf") if self.paused else self.last_rx + self.limit
+
     async def run(
         self, alive: Callable[[], bool], ping: Callable[[], None], on_silent: Callable[[float], Awaitable[None]]
     ) -> None:
@@ -203,3 +212,69 @@ class Heartbeat:
             late = loop.time() - wake
             if late > 0:
                 self.last_rx += late
+
+
+# struct tcp_info (linux/tcp.h): tcpi_last_data_recv, the milliseconds since data last arrived, at byte 52.
+_TCPI_LAST_DATA_RECV: Final = struct.Struct("=I")
+_TCPI_LAST_DATA_RECV_AT: Final = 52
+_TCP_INFO_LEN: Final = 56
+# Heartbeats left waiting in the kernel are read once they fill this much of the receive buffer (100 PINGs over
+# TLS: 20 s of an idle link at the default interval), in a beat's wake-up.
+QUIET_DRAIN: Final = 4096
+
+
+class QuietReceive:
+    """Lets a peer's heartbeats arrive without waking this process, and still know when they arrived.
+
+    A heartbeat read in a wake-up of its own costs an idle broker ~150 us of CPU, and even one read in a
+    wake-up made anyway costs tens of microseconds of Python (docs/benchmarks-scale.md), many times what the
+    frame costs the kernel.  So while a link carries nothing but heartbeats they are left unread: the socket's
+    SO_RCVLOWAT is kept one byte above the heartbeats already waiting plus one more, so one more heartbeat
+    waits without waking the reader while anything else (every other frame is larger than a heartbeat; the end
+    of the stream and a reset always wake) wakes it as before, and the reader then takes the heartbeats too.
+    When data last arrived the kernel says (TCP_INFO), so silence is measured exactly as if every heartbeat
+    had been read at once.  The owner calls `at_beat` once per heartbeat interval: it moves the mark past the
+    heartbeat that came since, and lets the reader drain them when QUIET_DRAIN bytes wait.
+    """
+
+    __slots__ = ("_beat", "_inq", "_mark", "_sock")
+
+    def __init__(self, sock: socket.socket, beat_on_wire: int) -> None:
+        self._sock = sock
+        self._beat = beat_on_wire
+        self._inq = array.array("i", [0])
+        self._mark = 1  # the socket's SO_RCVLOWAT (1, the default: every byte wakes the reader)
+
+    @property
+    def raised(self) -> bool:
+        """True while heartbeats may wait unread."""
+        return self._mark > 1
+
+    def _set(self, mark: int) -> None:
+        if mark != self._mark:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+            self._mark = mark
+
+    def after_read(self, beats_only: bool) -> None:
+        """The reader took everything there was; beats_only: it was heartbeats alone, no partial frame left."""
+        self._set(self._beat + 1 if beats_only else 1)
+
+    def arrived(self, now: float) -> float:
+        """When data last arrived from the peer, on the loop's clock (now: the loop's time)."""
+        info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        (ms,) = _TCPI_LAST_DATA_RECV.unpack_from(info, _TCPI_LAST_DATA_RECV_AT)
+        return now - int(ms) / 1000.0
+
+    def at_beat(self) -> None:
+        """Once per interval: room for one more heartbeat below the mark, or the reader drains what waits."""
+        if self._mark > 1:
+            fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, self._inq)
+            waiting = self._inq[0]
+            if waiting % self._beat == 0 and waiting < QUIET_DRAIN:
+                self._set(waiting + self._beat + 1)
+            else:
+                self._set(1)  # drained in this wake-up; the reader raises the mark again after
+
+    def close(self) -> None:
+        """Close the duplicate socket (the connection itself closes with its transport)."""
+        self._sock.close()

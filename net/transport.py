@@ -9,6 +9,8 @@ gives two connected in-memory ends, so the connection code is tested without soc
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections import deque
 from typing import Protocol
 
@@ -64,6 +66,16 @@ class Transport(Protocol):
     async def wait_closed(self) -> None:
         """Wait until the close finished."""
         ...
+
+    def tcp_socket(self) -> tuple[socket.socket, int] | None:
+        """A duplicate of the connection's TCP socket, for socket options (the caller closes it), and the bytes
+        each write adds on the wire (0 on plain TCP, 22 for a TLS 1.3 record); None if either is unknown."""
+        ...
+
+
+# Bytes a TLS 1.3 record adds to what is written: 5 header, 1 inner content type, 16 AEAD tag (every cipher
+# suite Python's ssl enables).  TLS 1.2's depend on the cipher: no fixed figure.
+TLS13_RECORD_OVERHEAD = 22
 
 
 class StreamTransport:
@@ -122,6 +134,19 @@ class StreamTransport:
 
     async def wait_closed(self) -> None:
         await self._writer.wait_closed()
+
+    def tcp_socket(self) -> tuple[socket.socket, int] | None:
+        sock = self._writer.get_extra_info("socket")
+        ssl_object = self._writer.get_extra_info("ssl_object")
+        if sock is None or sock.type != socket.SOCK_STREAM:
+            return None
+        if ssl_object is None:
+            overhead = 0
+        elif ssl_object.version() == "TLSv1.3":
+            overhead = TLS13_RECORD_OVERHEAD
+        else:
+            return None
+        return socket.socket(fileno=os.dup(sock.fileno())), overhead
 
 
 class MemoryTransport:
@@ -209,6 +234,9 @@ class MemoryTransport:
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
+
+    def tcp_socket(self) -> tuple[socket.socket, int] | None:
+        return None
 
 
 def memory_pair(a: str = "memory-a", b: str = "memory-b") -> tuple[MemoryTransport, MemoryTransport]:
