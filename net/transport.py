@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 from collections import deque
 from typing import Protocol
 
@@ -136,6 +137,8 @@ class StreamTransport:
         await self._writer.wait_closed()
 
     def tcp_socket(self) -> tuple[socket.socket, int] | None:
+        if sys.platform != "linux":
+            return None  # its users read Linux's struct tcp_info and rely on Linux's SO_RCVLOWAT under epoll
         sock = self._writer.get_extra_info("socket")
         ssl_object = self._writer.get_extra_info("ssl_object")
         if sock is None or sock.type != socket.SOCK_STREAM:
