@@ -396,12 +396,9 @@ class PeerLink:
         hb = self._beat
         if late > 0:
             hb.last_rx += late
-        quiet = self._quiet
-        if quiet is not None and quiet.raised:
-            # A PING may wait unread below the mark: the kernel knows when the peer's data last arrived.
-            hb.last_rx = max(hb.last_rx, quiet.arrived(now))
-            if beat:
-                quiet.at_beat()
+        quiet = self._heard_by_kernel(now)
+        if quiet is not None and beat:
+            quiet.at_beat()  # a beat: room below the mark for the next PING, or drain what waits
         if self.role != "broker":
             # A client's liveness decides no failover, and a client process may be busy for a while (a burst
             # of publishes, a slow consumer): give it a wider window than a neighbour broker.
@@ -424,9 +421,17 @@ class PeerLink:
         """True if the peer was heard within `fraction` of the silence this link tolerates (WITNESS answers)."""
         if not self._watched():
             return False
-        if self._quiet is not None and self._quiet.raised:
-            self._beat.last_rx = max(self._beat.last_rx, self._quiet.arrived(self._loop.time()))
+        self._heard_by_kernel(self._loop.time())
         return self._beat.silent_for() < fraction * self._beat.limit
+
+    def _heard_by_kernel(self, now: float) -> QuietReceive | None:
+        """While PINGs may wait unread below the receive mark, take when the peer was last heard from the kernel
+        (it knows when data last arrived); returns the QuietReceive that did, None if none is raised."""
+        quiet = self._quiet
+        if quiet is None or not quiet.raised:
+            return None
+        self._beat.last_rx = max(self._beat.last_rx, quiet.arrived(now))
+        return quiet
 
     def _watch_quietly(self) -> None:
         # Only where the owner's ticker reads waiting PINGs at its beats, and only where a PING's size on the

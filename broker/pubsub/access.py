@@ -115,7 +115,7 @@ class AccessRole:
                 # The common 0-hop case, a publish to a topic this broker serves as its primary: what
                 # handle_request would decide (no ACL, nothing queued, the primary at the coordinate asked for),
                 # without deciding it again per message.
-                self.holder.publish_local(r, me, session, msg)
+                self.holder.publish_checked(r, me, session, msg)
                 return
             self.holder.handle_request(me, session, msg, coord, identity=self.identities.get(session, ""))  # 0 hops
         else:

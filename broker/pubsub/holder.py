@@ -256,14 +256,15 @@ class HolderRole:
             self.t.mark(r)
 
     # ---- publishing ------------------------------------------------------------------------------------
-    def publish_local(self, r: Replica, me: NodeInfo, session: str, p: Publish) -> None:
-        """A PUBLISH of a client of this broker (checked on arrival) for r, served here as the primary."""
+    def publish_checked(self, r: Replica, access: NodeInfo, session: str, p: Publish) -> None:
+        """A PUBLISH for r, served here as the primary, already checked (a local client's on arrival, another
+        access broker's in `_publish`)."""
         seq = p.seq
         if not p.more:
-            self._publish_one(r, me, session, p.publisher, seq, p.payload, p.base)
+            self._publish_one(r, access, session, p.publisher, seq, p.payload, p.base)
             return
         for payload in p.payloads():
-            if not self._publish_one(r, me, session, p.publisher, seq, payload, p.base):
+            if not self._publish_one(r, access, session, p.publisher, seq, payload, p.base):
                 break  # out of order: the publisher re-sends from the expected number, the rest with it
             seq += 1
 
@@ -273,11 +274,7 @@ class HolderRole:
         if access.id != self.t.ov.me.id and (refusal_ := self.access.check_publish(p)):
             self.t.reply(access, [session], refusal_)
             return
-        seq = p.seq
-        for payload in p.payloads():
-            if not self._publish_one(r, access, session, p.publisher, seq, payload, p.base):
-                break  # out of order: the publisher re-sends from the expected number, the rest with it
-            seq += 1
+        self.publish_checked(r, access, session, p)
 
     def _publish_one(
         self, r: Replica, access: NodeInfo, session: str, publisher: str, seq: int, payload: bytes, base: int
