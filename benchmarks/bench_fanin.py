@@ -44,6 +44,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
+from harness import code_state, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 _HEAD: Final = struct.Struct("<dII")  # publisher's perf_counter(), publisher index, message index
@@ -268,16 +269,8 @@ class Driver:
     async def spawn(self, spec: dict[str, Any]) -> tuple[asyncio.subprocess.Process, Path]:
         self.seq += 1
         out = self.workdir / f"result-{self.seq}-{spec['role']}.json"
-        err = (self.workdir / f"worker-{self.seq}-{spec['role']}.err").open("wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--worker", json.dumps(dict(spec, out=str(out))),
-                stdout=asyncio.subprocess.PIPE, stderr=err, stdin=asyncio.subprocess.DEVNULL, env=env,
-            )  # fmt: skip
-        finally:
-            err.close()
-        return proc, out
+        err = self.workdir / f"worker-{self.seq}-{spec['role']}.err"
+        return await spawn_worker(__file__, dict(spec, out=str(out)), err), out
 
     async def run(self, system: str, sc: Scenario, pub_addrs: list[str], sub_addrs: list[str], pids: list[int]) -> None:
         a = self.args
@@ -431,32 +424,21 @@ def markdown(d: Driver, command: str, up: tuple[str, str], code: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, mark: str, report: str) -> None:
-    """Replace the text between mark and the next results marker (or the end) of path with report."""
-    text = path.read_text() if path.exists() else "# Latency benchmark\n\n"
-    if mark not in text:
-        text = text.rstrip("\n") + "\n\n" + mark + "\n"
-    head, rest = text.split(mark, 1)
-    nxt = rest.find("<!-- bench_", 1)
-    tail = rest[nxt:] if nxt >= 0 else ""
-    path.write_text(head + mark + "\n\n" + report + ("\n" + tail if tail else ""))
-
-
 async def main_async(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="sedax-bench-fanin-"))
     command = ".venv/bin/python " + " ".join(["benchmarks/bench_fanin.py", *sys.argv[1:]])
-    up0, code = bp.uptime(), bp.code_state()
+    up0, code = uptime(), code_state()
     print(f"{up0}\nlogs in {workdir}", flush=True)
     d = Driver(args, workdir)
     scenarios = [SCENARIOS[s] for s in args.scenarios.split(",")]
     if not args.no_mosquitto:
         await d.mosquitto(scenarios)
     await d.sedax(scenarios)
-    report = markdown(d, command, (up0, bp.uptime()), code)
+    report = markdown(d, command, (up0, uptime()), code)
     print()
     print(report)
     if args.out:
-        write_section(Path(args.out), RESULTS_MARK, report)
+        write_section(Path(args.out), RESULTS_MARK, report, "Latency benchmark")
         print(f"wrote {args.out}")
     return 0
 

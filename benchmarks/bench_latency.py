@@ -46,6 +46,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
+from harness import code_state, spawn_worker, uptime, write_section  # noqa: E402
 
 from net.trace import MAGIC, STAMP_SIZE, stamp  # noqa: E402
 
@@ -256,18 +257,8 @@ class Driver:
 
     async def spawn(self, spec: dict[str, Any], traced: bool) -> asyncio.subprocess.Process:
         self.seq += 1
-        err = (self.workdir / f"worker-{self.seq}-{spec['role']}.err").open("wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
-        env.pop("SEDAX_TRACE", None)
-        if traced:
-            env["SEDAX_TRACE"] = str(self.trace_dir)
-        try:
-            return await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--worker", json.dumps(spec),
-                stdout=asyncio.subprocess.PIPE, stderr=err, stdin=asyncio.subprocess.DEVNULL, env=env,
-            )  # fmt: skip
-        finally:
-            err.close()
+        err = self.workdir / f"worker-{self.seq}-{spec['role']}.err"
+        return await spawn_worker(__file__, spec, err, {"SEDAX_TRACE": str(self.trace_dir) if traced else None})
 
     async def run_pair(
         self, res: Result, spec: dict[str, Any], sub_addr: str, pub_addr: str, pids: list[int], traced: bool
@@ -531,17 +522,10 @@ def markdown(d: Driver, command: str, up: tuple[str, str], elapsed: float, code:
     return "\n".join(out) + "\n"
 
 
-def write_report(path: Path, report: str) -> None:
-    """Replace this benchmark's section of path (from RESULTS_MARK to the next results marker)."""
-    from bench_fanin import write_section
-
-    write_section(path, RESULTS_MARK, report)
-
-
 async def main_async(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="sedax-bench-latency-"))
     command = ".venv/bin/python " + " ".join(["benchmarks/bench_latency.py", *sys.argv[1:]])
-    up0, code = bp.uptime(), bp.code_state()
+    up0, code = uptime(), code_state()
     print(f"{up0}\nlogs in {workdir}", flush=True)
     t0 = time.monotonic()
     d = Driver(args, workdir)
@@ -552,12 +536,12 @@ async def main_async(args: argparse.Namespace) -> int:
         await d.sedax(1, [0], unbatched_too=True)
     if "l2" in only:
         await d.sedax(2, sorted({0, args.far_hops}), unbatched_too=False)
-    up1 = bp.uptime()
+    up1 = uptime()
     report = markdown(d, command, (up0, up1), time.monotonic() - t0, code)
     print()
     print(report)
     if args.out:
-        write_report(Path(args.out), report)
+        write_section(Path(args.out), RESULTS_MARK, report, "Latency benchmark")
         print(f"wrote {args.out}")
     return 0
 

@@ -53,6 +53,8 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
+from harness import code_state, program_output, spawn_worker, uptime, write_section  # noqa: E402
+
 PAYLOAD_SIZE: Final = 100
 # flag (1 = warm-up), message index, publisher's perf_counter(); padded to PAYLOAD_SIZE
 _HEAD: Final = struct.Struct("<BId")
@@ -414,21 +416,7 @@ class Driver:
 
     async def _spawn(self, spec: dict[str, Any]) -> asyncio.subprocess.Process:
         self.seq += 1
-        err = (self.s.workdir / f"worker-{self.seq}-{spec['role']}.err").open("wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
-        try:
-            return await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--worker",
-                json.dumps(spec),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                stdin=asyncio.subprocess.DEVNULL,
-                env=env,
-            )
-        finally:
-            err.close()
+        return await spawn_worker(__file__, spec, self.s.workdir / f"worker-{self.seq}-{spec['role']}.err")
 
     async def pair(self, base: dict[str, Any], sub_addr: str, pub_addr: str, mode: str) -> tuple[dict, dict]:
         """Run one subscriber and one publisher worker; their result dicts (RuntimeError with the logs)."""
@@ -628,10 +616,6 @@ def start_server(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
 
 
-def program_output(argv: list[str]) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=10).stdout.strip()
-
-
 # Broker log lines that say the run was not a steady state (pub/sub replication retries, links declared dead).
 BROKER_TROUBLE: Final = {"replication timeout": "did not confirm in time", "neighbour lost": "lost ("}
 
@@ -769,26 +753,6 @@ def markdown(
     return "\n".join(out) + "\n"
 
 
-def code_state() -> str:
-    """The commit and the uncommitted SeDAX sources (with their modification times) the run measured."""
-    head = program_output(["git", "-C", str(_ROOT), "rev-parse", "--short", "HEAD"]) or "?"
-    dirty = program_output(["git", "-C", str(_ROOT), "status", "--short", "--", "broker", "client", "overlay"])
-    files = [line[3:] for line in dirty.splitlines() if line.strip()]
-    stamps = [
-        f"{f} ({time.strftime('%H:%M:%S', time.gmtime((_ROOT / f).stat().st_mtime))})"
-        for f in files
-        if (_ROOT / f).is_file()
-    ]
-    return f"commit {head}" + (f" + uncommitted {', '.join(stamps)}" if stamps else "")
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=False, timeout=5).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
 def settings(args: argparse.Namespace) -> Settings:
     quick = args.quick
     s = Settings(
@@ -833,24 +797,12 @@ async def main_async(args: argparse.Namespace, s: Settings) -> int:
     print()
     print(report)
     if args.out:
-        write_report(Path(args.out), report)
+        write_section(Path(args.out), RESULTS_MARK, report, "Pub/sub benchmark: SeDAX, Mosquitto, NATS")
         print(f"wrote {args.out}")
     return 0
 
 
 RESULTS_MARK: Final = "<!-- bench_pubsub results -->"
-
-
-def write_report(path: Path, report: str) -> None:
-    """Replace the results section of path (after RESULTS_MARK), keeping the hand-written text before it."""
-    head = ""
-    if path.exists():
-        text = path.read_text()
-        if RESULTS_MARK in text:
-            head = text.split(RESULTS_MARK, 1)[0]
-    if not head:
-        head = "# Pub/sub benchmark: SeDAX, Mosquitto, NATS\n\n"
-    path.write_text(head + RESULTS_MARK + "\n\n" + report)
 
 
 def main() -> int:

@@ -58,6 +58,9 @@ from typing import Any, Final
 
 _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+
+from harness import code_state, program_output, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 # phase (0 = warm-up, END = the publisher is done), message index, the publisher's perf_counter()
@@ -416,20 +419,6 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=False, timeout=5).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
-def program_output(argv: list[str]) -> str:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
 def line_coords(topic: str, n: int) -> list[tuple[float, float]]:
     """n broker coordinates on a horizontal line through h(topic), broker 0 nearest (as bench_pubsub.py):
     broker 0 is the topic's primary, broker 1 its secondary, broker 2 the next."""
@@ -460,21 +449,9 @@ class Driver:
 
     async def _spawn(self, spec: dict[str, Any]) -> asyncio.subprocess.Process:
         self.seq += 1
-        err = (self.s.workdir / f"worker-{self.seq}-{spec['system']}-{spec['role']}.err").open("wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
-        try:
-            return await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--worker",
-                json.dumps(spec),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                stdin=asyncio.subprocess.DEVNULL,
-                env=env,
-            )
-        finally:
-            err.close()
+        return await spawn_worker(
+            __file__, spec, self.s.workdir / f"worker-{self.seq}-{spec['system']}-{spec['role']}.err"
+        )
 
     async def rep(
         self, spec: dict[str, Any], sub_addr: str, pub_addr: str, pids: list[int]
@@ -1071,24 +1048,8 @@ def row_text(c: Cell, vs_memory: str) -> str:
     )
 
 
-def code_state() -> str:
-    head = program_output(["git", "-C", str(_ROOT), "rev-parse", "--short", "HEAD"])
-    if not head:  # an exported tree (git archive): its commit is named where the run is reported
-        return "an exported tree, not a git checkout"
-    dirty = program_output(["git", "-C", str(_ROOT), "status", "--short", "--", "broker", "client", "overlay", "net"])
-    files = [line.split(maxsplit=1)[1] for line in dirty.splitlines() if line.strip()]
-    return f"commit {head}" + (f" + uncommitted {', '.join(files)}" if files else "")
-
-
 RESULTS_MARK: Final = "<!-- bench_storage results -->"
-
-
-def write_report(path: Path, report: str) -> None:
-    """Replace what follows RESULTS_MARK in path, keeping the hand-written text before it."""
-    head = "# Storage benchmark: fsync policies, NATS JetStream, catch-up\n\n"
-    if path.exists() and RESULTS_MARK in (text := path.read_text()):
-        head = text.split(RESULTS_MARK, 1)[0]
-    path.write_text(head + RESULTS_MARK + "\n\n" + report)
+TITLE: Final = "Storage benchmark: fsync policies, NATS JetStream, catch-up"
 
 
 async def main_async(args: argparse.Namespace, s: Settings) -> int:
@@ -1114,7 +1075,7 @@ async def main_async(args: argparse.Namespace, s: Settings) -> int:
     print()
     print(report)
     if args.out:
-        write_report(Path(args.out), report)
+        write_section(Path(args.out), RESULTS_MARK, report, TITLE)
         print(f"wrote {args.out}")
     return 0
 

@@ -30,6 +30,9 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+
+from harness import spawn_worker  # noqa: E402 - after the path set-up above
 
 PAYLOAD = 100
 WARMUP = 1000
@@ -113,10 +116,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def spawn(spec: dict[str, Any]) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--worker", json.dumps(spec),
-        stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
+    return await spawn_worker(__file__, spec)
 
 
 def last_json(out: bytes) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""What the benchmark drivers share: their workers as child processes, the machine's load, the code they measured
+and the results section of a docs page.
+
+Each driver (bench_pubsub, bench_storage, bench_latency, bench_fanin, bench_tls) runs its publishers and
+subscribers as copies of its own script (`script --worker SPEC`), so that the workers' CPU and scheduling are
+their own and not the driver's; these helpers are the one place that spawns them and reports around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+_ROOT: Final = Path(__file__).resolve().parent.parent
+
+# The sources whose uncommitted changes a report names beside the commit (what the brokers and clients run).
+_MEASURED: Final = ("broker", "client", "overlay", "net")
+
+
+def program_output(argv: list[str]) -> str:
+    """A program's standard output, stripped; "" if it cannot be run or takes over 10 s."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def uptime() -> str:
+    """`uptime`'s line (the load averages a report shows at its start and end); "?" where there is none."""
+    return program_output(["uptime"]) or "?"
+
+
+def code_state() -> str:
+    """The commit and the uncommitted SeDAX sources (with their modification times) the run measured."""
+    head = program_output(["git", "-C", str(_ROOT), "rev-parse", "--short", "HEAD"])
+    if not head:  # an exported tree (git archive): its commit is named where the run is reported
+        return "an exported tree, not a git checkout"
+    dirty = program_output(["git", "-C", str(_ROOT), "status", "--short", "--", *_MEASURED])
+    files = [line[3:] for line in dirty.splitlines() if line.strip()]
+    stamps = [
+        f"{f} ({time.strftime('%H:%M:%S', time.gmtime((_ROOT / f).stat().st_mtime))})" if (_ROOT / f).is_file() else f
+        for f in files
+    ]
+    return f"commit {head}" + (f" + uncommitted {', '.join(stamps)}" if stamps else "")
+
+
+async def spawn_worker(
+    script: str,
+    spec: Mapping[str, Any],
+    err: Path | None = None,
+    env: Mapping[str, str | None] | None = None,
+) -> asyncio.subprocess.Process:
+    """Start `python script --worker JSON(spec)` with this checkout importable, its stdout a pipe (workers
+    print a ready line and their results there) and its stderr in err (or inherited). env adds variables to
+    the child's environment; a None value removes one."""
+    child = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
+    for key, value in (env or {}).items():
+        if value is None:
+            child.pop(key, None)
+        else:
+            child[key] = value
+    stderr = err.open("wb") if err is not None else None
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, script, "--worker", json.dumps(dict(spec)),
+            stdout=asyncio.subprocess.PIPE, stderr=stderr, stdin=asyncio.subprocess.DEVNULL, env=child,
+        )  # fmt: skip
+    finally:
+        if stderr is not None:
+            stderr.close()  # the child has its own descriptor
+
+
+RESULTS_PREFIX: Final = "<!-- bench_"
+
+
+def write_section(path: Path, mark: str, report: str, title: str) -> None:
+    """Replace the text between mark and the next results marker (or the end) of path with report, keeping the
+    hand-written text around it; a page without mark gets it appended (a new page starts with title)."""
+    text = path.read_text() if path.exists() else f"# {title}\n\n"
+    if mark not in text:
+        text = text.rstrip("\n") + "\n\n" + mark + "\n"
+    head, rest = text.split(mark, 1)
+    nxt = rest.find(RESULTS_PREFIX, 1)
+    tail = rest[nxt:] if nxt >= 0 else ""
+    path.write_text(head + mark + "\n\n" + report + ("\n" + tail if tail else ""))
