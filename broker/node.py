@@ -301,17 +301,18 @@ class Broker(Membership, Routing):
                     self.view.add_candidates(ns)
                     self._after_forget()
                 link.close_soon(CloseReason.PEER_LEFT, "peer sent LEAVE")
-            case Unlink(reason="duplicate_link") if link.role == "broker":
-                # The peer has both links and keeps the other one.  If we have not seen the other one yet,
-                # keep writing here (the peer still reads) until on_established retires this link.
-                link.unlink_arrived()
-            case Unlink() if link.role == "broker":
+            case Unlink(reason=reason) if link.role == "broker":
+                # Not a neighbour any more, or a duplicate the peer gave up for another link to us: answer at
+                # once, whatever we know of that other link.  It registers here when it comes up, and if it never
+                # does (we had already unlinked it) the reconciliation dials again.  Writing on here instead
+                # waits for a twin that may never come, until the peer's drain time-out closes the link under
+                # our writes: a reset, taken here for the peer's failure.
                 if current and link.peer_id is not None:
                     del self.peers[link.peer_id]
                     self.view.unlink(link.peer_id)
                     self._schedule_reconcile()
                 if not link.unlink_arrived():
-                    link.retire("not_neighbour")
+                    link.retire(reason)
             case Suspect() if link.role == "broker" and current:
                 self._witness_asked(link, msg)
             case Witness() if link.role == "broker" and current:

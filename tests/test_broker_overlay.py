@@ -11,11 +11,27 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster import check_routes
+from cluster import check_routes, log_has, raw_connect, read_until_eof, wait_for
 from conftest import FAST_ARGS
 
+# Imported for their messages' registration: a broker sends its neighbours LOAD_REPORT and pub/sub messages.
+import overlay.delegation
+import overlay.pubsub  # noqa: F401
 from cli.cluster import LocalCluster
-from overlay.protocol import ControlFrame, FrameDecoder, JoinAccept, encode_control
+from overlay.geometry import distance
+from overlay.protocol import (
+    PROTOCOL_VERSION,
+    ControlFrame,
+    FrameDecoder,
+    Hello,
+    HelloOk,
+    JoinAccept,
+    Message,
+    Neighbours,
+    NodeInfo,
+    Unlink,
+    encode_control,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -207,3 +223,41 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def test_a_link_the_peer_gives_up_as_a_duplicate_is_answered_at_once(tmp_path: Path) -> None:
+    # Both ends dialled at once and the peer kept the other connection, one this broker had already unlinked
+    # (overlay churn while brokers join together): UNLINK(duplicate_link) arrives on the broker's only link to
+    # the peer.  The broker must answer at once and close cleanly (its reconciliation dials again if it wants
+    # the link); writing on, for a twin that never comes, made the peer's drain time-out reset the link, and the
+    # broker declared the live peer failed (tests/test_data_membership.py's broken-link test, now and then).
+    # The peer here is this test speaking the broker protocol, so the moment of the UNLINK is exact.  It sends
+    # no heartbeats: the broker tolerates 30 s of silence, so only the UNLINK can end the link within the bounds.
+    quiet_peer = ("--heartbeat-interval", "1.0", "--heartbeat-misses", "30")
+    async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=quiet_peer, tls=False) as cluster:
+        target = cluster.nodes[0]
+        me = NodeInfo("twin-peer", (0.95, 0.95), "127.0.0.1:9")
+        assert distance(me.coord, target.coord) > 0.1
+        reader, writer = await raw_connect(target)
+        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
+        frames = FrameDecoder()
+        got: list[Message] = []
+
+        async def until(kind: type[Message]) -> None:
+            while not any(isinstance(m, kind) for m in got):
+                data = await reader.read(65536)
+                assert data, f"the broker closed the link before sending {kind.__name__}"
+                got.extend(f.message for f in frames.feed(data) if isinstance(f, ControlFrame))
+
+        async with asyncio.timeout(10.0):
+            await until(Neighbours)  # linked: the broker counts this connection as its link to twin-peer
+        assert isinstance(got[0], HelloOk)
+        writer.write(encode_control(Unlink("duplicate_link")))
+        async with asyncio.timeout(10.0):
+            await until(Unlink)  # its answer, not more writes for a twin it has not seen
+        await read_until_eof(reader, 10.0)  # then it closes the connection: both ends sent UNLINK
+        writer.close()
+        await wait_for(lambda: log_has(target, "reason=duplicate (both ends sent UNLINK)"), 10.0, "a clean close")
+        (status,) = (await cluster.statuses()).values()
+        assert status.counters.get("failures_detected", 0) == 0
+        assert not status.neighbours
