@@ -151,7 +151,7 @@ TICK_SLACK: Final = 0.002
 # hears from the other at least every 1.5 intervals (a frame just over half an interval before one beat, then
 # the PING of the next), against a limit of `misses` intervals (3 by default; 2 still leaves half an
 # interval).  Client and tool links keep PING and PONG: the broker pings, the client answers, and clients have
-# a wider window (`client_timeout`).
+# a wider window (`client_timeout`), so the broker pings an idle client `misses` times per that window, not per beat.
 
 
 def _beats(frames: list[ControlFrame | RoutedFrame]) -> bool:
@@ -196,6 +196,9 @@ class PeerLink:
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_misses = heartbeat_misses
         self._client_timeout = client_timeout
+        # A client is pinged so that it hears from us `misses` times within client_timeout, the window we give
+        # it, not at the brokers' beat (see tick).
+        self._client_ping_every = max(heartbeat_interval, client_timeout / heartbeat_misses)
         self._hello_timeout = hello_timeout
         self._drain_timeout = drain_timeout
         self._loop = asyncio.get_running_loop()
@@ -411,7 +414,13 @@ class PeerLink:
             )
             return _NEVER
         if beat:
-            if now - self._wrote_at < FRESH_WRITE * self._heartbeat_interval:
+            # How long a write stands in for this end's PING.  A neighbour broker's window is `misses` beats, so
+            # a beat's PING is skipped only for a write within FRESH_WRITE beats.  A client pings on its own
+            # (net.connection.Heartbeat) and hears our PONGs; our PINGs only keep its silence within the window we
+            # give it: a PING at every beat to a thousand idle devices was half of a fan-in broker's writes (and
+            # as many PONGs to read).
+            fresh = FRESH_WRITE * self._heartbeat_interval if self.role == "broker" else self._client_ping_every
+            if now - self._wrote_at < fresh:
                 pass  # written lately: that frame is this beat's proof of life
             elif self.pinger:
                 self._ping()

@@ -10,6 +10,7 @@ sent), never asserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -130,3 +131,33 @@ def _beats(
 
 def _primary(coords: dict[str, tuple[float, float]], topic: str) -> str:
     return closest(coords, geohash(topic))[0]
+
+
+async def test_idle_clients_are_not_pinged_at_the_brokers_beat(tmp_path: Path) -> None:
+    # Ten idle clients on n0.  A client pings its access broker on its own and hears the PONGs, and the broker
+    # gives a client a window of --client-timeout (5 s), not the neighbours' beats: n0 pings a quiet client so
+    # that it hears from n0 `misses` times in that window.  Before, n0 pinged every client at every beat (0.25 s
+    # here), a PING and a PONG per idle device per beat: half of a fan-in broker's writes with 1,000 devices.
+    # The clock is n1's beats: n1 has no clients, so its PINGs are its beats on the link to n0.
+    clients = 10
+    async with LocalCluster(2, seed=8, state_dir=tmp_path, broker_args=ARGS) as cluster:
+        await cluster.wait_converged(30.0)
+        creds = cluster.credentials("idle")
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(clients):
+                await stack.enter_async_context(Client([cluster.nodes[0].listen], credentials=creds))
+            before = await _counters(cluster)
+
+            async def beats(n: int) -> bool:
+                now = await _counters(cluster)
+                return now["n1"]["heartbeat_pings"] - before["n1"]["heartbeat_pings"] >= n
+
+            await wait_for(lambda: beats(40), 60.0, "40 of n1's beats")
+            after = await _counters(cluster)
+            # Every client is still connected: nobody was dropped for silence.
+            assert after["n0"]["links"] >= clients + 1, after["n0"]
+    beat_count = after["n1"]["heartbeat_pings"] - before["n1"]["heartbeat_pings"]
+    # n0's PINGs: one per beat on its link to n1, at most one per beat on the STATUS connections, and the
+    # clients' share, which was one per client per beat.
+    client_pings = after["n0"]["heartbeat_pings"] - before["n0"]["heartbeat_pings"] - beat_count
+    assert client_pings <= 0.2 * clients * beat_count, (client_pings, beat_count)
