@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from operator import itemgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 from broker.balancer import Balancer
 from broker.config import BrokerConfig
@@ -94,6 +94,11 @@ def _stored_after(store: TopicStore, topic: str, ts: float) -> int:
     order) when STATUS is asked, instead of a counter on every publish."""
     rows = store.get(topic).rows
     return len(rows) - bisect.bisect_right(rows, ts, key=itemgetter(0))
+
+
+# The messages of a client's pub/sub session (Broker.on_message's first test).
+ClientRequest: TypeAlias = Subscribe | Unsubscribe | Publish | Fetch | Locate | MoveTopic
+_CLIENT_REQUESTS: Final = (Publish, Subscribe, Unsubscribe, Fetch, Locate, MoveTopic)  # the most frequent first
 
 
 class StartFailed(RuntimeError):
@@ -288,6 +293,11 @@ class Broker(Membership, Routing):
 
     def on_message(self, link: PeerLink, msg: Message) -> None:
         """Control messages of established links."""
+        # A client's pub/sub request is nearly every message a busy broker handles: it goes first, past the
+        # membership patterns below (each an isinstance test) and the neighbour look-up they need.
+        if isinstance(msg, _CLIENT_REQUESTS) and link.role == "client":
+            self._client_request(link, msg)
+            return
         current = link.peer_id is not None and self.peers.get(link.peer_id) is link
         match msg:
             case Neighbours(neighbours=ns) if link.role == "broker":
@@ -324,15 +334,7 @@ class Broker(Membership, Routing):
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
             case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() | MoveTopic() if link.role == "client":
-                sid = self._session(link)
-                if (refusal := self.guard.check_request(link, msg)) is not None:
-                    link.send_nowait(refusal)
-                else:
-                    if type(msg) is Publish:  # metrics: publish-to-ACK latency
-                        self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
-                    self.pubsub.client_message(sid, msg)
-                self._dirty.add(link)
-                self._pubsub_input = True
+                self._client_request(link, msg)
             case LoadReport() if link.role == "broker":
                 if current:
                     self.balancer.on_report(msg)
@@ -340,6 +342,18 @@ class Broker(Membership, Routing):
                 self.tasks.spawn(self._dry_run(link, corr, all_topics), "dry-run")
             case _:
                 raise RemoteProtocolError(f"{msg.op} is not expected from a {link.role} link")
+
+    def _client_request(self, link: PeerLink, msg: ClientRequest) -> None:
+        sid = self._session(link)
+        if (refusal := self.guard.check_request(link, msg)) is not None:
+            link.send_nowait(refusal)
+        else:
+            if type(msg) is Publish:  # metrics: publish-to-ACK latency
+                self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
+            self.pubsub.client_message(sid, msg)
+        if not link.send_limit:  # as in PubSubPort.to_session
+            self._dirty.add(link)
+        self._pubsub_input = True
 
     def _session(self, link: PeerLink) -> str:
         sid = self._session_of.get(link)
@@ -591,6 +605,7 @@ class PubSubPort:
     def __init__(self, broker: Broker) -> None:
         self._b = broker
         self._view: dict[str, NodeInfo] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the broker's loop, once `defer` first runs
 
     def refresh(self) -> None:
         """Rebuild the live-node view after the overlay view changed (read on every pub/sub request)."""
@@ -619,7 +634,8 @@ class PubSubPort:
             # Broken a moment ago (its close is on the way): a failure here must not abort the batch of
             # deliveries and acknowledgements for everyone else that this call is part of.
             return False
-        self._b.written(link)
+        if not link.send_limit:  # a client link with a send limit never waits for its drain (needs_flush)
+            self._b.written(link)
         if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
             self._b.stats.acks.frame(session, frame)
         return True
@@ -642,4 +658,8 @@ class PubSubPort:
         return len(data)
 
     def defer(self, fn: Callable[[], None]) -> None:
-        asyncio.get_running_loop().call_soon(fn)
+        # Called per message: the loop is looked up once (asyncio.get_running_loop() costs a getpid() call).
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        loop.call_soon(fn)

@@ -296,6 +296,9 @@ class _Connection:
         self.decoder = FrameDecoder()
         self.heartbeat = heartbeat
         self.closed = asyncio.Event()
+        # Looked up once: the publish path needs the loop per message, and under Python 3.11 each
+        # asyncio.get_running_loop() is a getpid() system call (its fork check).
+        self.loop = asyncio.get_running_loop()
         # Frames queued in one turn of the event loop go out in one write (one system call, not one each).
         self._wbuf = bytearray()
         self._flush_scheduled = False
@@ -304,7 +307,7 @@ class _Connection:
         self._wbuf += data
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._flush_scheduled = False
@@ -836,20 +839,21 @@ class Client:
         self._seq[topic] = seq + 1
         per_topic = self._pending.setdefault(topic, {})
         base = self._low.get(topic, 0) if per_topic else seq  # the lowest unacknowledged sequence number
-        loop = asyncio.get_running_loop()
+        conn = self._conn
+        loop = conn.loop if conn is not None else asyncio.get_running_loop()
         fut: asyncio.Future[PublishAck] = loop.create_future()
         now = loop.time()
         p = per_topic[seq] = _Pending(topic, seq, data, base, fut, now)
         if self._throttled.get(topic, 0.0) > now:
             pass  # rate-limited by the broker: the resender sends it after the back-off
-        elif self._conn is not None and not self._closing and self._connected.is_set():
+        elif conn is not None and not self._closing and self._connected.is_set():
             # The common case, without a coroutine per publish.  A lone message (a device publishing now and
             # then: nothing else of this client unacknowledged, nothing queued) leaves at once; it must not wait
             # for the turn of the event loop to end.  Otherwise, as Nagle's algorithm does for TCP segments, it
             # is queued and sent at the end of the turn with the others, one batched PUBLISH per topic: batches
             # form only under load, and a steady stream is not split into a lone frame plus a batch each turn.
             if not self._outbox_scheduled and self._inflight.taken == 1:
-                self._conn.send_now(encode_control(self._publish_msg([p])))
+                conn.send_now(encode_control(self._publish_msg([p])))
                 self.sent_at_once += 1
             else:
                 if not self._outbox_scheduled:

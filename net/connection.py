@@ -176,21 +176,24 @@ class Heartbeat:
     peer's silence (it could not have been read either).
     """
 
-    __slots__ = ("interval", "last_rx", "limit", "paused")
+    __slots__ = ("_loop", "interval", "last_rx", "limit", "paused")
 
     def __init__(self, interval: float, misses: int, limit: float | None = None) -> None:
+        # The loop is looked up once: `received` runs on every read, and under Python 3.11 each
+        # asyncio.get_running_loop() is a getpid() system call (its fork check).
+        self._loop = asyncio.get_running_loop()
         self.interval = interval
         self.limit = limit if limit is not None else interval * misses  # seconds of silence tolerated
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = self._loop.time()
         self.paused = False  # the owner reads nothing on purpose (backpressure): silence is not the peer's
 
     def received(self) -> None:
         """Something arrived from the peer."""
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = self._loop.time()
 
     def silent_for(self) -> float:
         """Seconds since the peer was last heard (0 while paused)."""
-        return 0.0 if self.paused else asyncio.get_running_loop().time() - self.last_rx
+        return 0.0 if self.paused else self._loop.time() - self.last_rx
 
     def deadline(self) -> float:
         """When the peer's silence runs over the limit, on the loop's clock (inf while paused)."""

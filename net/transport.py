@@ -89,11 +89,14 @@ class StreamTransport:
     callers batch where it pays: the client per loop turn, pub/sub per topic and turn.
     """
 
-    __slots__ = ("_reader", "_writer", "remote", "writes")
+    __slots__ = ("_reader", "_tr", "_writer", "remote", "writes")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        # The writer's transport, called directly on the per-message paths (write, its buffer size, its state):
+        # StreamWriter only passes these calls on, one Python frame each per message.
+        self._tr = writer.transport
         peername = writer.get_extra_info("peername")
         self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
         self.writes = 0  # writes handed to the stream (tests count them)
@@ -112,26 +115,26 @@ class StreamTransport:
         self.writes += 1
         if trace.ENABLED:
             trace.mark("write", data)
-        self._writer.write(data)
+        self._tr.write(data)
 
     def write_buffered(self) -> int:
-        return self._writer.transport.get_write_buffer_size()
+        return self._tr.get_write_buffer_size()
 
     def set_write_high_water(self, high: int) -> None:
-        self._writer.transport.set_write_buffer_limits(high=high)
+        self._tr.set_write_buffer_limits(high=high)
 
     async def drain(self) -> None:
         await self._writer.drain()
 
     def is_closing(self) -> bool:
-        return self._writer.transport.is_closing()
+        return self._tr.is_closing()
 
     def close(self) -> None:
         self._writer.close()
 
     def abort(self) -> None:
         # No TLS close_notify exchange: for a refused handshake or a dead peer there is nothing to flush.
-        self._writer.transport.abort()
+        self._tr.abort()
 
     async def wait_closed(self) -> None:
         await self._writer.wait_closed()

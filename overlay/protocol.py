@@ -904,8 +904,13 @@ class FrameDecoder:
             if self._buf:
                 self._fail(f"connection closed inside a frame ({len(self._buf)} bytes pending)")
             return []
-        buf = self._buf
-        buf += data
+        # The common read holds whole frames only: with nothing left over from the last read they are cut from
+        # the bytes received as they are (one copy per frame), and only a partial frame at the end is kept.
+        buf: bytes | bytearray = self._buf
+        if buf:
+            self._buf += data
+        else:
+            buf = data
         out: list[Frame] = []
         pos = 0
         end_of_data = len(buf)
@@ -943,7 +948,11 @@ class FrameDecoder:
             self._error = exc
             self._buf = bytearray()
             raise
-        del buf[:pos]
+        if buf is data:
+            if pos < end_of_data:
+                self._buf += data[pos:]
+        else:
+            del self._buf[:pos]
         return out
 
     @staticmethod

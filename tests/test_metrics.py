@@ -318,3 +318,24 @@ def test_ack_timer_cumulative_ack_nack_and_bounds() -> None:
     assert b.count == 3 and t.size == 1
     t.session_closed("s1")
     assert t.size == 0 and not t.waiting
+
+
+def test_ack_timer_reads_the_acks_of_long_names_and_large_numbers() -> None:
+    # The ACK's topic, publisher and sequence number are read from the frame's bytes without a decode: every
+    # msgpack string and integer width, and an ACK of another publisher on the same session stops nothing.
+    b = Buckets((1.0,))
+    t = AckTimer(b, limit=3)
+    topic, publisher = "t/" + "x" * 300, "p" * 40  # str16 and str8 headers
+    for seq in (5, 2**31, 2**40):
+        t.started("s", topic, publisher, seq)
+    t.started("s", "t/other", "q", 0)  # over the limit: untimed
+    t.frame("s", encode_control(Ack(topic, "someone else", 2**40, 0.0)))
+    assert b.count == 0
+    t.frame("s", encode_control(Ack(topic, publisher, 2**31, 0.0)))
+    assert b.count == 2 and t.size == 1
+    t.frame("s", encode_control(Nack(topic, publisher, 2**40, "too_large", "x")))
+    assert b.count == 2 and t.size == 0 and not t.waiting
+    for i in range(5):  # more (topic, publisher) pairs than the limit: the table of their bytes starts again
+        t.started("s", f"t/{i}", "p", 0)
+        t.frame("s", encode_control(Ack(f"t/{i}", "p", 0, 0.0)))
+    assert b.count == 7 and t.size == 0

@@ -105,6 +105,19 @@ def test_batch_of_frames_decodes_in_order_across_any_split() -> None:
         assert got == whole
 
 
+def test_decoder_keeps_its_own_copy_of_a_partial_frame() -> None:
+    # Whole frames are cut from the bytes received as they are; what is left of a partial frame is copied, so
+    # the caller's buffer may be reused at once.
+    ping, pong = p.encode_control(p.Ping(1)), p.encode_control(p.Pong(2))
+    chunk = bytearray(ping + pong[:3])
+    dec = FrameDecoder()
+    assert [f.message for f in dec.feed(chunk)] == [p.Ping(1)]  # type: ignore[union-attr]
+    chunk[:] = b"\xff" * len(chunk)
+    assert dec.buffered == 3
+    assert [f.message for f in dec.feed(pong[3:])] == [p.Pong(2)]  # type: ignore[union-attr]
+    assert dec.buffered == 0
+
+
 def test_truncated_frame_at_eof_is_remote_error() -> None:
     data = p.encode_control(p.Ping(1))
     dec = FrameDecoder()
