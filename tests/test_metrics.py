@@ -321,8 +321,8 @@ def test_ack_timer_cumulative_ack_nack_and_bounds() -> None:
 
 
 def test_ack_timer_reads_the_acks_of_long_names_and_large_numbers() -> None:
-    # The ACK's topic, publisher and sequence number are read from the frame's bytes without a decode: every
-    # msgpack string and integer width, and an ACK of another publisher on the same session stops nothing.
+    # Every msgpack string and integer width in an ACK, and an ACK of another publisher on the same session
+    # stops nothing.
     b = Buckets((1.0,))
     t = AckTimer(b, limit=3)
     topic, publisher = "t/" + "x" * 300, "p" * 40  # str16 and str8 headers
@@ -335,7 +335,7 @@ def test_ack_timer_reads_the_acks_of_long_names_and_large_numbers() -> None:
     assert b.count == 2 and t.size == 1
     t.frame("s", encode_control(Nack(topic, publisher, 2**40, "too_large", "x")))
     assert b.count == 2 and t.size == 0 and not t.waiting
-    for i in range(5):  # more (topic, publisher) pairs than the limit: the table of their bytes starts again
+    for i in range(5):  # more (topic, publisher) pairs over time than the limit: each timed once the last is done
         t.started("s", f"t/{i}", "p", 0)
         t.frame("s", encode_control(Ack(f"t/{i}", "p", 0, 0.0)))
     assert b.count == 7 and t.size == 0
