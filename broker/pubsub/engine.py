@@ -196,11 +196,13 @@ class PubSub:
         self.store.sync_due(now)
 
     def _flush_turn(self) -> None:
-        """End of a turn's input: one TOPIC_REQUEST per coordinate and session, then each dirty topic."""
+        """End of a turn's input: one TOPIC_REQUEST per coordinate, then each dirty topic, then one TOPIC_REPLY
+        per access broker (last: flushing a topic may acknowledge and deliver)."""
         self.access.flush()
         dirty, self.table.dirty = self.table.dirty, {}
         for r in dirty.values():
             self.replication.flush(r)
+        self.table.flush_replies()
 
     def _release_arrived(self, m: Release) -> None:
         self.accounting.forget_note(m.topic)
