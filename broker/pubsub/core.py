@@ -120,8 +120,8 @@ class TopicTable:
         # Set by the engine: a reply (sessions, encoded message) for sessions of this broker (the access role
         # hands it to them); no TOPIC_REPLY is built for what never leaves the broker.
         self.on_local_reply: Callable[[Sequence[str], bytes], None] = lambda sessions, body: None
-        # Answers for other access brokers, by node id, sent at the end of the turn (`flush_replies`): a busy
-        # holder's acknowledgements and deliveries to one access broker travel in one routed frame.
+        # Answers for other access brokers, by node id, sent once the input at hand is handled (`flush_replies`):
+        # a holder's acknowledgements and deliveries to one access broker travel in one routed frame.
         self._replies: dict[str, tuple[NodeInfo, list[Answer]]] = {}
         self.counters: dict[str, int] = {
             "published": 0,
@@ -225,7 +225,8 @@ class TopicTable:
 
     def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes) -> None:
         """An encoded answer for sessions at an access broker: handed over at once if that is this broker, else
-        gathered with the turn's other answers for it into one TOPIC_REPLY (`flush_replies`)."""
+        gathered with the other answers for it into one TOPIC_REPLY (`flush_replies`: at the end of the routed
+        message being handled, or of the turn)."""
         if access.id == self.ov.me.id:
             self.on_local_reply(sessions, body)
             return
@@ -237,7 +238,9 @@ class TopicTable:
             pending[1].append(Answer(tuple(sessions), body))
 
     def flush_replies(self) -> None:
-        """Send the turn's answers: one TOPIC_REPLY per access broker (and frame-sized chunk), in answer order."""
+        """Send the answers gathered so far: one TOPIC_REPLY per access broker (and frame-sized chunk), in order."""
+        if not self._replies:
+            return
         out, self._replies = self._replies, {}
         for access, answers in out.values():
             for batch in frame_chunks(answers, _answer_size):
