@@ -196,6 +196,46 @@ def _dec_bytes_tuple(v: Any) -> tuple[bytes, ...]:
 register_field_type("tuple[bytes, ...]", list, _dec_bytes_tuple)
 
 
+class SessionRequests(NamedTuple):
+    """One session's requests in a TOPIC_REQUEST: the session, who it authenticated as, its encoded requests."""
+
+    session: str
+    identity: str
+    requests: tuple[bytes, ...]
+
+
+class Answer(NamedTuple):
+    """One answer in a TOPIC_REPLY: the sessions it is for and the encoded message (an ACK, a DELIVER, ...)."""
+
+    sessions: tuple[str, ...]
+    body: bytes
+
+
+def _dec_session_id(v: Any) -> str:
+    if type(v) is not str or not 0 < len(v) <= MAX_ID_LEN:
+        raise ValueError(f"a session id is 1..{MAX_ID_LEN} characters")
+    return v
+
+
+def _dec_session_requests(v: Any) -> SessionRequests:
+    session, identity, requests = dec_list(v)
+    return SessionRequests(_dec_session_id(session), dec_str(identity), _dec_bytes_tuple(requests))
+
+
+def _dec_answer(v: Any) -> Answer:
+    sessions, body = dec_list(v)
+    return Answer(tuple(_dec_session_id(s) for s in dec_list(sessions)), dec_bytes(body))
+
+
+# Both are tuples of tuples (and of tuples of str or bytes): msgpack packs them as arrays as they are.
+register_field_type(
+    "tuple[SessionRequests, ...]",
+    lambda xs: xs,
+    lambda v: tuple(_dec_session_requests(x) for x in dec_list(v)),
+)
+register_field_type("tuple[Answer, ...]", lambda xs: xs, lambda v: tuple(_dec_answer(x) for x in dec_list(v)))
+
+
 # A digest names every publisher of a topic (dedup state is kept for a day), so it may be longer than other
 # lists; the frame size bounds it in any case.
 MAX_DIGEST_ENTRIES: Final = 1 << 16
@@ -481,33 +521,33 @@ class Failed(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class TopicRequest(Message):
-    """A client request on its way to the topic's primary, with the access broker and session to answer.
+    """Client requests on their way to the topic's primary, with the access broker to answer.
 
-    `requests` are the session's own messages (SUBSCRIBE, UNSUBSCRIBE, PUBLISH, FETCH, LOCATE) as encoded,
-    in order, batched per destination; the primary answers with TOPIC_REPLY routed to `access.coord`.
-    `via_home` is set once the home node has looked the topic up in its delegate list, so a delegate does
-    not send it back (Sec. III-B).  `identity` is who the access broker authenticated the session as (TLS
-    certificate name or token name); the topic's holder checks its ACL against it.
+    `batches` are the requests of one or more sessions of the access broker for this coordinate, gathered
+    over one loop turn (one frame per coordinate and turn, not per session): each session's own messages
+    (SUBSCRIBE, UNSUBSCRIBE, PUBLISH, FETCH, LOCATE) as encoded, in order, with who the access broker
+    authenticated that session as (TLS certificate name or token name), against which the topic's holder
+    checks its ACL.  The primary answers with TOPIC_REPLY routed to `access.coord`.  `via_home` is set once
+    the home node has looked the topic up in its delegate list, so a delegate does not send it back (Sec.
+    III-B).
     """
 
     op: ClassVar[Literal["topic_request"]] = "topic_request"
     access: NodeInfo
-    session: str
-    requests: tuple[bytes, ...]
+    batches: tuple[SessionRequests, ...]
     via_home: bool = False
     dest: Coord | None = None  # the coordinate the sender addressed (h(t) or a delegate coordinate C(t))
-    identity: str = ""
 
 
 @register_message
 @dataclass(frozen=True, slots=True)
 class TopicReply(Message):
-    """Answers and deliveries for client sessions on the access broker at the routed destination."""
+    """Answers and deliveries for client sessions on the access broker at the routed destination: what one
+    holder had for that broker in one loop turn, in the order it answered (one frame, not one per answer)."""
 
     op: ClassVar[Literal["topic_reply"]] = "topic_reply"
     access: str  # node id the reply is meant for; another node reached means that access broker is gone
-    sessions: tuple[str, ...]
-    reply: bytes
+    answers: tuple[Answer, ...]
 
 
 @register_message

@@ -49,8 +49,16 @@ EXAMPLES: list[Message] = [
     ps.Subscribe(4, "grid/#x", 12.5),
     ps.Fetch(9, "grid/a", 0.0, 10),
     ps.Nack("t", "pub", 1, "rate_limited", "slow down"),
-    ps.TopicRequest(NODE, "s-1", (encode_message(ps.Publish("t", "p", 0, b"x")),), False, "meter-1"),
-    ps.TopicReply("n1", ("s-1", "s-2"), b"\x80"),
+    ps.TopicRequest(
+        NODE,
+        (
+            ps.SessionRequests("s-1", "meter-1", (encode_message(ps.Publish("t", "p", 0, b"x")),)),
+            ps.SessionRequests("s-2", "", (encode_message(ps.Fetch(1, "t")), encode_message(ps.Locate(2, "t")))),
+        ),
+        False,
+        (0.5, 0.25),
+    ),
+    ps.TopicReply("n1", (ps.Answer(("s-1", "s-2"), b"\x80"), ps.Answer(("s-3",), encode_message(ps.Done(1))))),
     ps.Replicate(
         1,
         "t",

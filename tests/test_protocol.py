@@ -271,3 +271,31 @@ def test_random_shapes_with_real_ops_only_raise_remote_protocol_error(value: obj
     except RemoteProtocolError:
         return
     assert len(frames) == 1 and isinstance(frames[0], ControlFrame)
+
+
+def test_batched_topic_frames_round_trip_and_refuse_bad_entries() -> None:
+    # One TOPIC_REQUEST carries several sessions' requests (each with its identity), one TOPIC_REPLY several
+    # answers: both keep their order, and a malformed entry is the sender's protocol error.
+    import overlay.pubsub as ps
+
+    pub = p.encode_message(ps.Publish("grid/a", "meter-1", 3, b"230.1"))
+    req = ps.TopicRequest(
+        A,
+        (ps.SessionRequests("s-1", "meter-1", (pub, pub)), ps.SessionRequests("s-2", "", (pub,))),
+        dest=(0.5, 0.5),
+    )
+    rep = ps.TopicReply("a", (ps.Answer(("s-1", "s-2"), pub), ps.Answer(("s-3",), b"\x80")))
+    for msg in (req, rep):
+        assert FrameDecoder().feed(p.encode_control(msg)) == [ControlFrame(msg)]
+    node = ["a", [0.1, 0.2], "127.0.0.1:4000"]
+    bad: list[tuple[object, str]] = [
+        ({"op": "topic_request", "access": node, "batches": [["", "", [pub]]]}, "session id"),
+        ({"op": "topic_request", "access": node, "batches": [["s", 1, [pub]]]}, "expected a string"),
+        ({"op": "topic_request", "access": node, "batches": [["s", "", ["x"]]]}, "expected binary"),
+        ({"op": "topic_request", "access": node, "batches": [["s", ""]]}, "not enough values"),
+        ({"op": "topic_reply", "access": "a", "answers": [[["s" * 65], pub]]}, "session id"),
+        ({"op": "topic_reply", "access": "a", "answers": [["s", pub]]}, "expected an array"),
+    ]
+    for obj, match in bad:
+        with pytest.raises(RemoteProtocolError, match=match):
+            FrameDecoder().feed(_control(obj))

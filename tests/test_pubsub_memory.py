@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import pytest
 
+from broker.acl import Acl, parse_acl
 from broker.pubsub import PubSub, PubSubConfig
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo, decode_message, encode_message
@@ -29,13 +30,17 @@ from overlay.pubsub import (
     Record,
     Subscribe,
     Subscribed,
+    TopicReply,
+    TopicRequest,
 )
 
 
 class Net:
-    def __init__(self, coords: list[Coord], resilience: int) -> None:
+    def __init__(self, coords: list[Coord], resilience: int, acl: Acl | None = None) -> None:
         self.clock = 1000.0
         self.queue: deque[tuple[Coord, bytes]] = deque()
+        self.sent: list[tuple[str, Message]] = []  # (sender, message) of every routed message, in order
+        self.acl = acl
         self.deferred: deque[Callable[[], None]] = deque()
         self.nodes: dict[str, Node] = {}
         self.blackhole: set[Coord] = set()  # destinations whose messages are lost
@@ -102,7 +107,7 @@ class Node:
         self._me = me
         self.alive = True
         self.inbox: dict[str, list[Message]] = {}
-        self.ps = PubSub(self, PubSubConfig(resilience=resilience))
+        self.ps = PubSub(self, PubSubConfig(resilience=resilience, acl=net.acl))
 
     @property
     def me(self) -> NodeInfo:
@@ -112,6 +117,7 @@ class Node:
         return self.net.live()
 
     def route(self, dest: Coord, msg: Message) -> None:
+        self.net.sent.append((self._me.id, msg))
         self.net.queue.append((dest, encode_message(msg)))
 
     def to_session(self, session: str, frame: bytes) -> bool:
@@ -155,6 +161,32 @@ def test_publish_subscribe_across_brokers() -> None:
     # the primary and the secondary both hold every message
     holders = [n for n in net.nodes.values() if "grid/a/v" in n.ps.store]
     assert sorted(len(n.ps.store.get("grid/a/v").rows) for n in holders) == [5, 5]
+
+
+def test_one_frame_per_turn_carries_many_sessions_each_checked_as_itself() -> None:
+    # Three sessions of one access broker publish to a remote topic in the same turn: one TOPIC_REQUEST carries
+    # all three, the holder checks each against its own identity, and the answers of one input travel back in
+    # one TOPIC_REPLY: the refusal once the request is handled, both acknowledgements once the copy is confirmed.
+    acl = parse_acl("allow publish meter-* grid/+/voltage\n", "test.acl")
+    net = Net(grid(8), resilience=2, acl=acl)
+    topic = "grid/a/voltage"
+    primary = closest({k: v.coord for k, v in net.live().items()}, geohash(topic))[0]
+    access = next(n for nid, n in net.nodes.items() if nid != primary)
+    for session, identity in (("m1", "meter-1"), ("x", "intruder"), ("m2", "meter-2")):
+        access.inbox[session] = []
+        access.ps.identities[session] = identity
+        access.ps.client_message(session, Publish(topic, f"pub-{session}", 0, session.encode()))
+    net.run()
+    requests = [m for sender, m in net.sent if sender == access.me.id and isinstance(m, TopicRequest)]
+    assert [[(b.session, b.identity) for b in m.batches] for m in requests] == [
+        [("m1", "meter-1"), ("x", "intruder"), ("m2", "meter-2")]
+    ]
+    for session in ("m1", "m2"):
+        assert [(type(m), m.seq) for m in access.inbox[session]] == [(Ack, 0)]
+    [nack] = access.inbox["x"]
+    assert isinstance(nack, Nack) and nack.code == "not_allowed"
+    replies = [m for sender, m in net.sent if sender == primary and isinstance(m, TopicReply)]
+    assert [[a.sessions for a in m.answers] for m in replies] == [[("x",)], [("m1",), ("m2",)]]
 
 
 def test_bad_input_gets_a_clear_answer() -> None:

@@ -2,8 +2,8 @@
 
 A client request (SUBSCRIBE, PUBLISH, ...) is wrapped in a TOPIC_REQUEST and routed to the topic's
 coordinate C(t) (h(t) unless a redirect taught us otherwise); answers come back as TOPIC_REPLY routed to this
-broker's own coordinate and are handed to the sessions.  Requests for the same coordinate and session that
-arrive in one loop turn travel in one TOPIC_REQUEST.
+broker's own coordinate and are handed to the sessions.  Requests for the same coordinate that arrive in one
+loop turn travel in one TOPIC_REQUEST, whichever sessions they come from (each with its own identity).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from broker.pubsub.core import TopicTable, byte_chunks, control_frame, same
+from broker.pubsub.core import TopicTable, control_frame, frame_chunks, same
 from overlay.delegation import MoveTopic
 from overlay.geometry import Coord, geohash
 from overlay.protocol import Message, RemoteProtocolError, decode_message, encode_message
@@ -25,6 +25,7 @@ from overlay.pubsub import (
     Publish,
     Redirect,
     SessionGone,
+    SessionRequests,
     Subscribe,
     TopicReply,
     TopicRequest,
@@ -47,7 +48,8 @@ class AccessRole:
         self.coords: dict[str, Coord] = {}  # C(t) of topics, learned from redirects
         # Who each local session authenticated as; sent along in TOPIC_REQUEST for the holder's ACL.
         self.identities: dict[str, str] = {}
-        self._outgoing: dict[tuple[Coord, str], list[bytes]] = {}
+        # This turn's requests for other brokers: coordinate -> session -> encoded requests, in order.
+        self._outgoing: dict[Coord, dict[str, list[bytes]]] = {}
         self._valid_topics: set[str] = set()
 
     def client_message(self, session: str, msg: Message) -> None:
@@ -119,19 +121,24 @@ class AccessRole:
                 return
             self.holder.handle_request(me, session, msg, coord, identity=self.identities.get(session, ""))  # 0 hops
         else:
-            self._outgoing.setdefault((coord, session), []).append(encode_message(msg))
+            self._outgoing.setdefault(coord, {}).setdefault(session, []).append(encode_message(msg))
             self.t.schedule()
 
     def flush(self) -> None:
-        """Send this turn's requests, one TOPIC_REQUEST per coordinate and session (and frame-sized chunk)."""
+        """Send this turn's requests, one TOPIC_REQUEST per coordinate (and frame-sized chunk)."""
         out, self._outgoing = self._outgoing, {}
         me = self.t.ov.me
-        for (coord, session), reqs in out.items():
-            for chunk in byte_chunks(reqs):
-                self.t.ov.route(
-                    coord,
-                    TopicRequest(me, session, tuple(chunk), dest=coord, identity=self.identities.get(session, "")),
-                )
+        identities = self.identities
+        for coord, by_session in out.items():
+            if len(by_session) == 1:
+                [(session, reqs)] = by_session.items()
+                if len(reqs) == 1:  # a lone request (a device's publish): no chunking per message
+                    batch = (SessionRequests(session, identities.get(session, ""), (reqs[0],)),)
+                    self.t.ov.route(coord, TopicRequest(me, batch, dest=coord))
+                    continue
+            items = [(session, raw) for session, reqs in by_session.items() for raw in reqs]
+            for chunk in frame_chunks(items, _request_size):
+                self.t.ov.route(coord, TopicRequest(me, _by_session(chunk, identities), dest=coord))
 
     def session_closed(self, session: str) -> None:
         """A local client went away: end its subscriptions at the topics' primaries."""
@@ -147,13 +154,14 @@ class AccessRole:
         self.t.ov.to_session(session, control_frame(encode_message(msg)))
 
     def reply_arrived(self, rep: TopicReply) -> None:
-        """TOPIC_REPLY: hand the answer to its sessions here."""
-        me = self.t.ov.me
-        if rep.access != me.id:
+        """TOPIC_REPLY: hand the answers to their sessions here, in order."""
+        if rep.access != self.t.ov.me.id:
             # The access broker the reply was for is gone and this broker is now closest to its coordinate.
-            self._sessions_gone(rep.sessions, rep.reply)
+            for sessions, body in rep.answers:
+                self._sessions_gone(sessions, body)
             return
-        self.local_reply(rep.sessions, rep.reply)
+        for sessions, body in rep.answers:
+            self.local_reply(sessions, body)
 
     def local_reply(self, sessions: Sequence[str], reply: bytes) -> None:
         """An answer (an encoded message) for sessions of this broker, from a TOPIC_REPLY or a local holder."""
@@ -188,3 +196,23 @@ class AccessRole:
         frame = control_frame(encode_message(Redirect(m.topic, m.coord)))
         for s in m.sessions:
             self.t.ov.to_session(s, frame)
+
+
+def _request_size(item: tuple[str, bytes]) -> int:
+    return len(item[0]) + len(item[1])
+
+
+def _by_session(items: list[tuple[str, bytes]], identities: dict[str, str]) -> tuple[SessionRequests, ...]:
+    """(session, request) pairs, grouped by session in order (each session's are consecutive)."""
+    out: list[SessionRequests] = []
+    session = ""
+    reqs: list[bytes] = []
+    for s, raw in items:
+        if s != session and reqs:
+            out.append(SessionRequests(session, identities.get(session, ""), tuple(reqs)))
+            reqs = []
+        session = s
+        reqs.append(raw)
+    if reqs:
+        out.append(SessionRequests(session, identities.get(session, ""), tuple(reqs)))
+    return tuple(out)

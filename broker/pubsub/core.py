@@ -11,18 +11,20 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 from broker.pubsub.replica import Replica, Stage, Transition
 from broker.pubsub.settings import SAME_COORD, PubSubConfig
 from broker.store import TopicStore
 from overlay.geometry import Coord, closest, distance, geohash
 from overlay.protocol import FrameKind, Message, NodeInfo, encode_message
-from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Deliver, Record, SubRef, TopicReply
+from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Answer, Deliver, Record, SubRef, TopicReply
 
 _CONTROL_PREFIX: Final = struct.Struct(">IB")
 # Coordinates whose ranking TopicTable keeps for the current view (a bound, not a second topic table).
 RANKED_CACHE: Final = 100_000
+
+T = TypeVar("T")
 
 
 def control_frame(body: bytes) -> bytes:
@@ -69,30 +71,32 @@ def no_event(kind: str, **fields: object) -> None:
     """Events go nowhere unless the broker connects its metrics log."""
 
 
-def byte_chunks(items: list[bytes]) -> list[list[bytes]]:
-    """Split encoded requests into batches that fit a frame."""
-    out: list[list[bytes]] = [[]]
-    size = 0
-    for b in items:
-        if out[-1] and (len(out[-1]) >= MAX_BATCH or size + len(b) > MAX_BATCH_BYTES):
+def frame_chunks(items: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
+    """Split items into batches that fit a frame: at most MAX_BATCH items of at most MAX_BATCH_BYTES by size
+    (an item larger than that alone); always at least one (possibly empty) batch."""
+    out: list[list[T]] = [[]]
+    total = 0
+    for x in items:
+        n = size(x)
+        if out[-1] and (len(out[-1]) >= MAX_BATCH or total + n > MAX_BATCH_BYTES):
             out.append([])
-            size = 0
-        out[-1].append(b)
-        size += len(b)
+            total = 0
+        out[-1].append(x)
+        total += n
     return out
+
+
+def _payload_size(r: Record) -> int:
+    return len(r.payload)
+
+
+def _answer_size(a: Answer) -> int:
+    return len(a.body) + sum(len(s) for s in a.sessions)
 
 
 def chunks(records: list[Record]) -> list[list[Record]]:
-    """Split records into batches that fit a frame; always at least one (possibly empty) batch."""
-    out: list[list[Record]] = [[]]
-    size = 0
-    for r in records:
-        if out[-1] and (len(out[-1]) >= MAX_BATCH or size + len(r.payload) > MAX_BATCH_BYTES):
-            out.append([])
-            size = 0
-        out[-1].append(r)
-        size += len(r.payload)
-    return out
+    """Split records into batches that fit a frame (by payload size); always at least one batch."""
+    return frame_chunks(records, _payload_size)
 
 
 class TopicTable:
@@ -105,7 +109,7 @@ class TopicTable:
         self.replicas: dict[str, Replica] = {}
         self._corr = count(1)
         self._homes: dict[str, Coord] = {}
-        # ranked() per coordinate for the current view (a primary ranks its topic's holders on every flush).
+        # ranked() per coordinate for the current view (`_ranked_nodes`).
         self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}
         self._ranked_view: Mapping[str, NodeInfo] | None = None
         # Topics with new work, flushed once per batch of input (one replication, ACK and DELIVER frame carry
@@ -116,6 +120,9 @@ class TopicTable:
         # Set by the engine: a reply (sessions, encoded message) for sessions of this broker (the access role
         # hands it to them); no TOPIC_REPLY is built for what never leaves the broker.
         self.on_local_reply: Callable[[Sequence[str], bytes], None] = lambda sessions, body: None
+        # Answers for other access brokers, by node id, sent once the input at hand is handled (`flush_replies`):
+        # a holder's acknowledgements and deliveries to one access broker travel in one routed frame.
+        self._replies: dict[str, tuple[NodeInfo, list[Answer]]] = {}
         self.counters: dict[str, int] = {
             "published": 0,
             "published_bytes": 0,
@@ -153,12 +160,17 @@ class TopicTable:
                 self._homes[topic] = c
         return c
 
-    def closest_id(self, coord: Coord, k: int = 1) -> str:
-        """The id of N_k(coord) among the brokers this one knows."""
-        return closest({nid: n.coord for nid, n in self.ov.view().items()}, coord, k)[k - 1]
+    def closest_id(self, coord: Coord) -> str:
+        """The id of N1(coord) among the brokers this one knows (the view always holds this broker)."""
+        return self._ranked_nodes(coord)[0].id
 
     def ranked(self, coord: Coord) -> list[NodeInfo]:
         """N1, N2, N3 of coord (fewer if fewer brokers are known)."""
+        return list(self._ranked_nodes(coord))
+
+    def _ranked_nodes(self, coord: Coord) -> tuple[NodeInfo, ...]:
+        # Cached per coordinate for the current view: an access broker asks for every request whether it is
+        # N1 of the topic's coordinate, a primary ranks its topic's holders on every flush.
         view = self.ov.view()
         if view is not self._ranked_view:
             self._ranked_view = view
@@ -169,12 +181,12 @@ class TopicTable:
             hit = tuple(view[i] for i in ids)
             if len(self._ranked) < RANKED_CACHE:
                 self._ranked[coord] = hit
-        return list(hit)
+        return hit
 
     def rank_of_me(self, coord: Coord) -> int:
         """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""
         me = self.ov.me.id
-        for i, n in enumerate(self.ranked(coord), start=1):
+        for i, n in enumerate(self._ranked_nodes(coord), start=1):
             if n.id == me:
                 return i
         return 0
@@ -190,7 +202,7 @@ class TopicTable:
         """The broker that must hold a copy of r (None at resilience 1 or alone)."""
         if self.config.resilience < 2:
             return None  # no ranking of the view per flush when no copy is kept
-        ranked = self.ranked(r.coord)
+        ranked = self._ranked_nodes(r.coord)
         return ranked[1] if len(ranked) > 1 else None
 
     def mark(self, r: Replica) -> None:
@@ -212,10 +224,27 @@ class TopicTable:
         self.reply_bytes(access, sessions, encode_message(msg))
 
     def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes) -> None:
+        """An encoded answer for sessions at an access broker: handed over at once if that is this broker, else
+        gathered with the other answers for it into one TOPIC_REPLY (`flush_replies`: at the end of the routed
+        message being handled, or of the turn)."""
         if access.id == self.ov.me.id:
             self.on_local_reply(sessions, body)
+            return
+        pending = self._replies.get(access.id)
+        if pending is None:
+            self._replies[access.id] = (access, [Answer(tuple(sessions), body)])
+            self.schedule()
         else:
-            self.ov.route(access.coord, TopicReply(access.id, tuple(sessions), body))
+            pending[1].append(Answer(tuple(sessions), body))
+
+    def flush_replies(self) -> None:
+        """Send the answers gathered so far: one TOPIC_REPLY per access broker (and frame-sized chunk), in order."""
+        if not self._replies:
+            return
+        out, self._replies = self._replies, {}
+        for access, answers in out.values():
+            for batch in frame_chunks(answers, _answer_size):
+                self.ov.route(access.coord, TopicReply(access.id, tuple(batch)))
 
     def drop(self, r: Replica) -> None:
         """Forget r and its data (no longer this broker's to hold)."""

@@ -70,7 +70,7 @@ class PubSub:
         self.home.holder = self.holder
         t.on_flush = self._flush_turn
         t.on_local_reply = self.access.local_reply
-        self._handlers: dict[type[Message], Handler] = {
+        handlers: dict[type[Message], Handler] = {
             TopicRequest: self.holder.topic_request_arrived,
             TopicReply: self.access.reply_arrived,
             Replicate: self.replication.replicate_arrived,
@@ -87,6 +87,7 @@ class PubSub:
             TertiaryNote: self.accounting.tertiary_note_arrived,
             SessionGone: self.holder.session_gone_arrived,
         }
+        self._handlers = {cls: self._answering(h) for cls, h in handlers.items()}
 
     # ---- wiring the broker sets --------------------------------------------------------------------------
     @property
@@ -133,6 +134,17 @@ class PubSub:
     def routed_handlers(self) -> Mapping[type[Message], Handler]:
         """Routed message class -> handler, for every routed message pub/sub owns."""
         return self._handlers
+
+    def _answering(self, handler: Handler) -> Handler:
+        """handler, then the answers it produced (a commit's ACKs and DELIVERs, refusals) leave, one TOPIC_REPLY
+        per access broker: held to the end of the turn they would wait behind the next batch of reads."""
+        flush = self.table.flush_replies
+
+        def handle(msg: Any) -> None:
+            handler(msg)
+            flush()
+
+        return handle
 
     def routed(self, msg: Message) -> bool:
         """A ROUTED message that reached this broker (closest to its destination); False if not pub/sub."""
@@ -196,11 +208,13 @@ class PubSub:
         self.store.sync_due(now)
 
     def _flush_turn(self) -> None:
-        """End of a turn's input: one TOPIC_REQUEST per coordinate and session, then each dirty topic."""
+        """End of a turn's input: one TOPIC_REQUEST per coordinate, then each dirty topic, then one TOPIC_REPLY
+        per access broker for the answers not sent yet (last: flushing a topic may acknowledge and deliver)."""
         self.access.flush()
         dirty, self.table.dirty = self.table.dirty, {}
         for r in dirty.values():
             self.replication.flush(r)
+        self.table.flush_replies()
 
     def _release_arrived(self, m: Release) -> None:
         self.accounting.forget_note(m.topic)

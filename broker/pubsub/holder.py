@@ -35,6 +35,7 @@ from overlay.pubsub import (
     Publish,
     Record,
     SessionGone,
+    SessionRequests,
     SubRef,
     Subscribe,
     Subscribed,
@@ -81,14 +82,16 @@ class HolderRole:
         return r
 
     def topic_request_arrived(self, msg: TopicRequest) -> None:
-        """TOPIC_REQUEST: the requests it carries, one by one."""
-        for raw in msg.requests:
-            try:
-                inner = decode_message(raw)
-            except RemoteProtocolError as exc:
-                log.warning("dropping a topic request with a bad inner message: %s", exc)
-                continue
-            self.handle_request(msg.access, msg.session, inner, msg.dest, msg.via_home, msg.identity)
+        """TOPIC_REQUEST: the requests it carries, session by session, one by one."""
+        access, dest, via_home = msg.access, msg.dest, msg.via_home
+        for session, identity, requests in msg.batches:
+            for raw in requests:
+                try:
+                    inner = decode_message(raw)
+                except RemoteProtocolError as exc:
+                    log.warning("dropping a topic request with a bad inner message: %s", exc)
+                    continue
+                self.handle_request(access, session, inner, dest, via_home, identity)
 
     def handle_request(
         self,
@@ -147,7 +150,8 @@ class HolderRole:
         self, access: NodeInfo, session: str, req: Message, coord: Coord, *, via_home: bool, identity: str = ""
     ) -> None:
         self.t.counters["forwarded_requests"] += 1
-        msg = TopicRequest(access, session, (encode_message(req),), via_home=via_home, dest=coord, identity=identity)
+        batch = (SessionRequests(session, identity, (encode_message(req),)),)
+        msg = TopicRequest(access, batch, via_home=via_home, dest=coord)
         self.t.ov.route(coord, msg)
         if via_home:
             self.redirect(access, [session], getattr(req, "topic", ""), coord)
