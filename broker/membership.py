@@ -278,8 +278,10 @@ class Membership:
         pid = link.peer.id
         existing = self.peers.get(pid)
         if existing is not None and existing is not link:
-            # Both ends dialled at once.  Both keep the connection opened by the smaller id, so they agree.
-            keep_new = existing.outbound != link.outbound and link.outbound == (self.node_id < pid)
+            # Both ends dialled at once.  Both keep the connection opened by the smaller id, so they agree; if the
+            # peer already gave the existing one up (UNLINK(duplicate_link) while we dialled), this is its choice.
+            by_id = existing.outbound != link.outbound and link.outbound == (self.node_id < pid)
+            keep_new = existing.unlink_received or by_id
             loser = existing if keep_new else link
             if keep_new:
                 self.peers[pid] = link
@@ -375,6 +377,13 @@ class Membership:
             self._give_up(info.id, repr(exc), quiet=quiet)
         finally:
             self._dialing.pop(info.id, None)
+            current = self.peers.get(info.id)
+            if current is not None and current.unlink_received:
+                # The peer gave this link up for the connection this dial was to open, which did not come up
+                # (node.py waits for it): answer now; the reconciliation dials again.
+                del self.peers[info.id]
+                self.view.unlink(info.id)
+                current.retire("duplicate_link")
             self._schedule_reconcile()
 
     def _schedule_redial(self) -> None:

@@ -311,12 +311,16 @@ class Broker(Membership, Routing):
                     self.view.add_candidates(ns)
                     self._after_forget()
                 link.close_soon(CloseReason.PEER_LEFT, "peer sent LEAVE")
+            case Unlink(reason="duplicate_link") if link.role == "broker" and current and link.peer_id in self._dialing:
+                # The peer keeps the connection we are dialling (its HELLO_OK is on the way): write on here until
+                # that one is up and on_established retires this one, so the peer never drops out of the view in
+                # between.  If the dial fails, _dial answers here instead.
+                link.unlink_arrived()
             case Unlink(reason=reason) if link.role == "broker":
-                # Not a neighbour any more, or a duplicate the peer gave up for another link to us: answer at
-                # once, whatever we know of that other link.  It registers here when it comes up, and if it never
-                # does (we had already unlinked it) the reconciliation dials again.  Writing on here instead
-                # waits for a twin that may never come, until the peer's drain time-out closes the link under
-                # our writes: a reset, taken here for the peer's failure.
+                # Not a neighbour any more, or a duplicate the peer gave up for another link to us that we are
+                # not dialling (we had unlinked it already): answer at once; the reconciliation dials again if we
+                # want the link.  Writing on here for a twin that never comes would end in the peer's drain
+                # time-out closing the link under our writes: a reset, taken here for the peer's failure.
                 if current and link.peer_id is not None:
                     del self.peers[link.peer_id]
                     self.view.unlink(link.peer_id)

@@ -10,7 +10,6 @@ from broker.pubsub.replica import (
     PULLING,
     WAITING,
     IllegalReplicaTransition,
-    Merging,
     Move,
     Replica,
     Stage,
@@ -32,7 +31,6 @@ def _replica(stage: Stage) -> Replica:
     r.stage = stage
     if stage in PULLING:
         r.pulling = {7: "n2"}
-        r.merging = Merging({"n2": {}})
     if stage is Stage.HANDING_OVER:
         r.move = Move(1, (0.2, 0.2), 0.0, None)
     if stage is Stage.RECEIVING:
@@ -47,7 +45,6 @@ def test_every_legal_transition(stage: Stage, transition: Transition) -> None:
     assert new is TABLE[(stage, transition)] is r.stage
     # What belongs to a stage goes with it, and stays while the replica stays in it.
     assert bool(r.pulling) == (stage in PULLING and new in PULLING)
-    assert (r.merging is not None) == (stage in PULLING and new in PULLING)
     assert (r.move is not None) == (stage is Stage.HANDING_OVER and new is Stage.HANDING_OVER)
     assert (r.staged is not None) == (stage is Stage.RECEIVING and new is Stage.RECEIVING)
     assert r.waits == (new in WAITING)

@@ -22,10 +22,10 @@ or the coordinate changes.  Its `stage` is what it is doing about that, and it c
     GONE          dropped from this broker (a late callback finds it so and does nothing)
 
 SYNCING, TAKING_OVER, PLACING, HANDING_OVER, RECEIVING and RECOVERING hold the topic's requests (`WAITING`).  The data
-that belongs to one stage lives on the replica only while it is in that stage: the pull bookkeeping and the
-`Merging` of an offered history (SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over
-(RECEIVING).  Offers (`offers`) belong to no stage: a holder also offers during a graceful shutdown and to
-repair gaps; a RETIRING replica is dropped once its last offer is confirmed.
+that belongs to one stage lives on the replica only while it is in that stage: the pull bookkeeping
+(SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over (RECEIVING).  Offers (`offers`)
+belong to no stage: a holder also offers during a graceful shutdown and to repair gaps; a RETIRING replica is
+dropped once its last offer is confirmed.
 
 A recovered primary leaves RECOVERING through SYNCING, like a primary that joined: it serves only what the
 other holders and its disk hold together (storage-anchors: only a caught-up replica may lead).
@@ -234,17 +234,6 @@ class Staged:
 
 
 @dataclass(slots=True)
-class Merging:
-    """SYNCING (and a TAKING_OVER that interrupted it) of a serving primary that found another holder had
-    records it lacks (the other side of a healed partition): its subscribers never got those records, so they
-    receive them like new ones (holder.merged)."""
-
-    # The digests of the OFFERs that started it, by offerer: subscribers the offerer hands over with its answer
-    # get what it lacked (replication.py `replicate_arrived`).
-    offered: dict[str, dict[str, SeqRanges]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
 class Replica:
     """What the holder side keeps per topic besides the stored data (see the module docstring)."""
 
@@ -281,7 +270,12 @@ class Replica:
     pull_started: float = 0.0
     pull_heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
     pull_retried: bool = False
-    merging: Merging | None = None  # SYNCING / TAKING_OVER, when pulling an offered history
+    # A serving primary that found another holder had records it lacks (the other side of a healed partition)
+    # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).
+    push_merged: bool = False
+    # ... and the digests of the OFFERs that started it, by offerer: subscribers the offerer hands over with its
+    # answer get what it lacked (replication.py `replicate_arrived`).
+    offered: dict[str, dict[str, SeqRanges]] = field(default_factory=dict)
     move: Move | None = None  # HANDING_OVER
     staged: Staged | None = None  # RECEIVING
     # Offers of this replica's records not yet confirmed: corr -> the node offered to, and when they went out.
@@ -295,7 +289,8 @@ class Replica:
         new = next_stage(self.name, self.stage, transition)
         if self.stage in PULLING and new not in PULLING:
             self.pulling.clear()
-            self.merging = None
+            self.push_merged = False
+            self.offered.clear()
         if self.stage is Stage.HANDING_OVER:
             self.move = None
         if self.stage is Stage.RECEIVING:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
-from broker.pubsub.replica import PULLING, Batch, Merging, Replica, Stage, Transition
+from broker.pubsub.replica import PULLING, Batch, Replica, Stage, Transition
 from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW
 from broker.storage import StorageError
 from overlay.protocol import NodeInfo
@@ -219,7 +219,7 @@ class ReplicationRole:
         new = r.log.merge(m.records, now)
         if new:
             r.unchecked = True
-            if r.merging is not None and r.rank == 1:
+            if r.push_merged and r.rank == 1:
                 self.holder.merged(r, new)
         for pub, seq in m.last_seq.items():
             if seq > r.log.last_seq.get(pub, -1):
@@ -228,8 +228,7 @@ class ReplicationRole:
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
         subs = {(s.access.id, s.session): s for s in m.subscribers}
-        theirs = None if r.merging is None else r.merging.offered.pop(m.origin.id, None)
-        if theirs is not None and r.rank == 1:
+        if (theirs := r.offered.pop(m.origin.id, None)) is not None and r.rank == 1:
             self._catch_up_newcomers(r, [s for k, s in subs.items() if k not in r.subscribers], theirs)
         if r.rank == 1 or m.sync:
             r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
@@ -435,7 +434,8 @@ class ReplicationRole:
             if self.sync_learned(r, offered=(m.corr, m.origin)):
                 # What it lacked never reached its subscribers (holder.merged), nor what the offerer lacked the
                 # offerer's subscribers, which come with its answer.
-                r.merging = Merging({m.origin.id: ranges_of(m.have)})
+                r.push_merged = True
+                r.offered[m.origin.id] = ranges_of(m.have)
                 return
             self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, r.log.digest()))
             return
