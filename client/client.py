@@ -95,11 +95,14 @@ DEFAULT_MAX_INFLIGHT: Final = 4096
 DEFAULT_SUB_QUEUE: Final = 65536
 # Records per FETCH page when a subscription catches up on stored messages before (re-)subscribing.
 CATCH_UP_PAGE: Final = 512
-# A gap the first repair FETCH does not fill is asked for again this often, this long apart, before it counts as
-# lost: after a healed partition the holder merges the other side's records a moment after the other side's
-# old primary delivered newer ones (docs/storage.md).
-REPAIR_ATTEMPTS: Final = 5
-REPAIR_RETRY: Final = 0.4
+# A gap the first repair FETCH does not fill is asked for again, REPAIR_RETRY apart at first and doubling up to
+# REPAIR_RETRY_MAX, until REPAIR_PATIENCE has passed; only then does it count as lost.  After a healed
+# partition the holder merges the other side's records a moment after the other side's old primary delivered
+# newer ones (docs/storage.md), and on a loaded machine that moment is seconds: the merge waits for the overlay
+# to heal and for its pulls.  A message handed out behind the gap cannot be taken back, so the gap is held.
+REPAIR_RETRY: Final = 0.2
+REPAIR_RETRY_MAX: Final = 1.6
+REPAIR_PATIENCE: Final = 8.0
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
 # Publishes sent back to back before publish_nowait lets the event loop run once.
@@ -644,14 +647,16 @@ class Client:
             while sub._behind and not sub.closed:
                 publisher = next(iter(sub._behind))
                 found: list[Record] = []
-                for attempt in range(REPAIR_ATTEMPTS):
-                    if attempt:
-                        await asyncio.sleep(REPAIR_RETRY)
+                loop = asyncio.get_running_loop()
+                give_up, retry = loop.time() + REPAIR_PATIENCE, REPAIR_RETRY
+                while True:
                     found = await self._fetch_gap(sub, publisher)
                     first = min(sub._behind.get(publisher, {0: None}))
                     missing = set(range(sub._last_seq.get(publisher, -1) + 1, first)) - {r.seq for r in found}
-                    if not missing or sub.closed:
+                    if not missing or sub.closed or loop.time() + retry > give_up:
                         break
+                    await asyncio.sleep(retry)  # a wait for the holders to merge, not synchronisation of ours
+                    retry = min(2 * retry, REPAIR_RETRY_MAX)
                 sub._release(publisher, found)
         finally:
             sub._repairing = False
