@@ -100,9 +100,13 @@ CATCH_UP_PAGE: Final = 512
 # partition the holder merges the other side's records a moment after the other side's old primary delivered
 # newer ones (docs/storage.md), and on a loaded machine that moment is seconds: the merge waits for the overlay
 # to heal and for its pulls.  A message handed out behind the gap cannot be taken back, so the gap is held.
+# A repair FETCH can go unanswered while the overlay heals (a routed request dropped on the way): it is asked
+# again after REPAIR_FETCH_TIMEOUT, not after the request timeout, and asked at least REPAIR_MIN_ATTEMPTS times.
 REPAIR_RETRY: Final = 0.2
 REPAIR_RETRY_MAX: Final = 1.6
 REPAIR_PATIENCE: Final = 8.0
+REPAIR_FETCH_TIMEOUT: Final = 2.0
+REPAIR_MIN_ATTEMPTS: Final = 3
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
 # Publishes sent back to back before publish_nowait lets the event loop run once.
@@ -649,11 +653,13 @@ class Client:
                 found: list[Record] = []
                 loop = asyncio.get_running_loop()
                 give_up, retry = loop.time() + REPAIR_PATIENCE, REPAIR_RETRY
-                while True:
+                for attempt in itertools.count(1):
                     found = await self._fetch_gap(sub, publisher)
                     first = min(sub._behind.get(publisher, {0: None}))
                     missing = set(range(sub._last_seq.get(publisher, -1) + 1, first)) - {r.seq for r in found}
-                    if not missing or sub.closed or loop.time() + retry > give_up:
+                    if not missing or sub.closed:
+                        break
+                    if attempt >= REPAIR_MIN_ATTEMPTS and loop.time() + retry > give_up:
                         break
                     await asyncio.sleep(retry)  # a wait for the holders to merge, not synchronisation of ours
                     retry = min(2 * retry, REPAIR_RETRY_MAX)
@@ -674,7 +680,8 @@ class Client:
         found: list[Record] = []
         try:
             while since < upto:
-                reply = await self._request(Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE))
+                fetch = Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE)
+                reply = await self._request(fetch, min(self.request_timeout, REPAIR_FETCH_TIMEOUT))
                 assert isinstance(reply, Fetched)
                 found += [r for r in reply.records if r.publisher == publisher and r.ts < upto]
                 if not reply.more or not reply.records:
@@ -749,12 +756,15 @@ class Client:
         if conn.buffered > CLIENT_WRITE_HIGH_WATER:
             await conn.drain()
 
-    async def _request(self, msg: Subscribe | Unsubscribe | Fetch | Locate | MoveTopic | BalancePlan) -> Message:
+    async def _request(
+        self, msg: Subscribe | Unsubscribe | Fetch | Locate | MoveTopic | BalancePlan, wait: float | None = None
+    ) -> Message:
+        """Send msg and wait for its answer, at most `wait` seconds (default: request_timeout)."""
         fut = self._requests.add(msg.corr)
         self._request_msgs[msg.corr] = msg
         try:
             await self._send(msg)
-            async with asyncio.timeout(self.request_timeout):
+            async with asyncio.timeout(self.request_timeout if wait is None else wait):
                 reply = await fut
         finally:
             self._requests.discard(msg.corr)
