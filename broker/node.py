@@ -337,8 +337,6 @@ class Broker(Membership, Routing):
                 self._start_probe(link, corr, target)
             case Join(origin=None) if link.role == "client":
                 self._start_join(link, msg)
-            case Subscribe() | Unsubscribe() | Publish() | Fetch() | Locate() | MoveTopic() if link.role == "client":
-                self._client_request(link, msg)
             case LoadReport() if link.role == "broker":
                 if current:
                     self.balancer.on_report(msg)

@@ -130,12 +130,6 @@ class AccessRole:
         me = self.t.ov.me
         identities = self.identities
         for coord, by_session in out.items():
-            if len(by_session) == 1:
-                [(session, reqs)] = by_session.items()
-                if len(reqs) == 1:  # a lone request (a device's publish): no chunking per message
-                    batch = (SessionRequests(session, identities.get(session, ""), (reqs[0],)),)
-                    self.t.ov.route(coord, TopicRequest(me, batch, dest=coord))
-                    continue
             items = [(session, raw) for session, reqs in by_session.items() for raw in reqs]
             for chunk in frame_chunks(items, _request_size):
                 self.t.ov.route(coord, TopicRequest(me, _by_session(chunk, identities), dest=coord))
