@@ -3,7 +3,9 @@
 For the tests and the benchmark of `sedax analyze --master spark://...` (docs/analysis.md): each daemon is
 `pyspark/bin/spark-class` running `deploy.master.Master` or `deploy.worker.Worker` as its own process
 group, so it is stopped, with the executors and Python workers it started, through the PID this module
-started.  Ports come from the OS; readiness is the master's JSON status page.  Linux only (/proc).
+started.  Ports come from the OS: the master binds port 0 for its RPC and web UI and the ports it got are
+read from its log (a port picked free beforehand can be taken by the time the JVM binds it, and Spark then
+moves to the next one silently).  Readiness is the master's JSON status page.  Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +32,9 @@ HOST: Final = "127.0.0.1"
 # After SIGTERM a group gets this long to go before SIGKILL (a worker stops its executors first).
 STOP_GRACE: Final = 30.0
 POLL: Final = 0.2
+# The master's log lines that say where it listens (Master.scala, WebUI.scala).
+MASTER_URL: Final = re.compile(rb"Starting Spark master at (spark://\S+)")
+MASTER_WEBUI: Final = re.compile(rb"Bound MasterWebUI to \S+, and started at https?://[^\s:]+:(\d+)")
 
 
 def free_port() -> int:
@@ -86,11 +92,13 @@ class StandaloneSpark:
         cores: int = 1,
         memory: str = "1g",
         worker_path_prefix: Path | None = None,
+        master_within: float = 120.0,
     ) -> None:
         self.workdir = workdir
-        self.port = free_port()
-        self.webui = free_port()
-        self.url = f"spark://{HOST}:{self.port}"
+        # Known once the master has bound them (start()).
+        self.url = ""
+        self.webui = 0
+        self.master_within = master_within
         self.cores = cores
         self.memory = memory
         self.worker_path_prefix = worker_path_prefix
@@ -122,18 +130,38 @@ class StandaloneSpark:
                 )
             )
 
+    def _await_master(self) -> None:
+        """Read the master's URL and web UI port from its log; RuntimeError if it exits or `master_within`
+        s pass first."""
+        log = self.workdir / "master.log"
+        deadline = time.monotonic() + self.master_within
+        while True:
+            text = log.read_bytes()
+            url, webui = MASTER_URL.search(text), MASTER_WEBUI.search(text)
+            if url and webui:
+                self.url, self.webui = url.group(1).decode(), int(webui.group(1))
+                return
+            if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(text.decode(errors="replace").splitlines()[-15:])
+                raise RuntimeError(
+                    f"the Spark master did not report its ports within {self.master_within} s"
+                    f" (exit code {self.procs[0].returncode})\n--- master.log\n{tail}"
+                )
+            time.sleep(POLL)
+
     def start(self) -> None:
-        """Spawn the master and the workers (a worker retries registering until the master is up)."""
+        """Spawn the master, wait until it has bound its ports, then spawn the workers."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         props = self.workdir / "spark.properties"
         # The master's REST submission server would take the fixed port 6066.
         props.write_text("spark.master.rest.enabled false\n")
         self._spawn(
             "master",
-            ["org.apache.spark.deploy.master.Master", "--host", HOST, "--port", str(self.port),
-             "--webui-port", str(self.webui), "--properties-file", str(props)],
+            ["org.apache.spark.deploy.master.Master", "--host", HOST, "--port", "0",
+             "--webui-port", "0", "--properties-file", str(props)],
             self._env(),
         )  # fmt: skip
+        self._await_master()
         for i, work in enumerate(self.work_dirs):
             work.mkdir(parents=True, exist_ok=True)
             self._spawn(
