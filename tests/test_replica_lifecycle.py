@@ -11,6 +11,7 @@ from broker.pubsub.replica import (
     WAITING,
     IllegalReplicaTransition,
     Move,
+    Pulling,
     Replica,
     Stage,
     Staged,
@@ -30,7 +31,7 @@ def _replica(stage: Stage) -> Replica:
     r = Replica("grid/a", TopicLog("grid/a", Retention()), (0.5, 0.5), (0.5, 0.5), [Delegation((0.5, 0.5), 0.0)])
     r.stage = stage
     if stage in PULLING:
-        r.pulling = {7: "n2"}
+        r.pull = Pulling(asked={7: "n2"})
     if stage is Stage.HANDING_OVER:
         r.move = Move(1, (0.2, 0.2), 0.0, None)
     if stage is Stage.RECEIVING:
@@ -43,8 +44,10 @@ def test_every_legal_transition(stage: Stage, transition: Transition) -> None:
     r = _replica(stage)
     new = r.enter(transition)
     assert new is TABLE[(stage, transition)] is r.stage
-    # What belongs to a stage goes with it, and stays while the replica stays in it.
-    assert bool(r.pulling) == (stage in PULLING and new in PULLING)
+    # What belongs to a stage goes with it, and stays while the replica stays in it; the pull is there exactly
+    # while the replica pulls (made fresh on entering, kept from SYNCING to TAKING_OVER).
+    assert (r.pull is not None) == (new in PULLING)
+    assert (r.pull is not None and r.pull.asked == {7: "n2"}) == (stage in PULLING and new in PULLING)
     assert (r.move is not None) == (stage is Stage.HANDING_OVER and new is Stage.HANDING_OVER)
     assert (r.staged is not None) == (stage is Stage.RECEIVING and new is Stage.RECEIVING)
     assert r.waits == (new in WAITING)

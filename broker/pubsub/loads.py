@@ -69,7 +69,7 @@ class LoadRole:
                 behind = sum(len(x.payload) for x in r.undelivered)
             else:
                 behind = 0
-            out[r.name] = (state, behind, len(r.pulling) + len(r.offers))
+            out[r.name] = (state, behind, (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers))
         return out
 
     def topic_coord(self, topic: str) -> Coord | None:

@@ -22,7 +22,7 @@ or the coordinate changes.  Its `stage` is what it is doing about that, and it c
     GONE          dropped from this broker (a late callback finds it so and does nothing)
 
 SYNCING, TAKING_OVER, PLACING, HANDING_OVER, RECEIVING and RECOVERING hold the topic's requests (`WAITING`).  The data
-that belongs to one stage lives on the replica only while it is in that stage: the pull bookkeeping
+that belongs to one stage lives on the replica only while it is in that stage: the `Pulling` bookkeeping
 (SYNCING, TAKING_OVER), the `Move` (HANDING_OVER) and the `Staged` hand-over (RECEIVING).  Offers (`offers`)
 belong to no stage: a holder also offers during a graceful shutdown and to repair gaps; a RETIRING replica is
 dropped once its last offer is confirmed.
@@ -211,6 +211,22 @@ class Batch:
 
 
 @dataclass(slots=True)
+class Pulling:
+    """SYNCING, TAKING_OVER: the pull from the topic's other holders (replication.py `start_pull`)."""
+
+    asked: dict[int, str] = field(default_factory=dict)  # pull corr -> the node asked, until it answered
+    started: float = 0.0
+    heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
+    retried: bool = False  # asked again once (replication.py `tick`)
+    # A serving primary that found another holder had records it lacks (the other side of a healed partition)
+    # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).
+    push_merged: bool = False
+    # ... and the digests of the OFFERs that started it, by offerer: subscribers the offerer hands over with its
+    # answer get what it lacked (replication.py `replicate_arrived`).
+    offered: dict[str, dict[str, SeqRanges]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Move:
     """HANDING_OVER: the move in progress at the old primary."""
 
@@ -265,17 +281,7 @@ class Replica:
     queued: list[tuple[NodeInfo, str, Message]] = field(default_factory=list)  # requests held while WAITING
     meta_dirty: bool = False  # subscribers changed: the secondary needs the new list
     moved_at: float = 0.0
-    # SYNCING / TAKING_OVER: pull corr -> asked node id, when the pull started, whether it was asked again.
-    pulling: dict[int, str] = field(default_factory=dict)
-    pull_started: float = 0.0
-    pull_heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
-    pull_retried: bool = False
-    # A serving primary that found another holder had records it lacks (the other side of a healed partition)
-    # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).
-    push_merged: bool = False
-    # ... and the digests of the OFFERs that started it, by offerer: subscribers the offerer hands over with its
-    # answer get what it lacked (replication.py `replicate_arrived`).
-    offered: dict[str, dict[str, SeqRanges]] = field(default_factory=dict)
+    pull: Pulling | None = None  # SYNCING, TAKING_OVER
     move: Move | None = None  # HANDING_OVER
     staged: Staged | None = None  # RECEIVING
     # Offers of this replica's records not yet confirmed: corr -> the node offered to, and when they went out.
@@ -285,12 +291,14 @@ class Replica:
     unchecked: bool = False
 
     def enter(self, transition: Transition) -> Stage:
-        """Take a transition of the table; the stage-bound data of the stage left is cleared."""
+        """Take a transition of the table; the stage-bound data of the stage left is dropped.  The pull
+        bookkeeping is made on entering a pulling stage and kept from one to the other (a failure while syncing
+        turns the pull into a take-over: the holders already asked still answer it)."""
         new = next_stage(self.name, self.stage, transition)
-        if self.stage in PULLING and new not in PULLING:
-            self.pulling.clear()
-            self.push_merged = False
-            self.offered.clear()
+        if new in PULLING and self.stage not in PULLING:
+            self.pull = Pulling()
+        elif new not in PULLING:
+            self.pull = None
         if self.stage is Stage.HANDING_OVER:
             self.move = None
         if self.stage is Stage.RECEIVING:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
-from broker.pubsub.replica import PULLING, Batch, Replica, Stage, Transition
+from broker.pubsub.replica import PULLING, Batch, Pulling, Replica, Stage, Transition
 from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW
 from broker.storage import StorageError
 from overlay.protocol import NodeInfo
@@ -157,8 +157,8 @@ class ReplicationRole:
         r = self.t.replicas.get(m.topic)
         if r is None:
             return
-        if r.pulling.get(m.corr) == m.node:
-            del r.pulling[m.corr]  # the asked node holds nothing of it
+        if r.pull is not None and r.pull.asked.get(m.corr) == m.node:
+            del r.pull.asked[m.corr]  # the asked node holds nothing of it
             self.pull_progress(r)
             return
         if r.offers.get(m.corr) == m.node:
@@ -203,15 +203,16 @@ class ReplicationRole:
             if m.corr:
                 self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
             return
-        answers_pull = r is not None and r.pulling.get(m.corr) == m.origin.id
-        if r is not None and answers_pull and not same(m.coord, r.coord):
+        pull = r.pull if r is not None else None
+        answers_pull = pull is not None and pull.asked.get(m.corr) == m.origin.id
+        if r is not None and pull is not None and answers_pull and not same(m.coord, r.coord):
             # The asked node knows the topic at another coordinate: a delegate list, not data for us.
             self.home.learn_delegates(m.topic, list(m.delegates))
-            del r.pulling[m.corr]
+            del pull.asked[m.corr]
             self.pull_progress(r)
             return
-        if r is not None and r.pulling and m.origin.id in r.pulling.values():
-            r.pull_heard = now  # an answer is still streaming in: the pull is making progress
+        if pull is not None and pull.asked and m.origin.id in pull.asked.values():
+            pull.heard = now  # an answer is still streaming in: the pull is making progress
         created = r is None
         r = self.holder.replica(m.topic, m.coord)
         # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
@@ -219,7 +220,7 @@ class ReplicationRole:
         new = r.log.merge(m.records, now)
         if new:
             r.unchecked = True
-            if r.push_merged and r.rank == 1:
+            if pull is not None and pull.push_merged and r.rank == 1:
                 self.holder.merged(r, new)
         for pub, seq in m.last_seq.items():
             if seq > r.log.last_seq.get(pub, -1):
@@ -228,7 +229,8 @@ class ReplicationRole:
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
         subs = {(s.access.id, s.session): s for s in m.subscribers}
-        if (theirs := r.offered.pop(m.origin.id, None)) is not None and r.rank == 1:
+        theirs = pull.offered.pop(m.origin.id, None) if pull is not None else None
+        if theirs is not None and r.rank == 1:
             self._catch_up_newcomers(r, [s for k, s in subs.items() if k not in r.subscribers], theirs)
         if r.rank == 1 or m.sync:
             r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
@@ -240,8 +242,8 @@ class ReplicationRole:
         r.rank = self.t.rank_of_me(r.coord)
         r.settle()
         stored = self.holder.persist(r)
-        if answers_pull:
-            del r.pulling[m.corr]
+        if pull is not None and answers_pull:
+            del pull.asked[m.corr]
             if stored and self._offer_pulls.pop(m.corr, None) == m.origin.id:
                 # The answer to an OFFER taken as part of this broker's sync: the offerer may let go now.
                 self.confirm_on_disk(r, m.origin, m.corr)
@@ -259,34 +261,36 @@ class ReplicationRole:
             self.sync_learned(r)
 
     # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------
-    def sync_learned(self, r: Replica, offered: tuple[int, NodeInfo] | None = None) -> bool:
+    def sync_learned(self, r: Replica, offered: tuple[int, NodeInfo] | None = None) -> Pulling | None:
         """A serving primary learned from another holder that it lacks records: a topic new to it (a broker that
         joined closest to it hears of it from an OFFER or a copy), or an OFFER of records it lacks (the other
         side of a healed partition, a copy that kept what it missed).  It syncs - pulls what every other holder
         has, the offerer's answer among them - and serves again only once it holds all of it (storage-anchors:
-        leadership only to a caught-up replica); requests wait meanwhile.  False if it is not a serving primary
-        or there is nobody to ask."""
+        leadership only to a caught-up replica); requests wait meanwhile.  The pull, or None if it is not a
+        serving primary or there is nobody to ask."""
         if r.rank != 1 or r.stage is not Stage.SERVING:
-            return False
+            return None
         return self.start_pull(r, takeover=False, offered=offered)
 
-    def start_pull(self, r: Replica, *, takeover: bool, offered: tuple[int, NodeInfo] | None = None) -> bool:
-        """SYNC (a primary new to the topic) or TAKE_OVER (after a failure): ask the other holders; False if
-        there is nobody to ask (the replica stays as it is).  offered: (corr, node) of an OFFER being answered
+    def start_pull(self, r: Replica, *, takeover: bool, offered: tuple[int, NodeInfo] | None = None) -> Pulling | None:
+        """SYNC (a primary new to the topic) or TAKE_OVER (after a failure): ask the other holders; the pull, or
+        None if there is nobody to ask (the replica stays as it is).  offered: (corr, node) of an OFFER being answered
         with this pull: that node is asked under the offer's corr, so its answer is one of the pull's."""
         if r.rank != 1:
-            return False
+            return None
         others = self.t.ranked(r.coord)[1:]
         if not others:
-            return False
+            return None
         r.enter(Transition.TAKE_OVER if takeover else Transition.SYNC)
-        r.pull_started = r.pull_heard = self.t.ov.now()
-        r.pull_retried = False
+        pull = r.pull
+        assert pull is not None  # made by enter: SYNCING or TAKING_OVER now
+        pull.started = pull.heard = self.t.ov.now()
+        pull.retried = False
         have = r.log.digest()  # the answers carry only what this broker lacks (a restart fetches its gap)
         asked = set()
         if offered is not None:
             corr, node = offered
-            r.pulling[corr] = node.id
+            pull.asked[corr] = node.id
             self._offer_pulls[corr] = node.id  # its answer also confirms the offer (replicate_arrived)
             if len(self._offer_pulls) > MAX_CHAINED:  # answers that never came (the pull timed out)
                 del self._offer_pulls[next(iter(self._offer_pulls))]
@@ -296,9 +300,9 @@ class ReplicationRole:
             if n.id in asked:
                 continue
             corr = self.t.next_corr()
-            r.pulling[corr] = n.id
+            pull.asked[corr] = n.id
             self.t.ov.route(n.coord, Pull(corr, r.name, r.coord, self.t.ov.me, have))
-        return True
+        return pull
 
     def pull_arrived(self, p: Pull) -> None:
         """PULL: send what we hold of the topic (or where it lives, or that we hold nothing)."""
@@ -431,11 +435,11 @@ class ReplicationRole:
             if covers(r.log.held, ranges_of(m.have)):
                 self.confirm_on_disk(r, m.origin, m.corr)
                 return
-            if self.sync_learned(r, offered=(m.corr, m.origin)):
+            if (pull := self.sync_learned(r, offered=(m.corr, m.origin))) is not None:
                 # What it lacked never reached its subscribers (holder.merged), nor what the offerer lacked the
                 # offerer's subscribers, which come with its answer.
-                r.push_merged = True
-                r.offered[m.origin.id] = ranges_of(m.have)
+                pull.push_merged = True
+                pull.offered[m.origin.id] = ranges_of(m.have)
                 return
             self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, r.log.digest()))
             return
@@ -477,7 +481,8 @@ class ReplicationRole:
 
     def pull_progress(self, r: Replica) -> None:
         """Once every asked holder answered (or the pull timed out): serve, place, or forward."""
-        if r.pulling:
+        pull = r.pull
+        if pull is None or pull.asked:
             return
         dl = self.home.delegate_lists.get(r.name)
         if dl and not same(dl[-1].coord, r.coord) and not r.log.rows and not r.subscribers:
@@ -489,7 +494,7 @@ class ReplicationRole:
             return
         took_over = r.stage is Stage.TAKING_OVER
         self.t.counters["syncs"] += 1
-        self.t.event("sync", topic=r.name, seconds=round(self.t.ov.now() - r.pull_started, 6))
+        self.t.event("sync", topic=r.name, seconds=round(self.t.ov.now() - pull.started, 6))
         if took_over:
             r.enter(Transition.CAUGHT_UP)
             self.redeliver(r)
@@ -600,16 +605,22 @@ class ReplicationRole:
                 r.outbox = list(r.undelivered)
                 r.meta_dirty = True
                 self.flush(r)
-            if r.pulling and now - max(r.pull_started, r.pull_heard) > self.t.config.pull_timeout:
-                r.pulling.clear()
+            pull = r.pull
+            if pull is not None and pull.asked and now - max(pull.started, pull.heard) > self.t.config.pull_timeout:
+                pull.asked.clear()
                 self.pull_progress(r)
-            elif r.pulling and not r.pull_retried and now - r.pull_started > self.t.config.pull_timeout / 4:
+            elif (
+                pull is not None
+                and pull.asked
+                and not pull.retried
+                and now - pull.started > self.t.config.pull_timeout / 4
+            ):
                 # Right after a failure a pull can be routed through a broker that has not yet noticed it and
                 # be lost there; asking again once the overlay has healed beats waiting out the time-out (the
                 # requests of the topic wait meanwhile).  A second answer is merged like one that comes after the
                 # time-out: the merge drops what is already stored.
-                r.pull_retried = True
+                pull.retried = True
                 view = self.t.ov.view()
-                for corr, nid in r.pulling.items():
+                for corr, nid in pull.asked.items():
                     if (node := view.get(nid)) is not None:
                         self.t.ov.route(node.coord, Pull(corr, r.name, r.coord, self.t.ov.me))
