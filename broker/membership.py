@@ -43,6 +43,7 @@ from overlay.protocol import (
     NodeInfo,
     Refuse,
     Suspect,
+    UnlinkReason,
     Witness,
     encode_control,
     parse_address,
@@ -304,6 +305,13 @@ class Membership:
         asyncio.get_running_loop().call_later(self.config.tombstone_ttl + 0.01, self._schedule_reconcile)
         self._schedule_reconcile()
 
+    def _drop_peer(self, pid: str, link: PeerLink, reason: UnlinkReason) -> None:
+        """Stop using the link to a live neighbour: out of `peers`, no longer a forwarding neighbour (it stays
+        in the view, so nothing fails over), and the link retired (UNLINK; closed once both ends sent one)."""
+        del self.peers[pid]
+        self.view.unlink(pid)
+        link.retire(reason)
+
     def _schedule_reconcile(self) -> None:
         if self._reconcile_handle is None and not self._closing:
             self._reconcile_handle = asyncio.get_running_loop().call_soon(self._reconcile)
@@ -329,9 +337,7 @@ class Membership:
             # Keep a link while either end wants it; without the peer's advert we cannot know yet.
             if nid in desired or advert is None or self.node_id in advert:
                 continue
-            del self.peers[nid]
-            view.unlink(nid)
-            link.retire("not_neighbour")
+            self._drop_peer(nid, link, "not_neighbour")
         known = frozenset(view.known())
         if known != self._known_ids:
             # Who is closest to which coordinate may have changed: pub/sub re-ranks its topics (take-over,
@@ -381,9 +387,7 @@ class Membership:
             if current is not None and current.unlink_received:
                 # The peer gave this link up for the connection this dial was to open, which did not come up
                 # (node.py waits for it): answer now; the reconciliation dials again.
-                del self.peers[info.id]
-                self.view.unlink(info.id)
-                current.retire("duplicate_link")
+                self._drop_peer(info.id, current, "duplicate_link")
             self._schedule_reconcile()
 
     def _schedule_redial(self) -> None:

@@ -321,11 +321,12 @@ class Broker(Membership, Routing):
                 # not dialling (we had unlinked it already): answer at once; the reconciliation dials again if we
                 # want the link.  Writing on here for a twin that never comes would end in the peer's drain
                 # time-out closing the link under our writes: a reset, taken here for the peer's failure.
+                answered = link.unlink_arrived()  # ours was sent too: the link is closing
                 if current and link.peer_id is not None:
-                    del self.peers[link.peer_id]
-                    self.view.unlink(link.peer_id)
+                    # (never `answered`: a link is retired only once out of `peers`)
+                    self._drop_peer(link.peer_id, link, reason)
                     self._schedule_reconcile()
-                if not link.unlink_arrived():
+                elif not answered:
                     link.retire(reason)
             case Suspect() if link.role == "broker" and current:
                 self._witness_asked(link, msg)
