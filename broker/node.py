@@ -354,8 +354,7 @@ class Broker(Membership, Routing):
             if type(msg) is Publish:  # metrics: publish-to-ACK latency
                 self.stats.acks.started(sid, msg.topic, msg.publisher, msg.seq)
             self.pubsub.client_message(sid, msg)
-        if not link.send_limit:  # as in PubSubPort.to_session
-            self._dirty.add(link)
+        self.written(link)
         self._pubsub_input = True
 
     def _session(self, link: PeerLink) -> str:
@@ -637,8 +636,7 @@ class PubSubPort:
             # Broken a moment ago (its close is on the way): a failure here must not abort the batch of
             # deliveries and acknowledgements for everyone else that this call is part of.
             return False
-        if not link.send_limit:  # a client link with a send limit never waits for its drain (needs_flush)
-            self._b.written(link)
+        self._b.written(link)
         if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
             self._b.stats.acks.frame(session, frame)
         return True

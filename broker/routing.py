@@ -119,16 +119,18 @@ class Routing:
 
     def written(self, link: PeerLink) -> None:
         """Something was written to link in this turn (checked for backpressure by needs_flush)."""
-        self._dirty.add(link)
+        # A client link with a send limit is bounded by it instead (link.write): waiting for a slow subscriber
+        # would stall every link this broker reads from.  (Forwarding adds its next hop, a broker link, which
+        # has none, directly.)
+        if not link.send_limit:
+            self._dirty.add(link)
 
     def needs_flush(self) -> bool:
         """True if a next hop written to since the last check holds more than FLUSH_THRESHOLD unsent bytes."""
         dirty = self._dirty
         while dirty:
             link = dirty.pop()
-            # Client links are bounded by their send limit instead: waiting for a slow subscriber would
-            # stall every link this broker reads from.
-            if link.write_buffered > FLUSH_THRESHOLD and not link.send_limit:
+            if link.write_buffered > FLUSH_THRESHOLD:
                 self._congested.add(link)
         return bool(self._congested)
 
@@ -272,7 +274,7 @@ class Routing:
                 link.send_nowait(replace(msg, corr=client_corr))
             except LinkClosed:
                 return  # the client's connection broke a moment ago; its close is on the way
-            self._dirty.add(link)
+            self.written(link)
 
     def _register(self, link: PeerLink, client_corr: int) -> int | None:
         if len(self._pending) >= MAX_PENDING:
