@@ -102,9 +102,14 @@ CATCH_UP_PAGE: Final = 512
 # to heal and for its pulls.  A message handed out behind the gap cannot be taken back, so the gap is held.
 # A repair FETCH can go unanswered while the overlay heals (a routed request dropped on the way): it is asked
 # again after REPAIR_FETCH_TIMEOUT, not after the request timeout, and asked at least REPAIR_MIN_ATTEMPTS times.
+# At resilience 2 and 3 (the holder says which in its FETCHED) no single change loses an acknowledged message,
+# so a gap there is messages on their way: the other side of a healed partition, merged once the overlay has
+# healed, which on a loaded machine took longer than 8 s.  The client then holds the gap for
+# REPAIR_PATIENCE_REPLICATED, or until as many messages wait behind it as the subscription's queue holds.
 REPAIR_RETRY: Final = 0.2
 REPAIR_RETRY_MAX: Final = 1.6
 REPAIR_PATIENCE: Final = 8.0
+REPAIR_PATIENCE_REPLICATED: Final = 60.0
 REPAIR_FETCH_TIMEOUT: Final = 2.0
 REPAIR_MIN_ATTEMPTS: Final = 3
 # The longest wait between two re-sends of unacknowledged publishes.
@@ -652,15 +657,19 @@ class Client:
                 publisher = next(iter(sub._behind))
                 found: list[Record] = []
                 loop = asyncio.get_running_loop()
-                give_up, retry = loop.time() + REPAIR_PATIENCE, REPAIR_RETRY
+                started, retry, patience = loop.time(), REPAIR_RETRY, REPAIR_PATIENCE
                 for attempt in itertools.count(1):
-                    found = await self._fetch_gap(sub, publisher)
-                    first = min(sub._behind.get(publisher, {0: None}))
-                    missing = set(range(sub._last_seq.get(publisher, -1) + 1, first)) - {r.seq for r in found}
+                    found, level = await self._fetch_gap(sub, publisher)
+                    if level >= 2:
+                        patience = REPAIR_PATIENCE_REPLICATED
+                    held = sub._behind.get(publisher, {0: None})
+                    missing = set(range(sub._last_seq.get(publisher, -1) + 1, min(held))) - {r.seq for r in found}
                     if not missing or sub.closed:
                         break
-                    if attempt >= REPAIR_MIN_ATTEMPTS and loop.time() + retry > give_up:
+                    if attempt >= REPAIR_MIN_ATTEMPTS and loop.time() + retry > started + patience:
                         break
+                    if len(held) >= sub._maxsize:
+                        break  # memory stays bounded: what waits behind the gap is at most a queue's worth
                     await asyncio.sleep(retry)  # a wait for the holders to merge, not synchronisation of ours
                     retry = min(2 * retry, REPAIR_RETRY_MAX)
                 sub._release(publisher, found)
@@ -670,26 +679,29 @@ class Client:
             sub._repairing = True
             self._spawn(self._repair(sub))
 
-    async def _fetch_gap(self, sub: Subscription, publisher: str) -> list[Record]:
-        """The stored messages of publisher between its last handed-out one and the first held back."""
+    async def _fetch_gap(self, sub: Subscription, publisher: str) -> tuple[list[Record], int]:
+        """The stored messages of publisher between its last handed-out one and the first held back, and the
+        answering holder's resilience level (0 if none answered)."""
         behind = sub._behind.get(publisher)
         if not behind:
-            return []
+            return [], 0
         upto = min(r.ts for r in behind.values())
         since = sub._last_ts.get(publisher, 0.0)
         found: list[Record] = []
+        level = 0
         try:
             while since < upto:
                 fetch = Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE)
                 reply = await self._request(fetch, min(self.request_timeout, REPAIR_FETCH_TIMEOUT))
                 assert isinstance(reply, Fetched)
+                level = reply.resilience
                 found += [r for r in reply.records if r.publisher == publisher and r.ts < upto]
                 if not reply.more or not reply.records:
                     break
                 since = reply.records[-1].ts
         except (RequestFailed, TimeoutError, ClientError) as exc:
-            log.warning("topic %s: could not fetch the messages missing from the stream: %s", sub.topic, exc)
-        return found
+            log.warning("topic %s: could not fetch the messages missing from the stream: %r", sub.topic, exc)
+        return found, level
 
     async def _catch_up(self, sub: Subscription, wait: bool = True) -> bool:
         """Read what was stored since sub.since page by page, as fast as the consumer takes it.

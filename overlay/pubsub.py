@@ -453,13 +453,18 @@ class Fetch(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class Fetched(Message):
-    """Answer to FETCH; `more` says another FETCH since the last record's ts would return more."""
+    """Answer to FETCH; `more` says another FETCH since the last record's ts would return more.
+
+    `resilience` is the answering holder's level: at 2 and 3 an acknowledged message survives any single change,
+    so a client that finds a gap the holder cannot fill yet waits longer for it (a partition's other side
+    merging in) before counting it lost.  A FETCHED from a broker that predates the field decodes to 1."""
 
     op: ClassVar[Literal["fetched"]] = "fetched"
     corr: int
     topic: str
     records: tuple[Record, ...]
     more: bool
+    resilience: int = 1
 
 
 @register_message

@@ -216,7 +216,7 @@ class HolderRole:
                         more = True
                         break
                     out.append(m)
-                self.t.reply(access, [session], Fetched(req.corr, r.name, tuple(out), more))
+                self.t.reply(access, [session], Fetched(req.corr, r.name, tuple(out), more, self.t.config.resilience))
             case MoveTopic():
                 if not r.log.rows and not r.log.last_seq and not r.subscribers:
                     # Nothing to move: a typo must not be reported as moved, nor leave an empty replica here.
