@@ -19,7 +19,6 @@ from typing import Final, Protocol
 from broker.tasks import TaskSet
 from net.connection import (
     LINK_WRITE_HIGH_WATER,
-    READ_CHUNK,
     CloseReason,
     HandshakeRefused,
     Heartbeat,
@@ -211,7 +210,8 @@ class PeerLink:
         self.pings_sent = 0
         self._requests = Requests()
         self._closed = asyncio.Event()
-        self._read_task: asyncio.Task[None] | None = None
+        self._reading = True  # the peer's bytes are taken (until the end of the stream, an error or the close)
+        self._flush_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._ping_seq = 0
         self._quiet: QuietReceive | None = None
@@ -250,8 +250,9 @@ class PeerLink:
     # ------------------------------------------------------------------------------------------ startup
 
     def start(self) -> None:
-        """Start the read loop, and the watchdog (hello timeout, then heartbeat) unless the owner ticks."""
-        self._read_task = self._tasks.spawn(self._read_loop(), f"read-{self.number}")
+        """Start reading (the transport pushes to `received`), and the watchdog (hello timeout, then heartbeat)
+        unless the owner ticks."""
+        self._t.receive(self)
         if not self._ticked:
             self._watchdog_task = self._tasks.spawn(self._watchdog(), f"watchdog-{self.number}")
 
@@ -291,42 +292,68 @@ class PeerLink:
 
     # ---------------------------------------------------------------------------------------- read side
 
-    async def _read_loop(self) -> None:
-        reason, detail = CloseReason.PEER_CLOSED, "end of stream"
+    def received(self, data: bytes) -> None:
+        """Bytes from the peer, pushed by the transport as they arrive (b"": the end of the stream): decode,
+        dispatch, and pause reading while the handler's next hops drain (backpressure)."""
+        if not self._reading:
+            return
         try:
-            while True:
-                data = await self._t.read(READ_CHUNK)
-                frames = self._decoder.feed(data)
-                if not data:
-                    break
-                self._beat.received()
-                for frame in frames:
-                    self._dispatch(frame)
-                    if self.state in (LinkState.CLOSED, LinkState.ERROR):
-                        return
-                if self._quiet is not None:
-                    self._quiet.after_read(not self._decoder.buffered and _beats(frames))
-                if self._handler.needs_flush():
-                    # Paused on backpressure we read nothing from this peer, so its silence would be ours:
-                    # the watchdog ignores the pause and the clock restarts when reading resumes.
-                    self._beat.paused = True
-                    try:
-                        await self._handler.flush()
-                    finally:
-                        self._beat.paused = False
-                        self._beat.received()
-        except RemoteProtocolError as exc:
-            reason, detail = CloseReason.PROTOCOL_ERROR, str(exc)
-        except (ConnectionError, OSError) as exc:
-            reason, detail = CloseReason.CONNECTION_LOST, repr(exc)
-        except LocalProtocolError as exc:
-            self._log.exception("bug while handling %r", self)
-            reason, detail = CloseReason.INTERNAL_ERROR, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug while handling one peer's input closes that link, visibly
-            self._log.exception("bug while handling %r", self)
-            reason, detail = CloseReason.INTERNAL_ERROR, repr(exc)
-        self._read_task = None  # closing must not cancel the task doing the closing
-        await self.aclose(reason, detail)
+            frames = self._decoder.feed(data)
+            if not data:
+                self._read_ended(CloseReason.PEER_CLOSED, "end of stream")
+                return
+            self._beat.received()
+            for frame in frames:
+                self._dispatch(frame)
+                if self.state is LinkState.CLOSED or self.state is LinkState.ERROR:
+                    self._reading = False
+                    return
+            if self._quiet is not None:
+                self._quiet.after_read(not self._decoder.buffered and _beats(frames))
+            if self._handler.needs_flush():
+                # Paused on backpressure we read nothing from this peer, so its silence would be ours:
+                # the watchdog ignores the pause and the clock restarts when reading resumes.
+                self._beat.paused = True
+                self._t.pause_reading()
+                self._flush_task = self._tasks.spawn(self._flush(), f"flush-{self.number}")
+        except Exception as exc:  # noqa: BLE001 - sorted by _read_failed; the link closes with the reason
+            self._read_failed(exc)
+
+    def lost(self, exc: Exception) -> None:
+        """The transport's connection was reset or failed."""
+        if self._reading:
+            self._read_ended(CloseReason.CONNECTION_LOST, repr(exc))
+
+    async def _flush(self) -> None:
+        try:
+            await self._handler.flush()
+        except Exception as exc:  # noqa: BLE001 - as in received
+            self._read_failed(exc)
+        finally:
+            self._flush_task = None
+            self._beat.paused = False
+            self._beat.received()
+        if self._reading:
+            self._t.resume_reading()  # what waited meanwhile is handed over now
+
+    def _read_failed(self, exc: Exception) -> None:
+        if isinstance(exc, RemoteProtocolError):
+            self._read_ended(CloseReason.PROTOCOL_ERROR, str(exc))
+        elif isinstance(exc, (ConnectionError, OSError)):
+            self._read_ended(CloseReason.CONNECTION_LOST, repr(exc))
+        elif isinstance(exc, LocalProtocolError):
+            self._log.exception("bug while handling %r", self, exc_info=exc)
+            self._read_ended(CloseReason.INTERNAL_ERROR, str(exc))
+        else:  # a bug while handling one peer's input closes that link, visibly
+            self._log.exception("bug while handling %r", self, exc_info=exc)
+            self._read_ended(CloseReason.INTERNAL_ERROR, repr(exc))
+
+    def _read_ended(self, reason: CloseReason, detail: str) -> None:
+        """Nothing more is read: close with reason (always a failure: no drain, so at once), unless a close
+        decided earlier is under way (its reason stands, as `_intended` makes it in aclose)."""
+        self._reading = False
+        if self.close_reason is None and self._intended is None:
+            self._close_failed(reason, detail)
 
     def _dispatch(self, frame: ControlFrame | RoutedFrame) -> None:
         state = self.state
@@ -569,19 +596,29 @@ class PeerLink:
         if self._intended is not None:
             # close_soon() decided first (e.g. after UNLINK); the EOF that follows must not turn it into a failure.
             reason, detail = self._intended
+        if reason.is_failure:
+            self._close_failed(reason, detail)
+            return
         self.close_reason, self.close_detail = reason, detail
-        failed = reason.is_failure
-        if not failed and self.state is not LinkState.DRAINING:
+        if self.state is not LinkState.DRAINING:
             if farewell is not None and self.state is LinkState.ESTABLISHED:
                 self._t.write(encode_control(farewell))
             self._set_state(LinkState.DRAINING)
-        if not failed:
-            try:
-                async with asyncio.timeout(self._drain_timeout):
-                    await self._t.drain()
-            except (TimeoutError, ConnectionError, OSError):
-                pass
+        try:
+            async with asyncio.timeout(self._drain_timeout):
+                await self._t.drain()
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        self._closed_with(reason, detail, failed=False)
+
+    def _close_failed(self, reason: CloseReason, detail: str) -> None:
+        """aclose for a failure: no farewell and no drain, so it completes at once (from the read path too)."""
+        self.close_reason, self.close_detail = reason, detail
+        self._closed_with(reason, detail, failed=True)
+
+    def _closed_with(self, reason: CloseReason, detail: str, *, failed: bool) -> None:
         self._set_state(LinkState.ERROR if failed else LinkState.CLOSED)
+        self._reading = False
         self._requests.fail_all(LinkClosed(reason, detail))
         if failed:
             self._t.abort()
@@ -591,7 +628,7 @@ class PeerLink:
             self._quiet.close()
             self._quiet = None
         current = asyncio.current_task()
-        for task in (self._read_task, self._watchdog_task):
+        for task in (self._flush_task, self._watchdog_task):
             if task is not None and task is not current and not task.done():
                 task.cancel(f"link closed: {reason.value}")
         if self.role == "broker":

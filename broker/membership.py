@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Final
 
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.routing import MAX_PENDING
-from net.credentials import connect_broker, peer_cert, source_address
-from net.transport import StreamTransport
+from net.credentials import source_address
+from net.transport import connect_broker
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
     PROTOCOL_VERSION,
@@ -189,10 +189,10 @@ class Membership:
     async def _join_via(self, addr: str) -> JoinAccept:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.config.connect_timeout):
-            reader, writer = await connect_broker(
+            transport = await connect_broker(
                 host, port, self.guard.dial_context, self.config.connect_timeout, source_address(self.info.listen)
             )
-        link = self._new_link(StreamTransport(reader, writer), outbound=True)
+        link = self._new_link(transport, outbound=True)
         hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
         try:
             await link.open(hello)
@@ -363,15 +363,15 @@ class Membership:
         try:
             host, port = parse_address(info.listen)
             async with asyncio.timeout(self.config.connect_timeout):
-                reader, writer = await connect_broker(
+                transport = await connect_broker(
                     host, port, self.guard.dial_context, self.config.connect_timeout, source_address(self.info.listen)
                 )
-            problem = self.guard.dialled_peer_problem(peer_cert(writer.get_extra_info("peercert")), info.id)
+            problem = self.guard.dialled_peer_problem(transport.peer_cert, info.id)
             if problem is not None:
-                writer.transport.abort()
+                transport.abort()
                 self._give_up(info.id, problem, quiet=quiet)
                 return
-            link = self._new_link(StreamTransport(reader, writer), outbound=True)
+            link = self._new_link(transport, outbound=True)
             hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
             ok = await link.open(hello)
             if ok.node.id != info.id:

@@ -226,8 +226,8 @@ class Broker(Membership, Routing):
         self.links.add(link)
         return link
 
-    def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accept(StreamTransport(reader, writer))
+    def _on_stream(self, transport: StreamTransport) -> None:
+        self.accept(transport)
 
     def accept(self, transport: Transport) -> None:
         """Serve an inbound connection (the listener's, or any connected transport: tests use memory)."""

@@ -24,6 +24,7 @@ from typing import Final
 from broker.config import BrokerConfig, ConfigError
 from broker.tasks import TaskSet
 from net.credentials import ROLE_BROKER, PeerCert, peer_cert
+from net.transport import StreamTransport
 
 # Pending connections the kernel queues for us; asyncio's default is 100.
 BACKLOG: Final = 512
@@ -33,9 +34,8 @@ ACCEPT_BACKOFF: Final = 0.1
 # flood the log); all are counted.
 LOG_FIRST: Final = 20
 LOG_EVERY: Final = 1000
-_STREAM_LIMIT: Final = 1 << 16
 
-OnStream = Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]
+OnStream = Callable[[StreamTransport], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,7 @@ def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> Broke
 
 
 class Listener:
-    """Accepts connections, completes their TLS handshake (if configured) and hands over the streams.
+    """Accepts connections, completes their TLS handshake (if configured) and hands over their transports.
 
     `admit(handshaking)` decides at accept time whether one more connection may start its handshake;
     a refused one is closed at once (counted in `refused`).
@@ -208,14 +208,15 @@ class Listener:
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
-        reader = asyncio.StreamReader(limit=_STREAM_LIMIT)
-        protocol = asyncio.StreamReaderProtocol(reader)
+        # The transport gets the connection once the TLS handshake has completed.  It is made here, not taken
+        # from the call's result: under TLS uvloop returns its own SSL protocol there.
+        transport = StreamTransport()
         try:
             if self._ctx is None:
-                transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+                await loop.connect_accepted_socket(lambda: transport, conn)
             else:
-                transport, _ = await loop.connect_accepted_socket(
-                    lambda: protocol, conn, ssl=self._ctx, ssl_handshake_timeout=self._timeout
+                await loop.connect_accepted_socket(
+                    lambda: transport, conn, ssl=self._ctx, ssl_handshake_timeout=self._timeout
                 )
         except (OSError, TimeoutError) as exc:  # ssl.SSLError and ConnectionError are OSErrors
             conn.close()
@@ -226,7 +227,7 @@ class Listener:
             raise
         finally:
             self.handshaking -= 1
-        self._on_stream(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+        self._on_stream(transport)
 
     def _failed(self, peer: str, exc: BaseException) -> None:
         self.handshake_failures += 1

@@ -14,8 +14,8 @@ from typing import Final, Self
 
 from client.errors import ClientError, ConnectError, RequestFailed
 from net.connection import READ_CHUNK, HandshakeRefused, Requests, open_handshake
-from net.credentials import Credentials, open_stream
-from net.transport import StreamTransport, Transport
+from net.credentials import Credentials
+from net.transport import Transport, open_stream
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -91,12 +91,10 @@ class AdminClient:
         creds.ssl_context()  # unreadable files fail here, before any connection attempt
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await open_stream(host, port, creds, timeout)
+                transport = await open_stream(host, port, creds, timeout)
         except (OSError, TimeoutError) as exc:
             raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
-        return await cls.over(
-            StreamTransport(reader, writer), addr, timeout=timeout, role=role, token=creds.token or ""
-        )
+        return await cls.over(transport, addr, timeout=timeout, role=role, token=creds.token or "")
 
     @classmethod
     async def over(

@@ -37,8 +37,8 @@ from typing import Any, Final, Self
 from client.admin import HANDSHAKE_HINT
 from client.errors import ClientClosed, ClientError, ConnectError, RequestFailed
 from net.connection import CLIENT_WRITE_HIGH_WATER, READ_CHUNK, HandshakeRefused, Heartbeat, Requests, open_handshake
-from net.credentials import Credentials, connect_broker
-from net.transport import StreamTransport, Transport
+from net.credentials import Credentials
+from net.transport import Transport, connect_broker
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
     MAX_ID_LEN,
@@ -476,8 +476,8 @@ class Client:
     async def _connect_one(self, addr: str) -> None:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.connect_timeout):
-            reader, writer = await connect_broker(host, port, self._ssl, self.connect_timeout)
-        await self.attach(StreamTransport(reader, writer), addr)
+            transport = await connect_broker(host, port, self._ssl, self.connect_timeout)
+        await self.attach(transport, addr)
 
     async def attach(self, transport: Transport, addr: str) -> None:
         """Make a connected transport this client's connection: the handshake (net.connection.open_handshake),

@@ -13,7 +13,6 @@ defaulting to ``SEDAX_CA``, ``SEDAX_CERT``, ``SEDAX_KEY``, ``SEDAX_TOKEN`` and `
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import ipaddress
 import os
@@ -166,37 +165,6 @@ class Credentials:
         if self.insecure or self.ca is None:
             return None
         return _client_context(self.ca, self.cert, self.key)
-
-
-async def open_stream(
-    host: str, port: int, credentials: Credentials, handshake_timeout: float
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Connect to a broker with these credentials (see `connect_broker`)."""
-    return await connect_broker(host, port, credentials.ssl_context(), handshake_timeout)
-
-
-async def connect_broker(
-    host: str, port: int, ctx: ssl.SSLContext | None, handshake_timeout: float, source: str | None = None
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Plain TCP (ctx None), or TLS verifying the broker's certificate: CA, address (SAN) and OU=broker.
-
-    source: the local address to connect from (a broker's own listen address, `source_address`).
-    Raises OSError (ssl.SSLError for a failed handshake, NotABroker) or TimeoutError.
-    """
-    local = (source, 0) if source is not None else None
-    if ctx is None:
-        return await asyncio.open_connection(host, port, local_addr=local)
-    reader, writer = await asyncio.open_connection(
-        host, port, ssl=ctx, server_hostname=host, ssl_handshake_timeout=handshake_timeout, local_addr=local
-    )
-    cert = peer_cert(writer.get_extra_info("peercert"))
-    if cert is None or cert.role != ROLE_BROKER:
-        writer.transport.abort()
-        raise NotABroker(
-            f"{host}:{port} presented a certificate for {cert.name if cert else '?'} with role "
-            f"{cert.role if cert else '?'}, not a broker certificate (OU=broker) of the cluster CA"
-        )
-    return reader, writer
 
 
 def source_address(listen: str) -> str | None:

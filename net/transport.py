@@ -1,9 +1,11 @@
-"""The byte stream under every SeDAX connection: one interface, over asyncio streams or in memory.
+"""The byte stream under every SeDAX connection: one interface, over asyncio sockets or in memory.
 
 `Transport` is what broker links (broker/link.py), clients (client/client.py) and admin tools (client/admin.py)
-need from a connection: read a chunk, write, see how much is queued, wait for it to drain, close or abort, and
-know who is at the other end.  `StreamTransport` runs it over an asyncio stream pair (TCP, TLS); `memory_pair()`
-gives two connected in-memory ends, so the connection code is tested without sockets as well as over loopback.
+need from a connection: read a chunk (pull) or have every chunk pushed to a receiver as it arrives (push), pause
+that for backpressure, write, see how much is queued, wait for it to drain, close or abort, and know who is at
+the other end.  `StreamTransport` runs it over an asyncio socket transport (TCP, TLS; `connect_broker` dials
+one, broker/tls.py accepts them); `memory_pair()` gives two connected in-memory ends, so the connection code is
+tested without sockets as well as over loopback.
 """
 
 from __future__ import annotations
@@ -11,16 +13,34 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import sys
 from collections import deque
-from typing import Protocol
+from typing import Protocol, cast
 
 from net import trace
-from net.credentials import PeerCert, peer_cert
+from net.credentials import ROLE_BROKER, Credentials, NotABroker, PeerCert, peer_cert
+
+
+class Receiver(Protocol):
+    """Where a transport in push mode (`Transport.receive`) hands what it reads."""
+
+    def received(self, data: bytes) -> None:
+        """Bytes from the peer, as they arrived; b"" is the end of the stream (nothing follows)."""
+        ...
+
+    def lost(self, exc: Exception) -> None:
+        """The connection was reset or failed (nothing follows)."""
+        ...
 
 
 class Transport(Protocol):
-    """A byte stream to one peer (see the module docstring)."""
+    """A byte stream to one peer (see the module docstring).
+
+    Reading is pull (`read`, for a handshake and for the clients' and tools' read loops) until `receive`
+    switches the transport to push: from then on every chunk goes to the receiver as it arrives, with no
+    buffer and no task in between (a broker's links, the per-message path).
+    """
 
     @property
     def remote(self) -> str:
@@ -34,6 +54,19 @@ class Transport(Protocol):
 
     async def read(self, n: int) -> bytes:
         """Up to n bytes; b"" at the end of the stream.  ConnectionError if the connection was reset."""
+        ...
+
+    def receive(self, receiver: Receiver) -> None:
+        """Push from now on: every chunk read goes to receiver (what `read` left buffered first, in a call
+        scheduled on the loop); `read` is not called again."""
+        ...
+
+    def pause_reading(self) -> None:
+        """Stop handing chunks to the receiver (backpressure) until `resume_reading`; the peer's bytes wait."""
+        ...
+
+    def resume_reading(self) -> None:
+        """Hand chunks to the receiver again, the ones that waited first."""
         ...
 
     def write(self, data: bytes) -> None:
@@ -77,73 +110,246 @@ class Transport(Protocol):
 # Bytes a TLS 1.3 record adds to what is written: 5 header, 1 inner content type, 16 AEAD tag (every cipher
 # suite Python's ssl enables).  TLS 1.2's depend on the cipher: no fixed figure.
 TLS13_RECORD_OVERHEAD = 22
+# In pull mode, the socket is not read while this much waits unread (asyncio's StreamReader pauses at twice
+# its 64 KiB limit): a peer cannot fill our memory faster than `read` takes it.
+PULL_BUFFER_LIMIT = 256 * 1024
 
 
-class StreamTransport:
-    """A Transport over an asyncio StreamReader/StreamWriter pair.
+class StreamTransport(asyncio.Protocol):
+    """A Transport over an asyncio socket transport (TCP, TLS): it is the connection's asyncio Protocol.
 
-    Writes go to the stream at once.  Holding a loop turn's writes back to send them in one system call was
-    measured (docs/benchmarks-latency.md) and taken out again: in a broker, pub/sub's acknowledgements are
-    written in a deferred call already, and one more deferral put them behind the next batch of reads; in the
-    1,000-publisher fan-in the publishers (each waiting for its ACK) offered 30-45 % fewer messages.  The
+    It is made by the protocol factory of `loop.create_connection` / `loop.connect_accepted_socket` (see
+    `connect` and broker/tls.py), which hand it the connection only once a TLS handshake has completed.
+    Received chunks are pushed to the receiver straight from `data_received`: the StreamReader this replaced
+    cost a buffer copy, a future's wake-up and a task step per chunk (about 5 % of a broker's CPU in the
+    9-broker fan-in, docs/benchmarks-latency.md).
+
+    Writes go to the socket transport at once.  Holding a loop turn's writes back to send them in one system
+    call was measured (docs/benchmarks-latency.md) and taken out again: in a broker, pub/sub's acknowledgements
+    are written in a deferred call already, and one more deferral put them behind the next batch of reads; in
+    the 1,000-publisher fan-in the publishers (each waiting for its ACK) offered 30-45 % fewer messages.  The
     callers batch where it pays: the client per loop turn, pub/sub per topic and turn.
     """
 
-    __slots__ = ("_reader", "_tr", "_writer", "remote", "writes")
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._tr: asyncio.Transport | None = None
+        self.remote = "?"
+        self.writes = 0  # writes handed to the socket transport (tests count them)
+        self._receiver: Receiver | None = None
+        self._paused = False  # the owner paused reading (push mode)
+        self._tr_paused = False  # the socket transport is paused (owner's pause, or a full pull buffer)
+        self._chunks: deque[bytes] = deque()  # read and not yet taken (pull mode; or waiting out a pause)
+        self._buffered = 0
+        self._eof = False  # the end of the stream came in (after the chunks)
+        self._exc: Exception | None = None  # the connection failed (after the chunks)
+        self._told = False  # the receiver was told of the end
+        self._waiter: asyncio.Future[None] | None = None  # a `read` waiting for data
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._lost = False
+        self._closed: asyncio.Future[None] = self._loop.create_future()
+        self._over_ssl = False
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-        # The writer's transport, called directly on the per-message paths (write, its buffer size, its state):
-        # StreamWriter only passes these calls on, one Python frame each per message.
-        self._tr = writer.transport
-        peername = writer.get_extra_info("peername")
+    # ---- asyncio.Protocol (called by the socket transport) ----------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # An asyncio.Transport in all but class: uvloop's TCP and TLS transports do not subclass it.
+        self._tr = cast(asyncio.Transport, transport)
+        self._over_ssl = transport.get_extra_info("sslcontext") is not None
+        peername = transport.get_extra_info("peername")
         self.remote = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
-        self.writes = 0  # writes handed to the stream (tests count them)
+
+    def data_received(self, data: bytes) -> None:
+        if trace.ENABLED:
+            trace.mark("read", data)
+        receiver = self._receiver
+        if receiver is not None and not self._paused and not self._chunks:
+            receiver.received(data)  # the push path: straight to the decoder
+            return
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if receiver is None:
+            self._wake_reader()
+            if self._buffered > PULL_BUFFER_LIMIT:
+                self._pause_transport()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._deliver_end()
+        # Plain TCP stays open for writing (a closing peer still reads our farewell, as StreamReader kept it);
+        # TLS has no half-close.
+        return not self._over_ssl
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if exc is None:
+            self._eof = True
+        elif self._exc is None and not self._eof:
+            self._exc = exc
+        self._deliver_end()
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_exception(ConnectionResetError("connection lost"))
+        self._drain_waiters.clear()
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._drain_waiters.clear()
+
+    # ---- reading --------------------------------------------------------------------------------------------
+
+    def _wake_reader(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _pause_transport(self) -> None:
+        if not self._tr_paused and self._tr is not None and not self._lost:
+            self._tr_paused = True
+            self._tr.pause_reading()
+
+    def _resume_transport(self) -> None:
+        if self._tr_paused and self._tr is not None:
+            self._tr_paused = False
+            if not self._lost:
+                self._tr.resume_reading()
+
+    def _deliver_end(self) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            self._wake_reader()
+        elif (self._eof or self._exc is not None) and not self._paused and not self._chunks and not self._told:
+            self._told = True
+            if self._exc is not None:
+                receiver.lost(self._exc)
+            else:
+                receiver.received(b"")
+
+    async def read(self, n: int) -> bytes:
+        while not self._chunks:
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                return b""
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunks = self._chunks
+        data = chunks.popleft()
+        while chunks and len(data) + len(chunks[0]) <= n:
+            data += chunks.popleft()
+        if len(data) > n:
+            chunks.appendleft(data[n:])
+            data = data[:n]
+        self._buffered -= len(data)
+        if self._buffered <= PULL_BUFFER_LIMIT:
+            self._resume_transport()
+        return data
+
+    def receive(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+        if self._chunks or self._eof or self._exc is not None:
+            self._loop.call_soon(self._deliver_waiting)
+        if not self._paused:
+            self._resume_transport()
+
+    def _deliver_waiting(self) -> None:
+        receiver = self._receiver
+        if receiver is None or self._paused:
+            return
+        if self._chunks:
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            receiver.received(data)  # may pause again: what follows waits for the next resume
+        if not self._paused:
+            self._deliver_end()
+
+    def pause_reading(self) -> None:
+        self._paused = True
+        self._pause_transport()
+
+    def resume_reading(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        if self._chunks or self._eof or self._exc is not None:
+            self._deliver_waiting()
+        if not self._paused:
+            self._resume_transport()
+
+    # ---- writing and closing ----------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> asyncio.Transport:
+        if self._tr is None:
+            raise ConnectionResetError("not connected")
+        return self._tr
 
     @property
     def peer_cert(self) -> PeerCert | None:
-        return peer_cert(self._writer.get_extra_info("peercert"))
-
-    async def read(self, n: int) -> bytes:
-        data = await self._reader.read(n)
-        if trace.ENABLED:
-            trace.mark("read", data)
-        return data
+        return peer_cert(self.transport.get_extra_info("peercert"))
 
     def write(self, data: bytes) -> None:
         self.writes += 1
         if trace.ENABLED:
             trace.mark("write", data)
-        self._tr.write(data)
+        self.transport.write(data)
 
     def write_buffered(self) -> int:
-        return self._tr.get_write_buffer_size()
+        return self.transport.get_write_buffer_size()
 
     def set_write_high_water(self, high: int) -> None:
-        self._tr.set_write_buffer_limits(high=high)
+        self.transport.set_write_buffer_limits(high=high)
 
     async def drain(self) -> None:
-        await self._writer.drain()
+        if self._exc is not None:
+            raise self._exc
+        if self._lost:
+            raise ConnectionResetError("connection lost")
+        if self.transport.is_closing():
+            # As StreamWriter.drain: let a pending connection_lost run, so a write to a closing connection
+            # fails here rather than waiting on a pause that never ends.
+            await asyncio.sleep(0)
+            if self._lost:
+                raise ConnectionResetError("connection lost")
+        if not self._write_paused:
+            return
+        fut = self._loop.create_future()
+        self._drain_waiters.append(fut)
+        await fut
 
     def is_closing(self) -> bool:
-        return self._tr.is_closing()
+        return self._tr is None or self._tr.is_closing()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._tr is not None:
+            self._tr.close()
 
     def abort(self) -> None:
         # No TLS close_notify exchange: for a refused handshake or a dead peer there is nothing to flush.
-        self._tr.abort()
+        if self._tr is not None:
+            self._tr.abort()
 
     async def wait_closed(self) -> None:
-        await self._writer.wait_closed()
+        await asyncio.shield(self._closed)
 
     def tcp_socket(self) -> tuple[socket.socket, int] | None:
         if sys.platform != "linux":
             return None  # its users read Linux's struct tcp_info and rely on Linux's SO_RCVLOWAT under epoll
-        sock = self._writer.get_extra_info("socket")
-        ssl_object = self._writer.get_extra_info("ssl_object")
+        sock = self.transport.get_extra_info("socket")
+        ssl_object = self.transport.get_extra_info("ssl_object")
         if sock is None or sock.type != socket.SOCK_STREAM:
             return None
         if ssl_object is None:
@@ -153,6 +359,40 @@ class StreamTransport:
         else:
             return None
         return socket.socket(fileno=os.dup(sock.fileno())), overhead
+
+
+async def open_stream(host: str, port: int, credentials: Credentials, handshake_timeout: float) -> StreamTransport:
+    """Connect to a broker with these credentials (see `connect_broker`)."""
+    return await connect_broker(host, port, credentials.ssl_context(), handshake_timeout)
+
+
+async def connect_broker(
+    host: str, port: int, ctx: ssl.SSLContext | None, handshake_timeout: float, source: str | None = None
+) -> StreamTransport:
+    """Plain TCP (ctx None), or TLS verifying the broker's certificate: CA, address (SAN) and OU=broker; returns
+    once the TLS handshake completed, so no frame flows before.
+
+    source: the local address to connect from (a broker's own listen address, `source_address`).
+    Raises OSError (ssl.SSLError for a failed handshake, NotABroker) or TimeoutError.
+    """
+    loop = asyncio.get_running_loop()
+    local = (source, 0) if source is not None else None
+    # Made here, not taken from the call's result: under TLS uvloop may return its own SSL protocol there.
+    t = StreamTransport()
+    if ctx is None:
+        await loop.create_connection(lambda: t, host, port, local_addr=local)
+        return t
+    await loop.create_connection(
+        lambda: t, host, port, ssl=ctx, server_hostname=host, ssl_handshake_timeout=handshake_timeout, local_addr=local
+    )
+    cert = t.peer_cert
+    if cert is None or cert.role != ROLE_BROKER:
+        t.abort()
+        raise NotABroker(
+            f"{host}:{port} presented a certificate for {cert.name if cert else '?'} with role "
+            f"{cert.role if cert else '?'}, not a broker certificate (OU=broker) of the cluster CA"
+        )
+    return t
 
 
 class MemoryTransport:
@@ -172,6 +412,54 @@ class MemoryTransport:
         self._reset = False  # the peer aborted
         self._closing = False
         self._closed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._receiver: Receiver | None = None  # push mode (see Transport.receive)
+        self._paused = False
+        self._pump_due = False
+        self._told = False  # the receiver was told of the end
+
+    def _wake(self) -> None:
+        """Bytes, the end or a reset came in: wake `read`, or push them in a call on the loop (as a socket's
+        readiness would, never from inside the writer's call)."""
+        self._readable.set()
+        if self._receiver is not None and not self._paused and not self._pump_due and not self._told:
+            self._pump_due = True
+            self._loop.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_due = False
+        receiver = self._receiver
+        if receiver is None or self._paused or self._told:
+            return
+        if self._inbox:
+            data = b"".join(self._inbox)
+            self._inbox.clear()
+            self._inbox_bytes = 0
+            if self._peer is not None:
+                self._peer._drained.set()
+            receiver.received(data)
+            if self._paused or self._inbox:
+                return  # more came in meanwhile: its own pump is due
+        if self._reset:
+            self._told = True
+            receiver.lost(ConnectionResetError(f"{self.remote}: connection reset by peer"))
+        elif self._eof:
+            self._told = True
+            receiver.received(b"")
+
+    def receive(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+        if self._inbox or self._eof or self._reset:
+            self._wake()
+
+    def pause_reading(self) -> None:
+        self._paused = True
+
+    def resume_reading(self) -> None:
+        if self._paused:
+            self._paused = False
+            if self._inbox or self._eof or self._reset:
+                self._wake()
 
     async def read(self, n: int) -> bytes:
         while not self._inbox:
@@ -198,7 +486,7 @@ class MemoryTransport:
         if data:
             peer._inbox.append(bytes(data))
             peer._inbox_bytes += len(data)
-            peer._readable.set()
+            peer._wake()
             if self.write_buffered() > self._high:
                 self._drained.clear()
 
@@ -222,7 +510,7 @@ class MemoryTransport:
         self._closing = True
         if self._peer is not None:
             self._peer._eof = True
-            self._peer._readable.set()
+            self._peer._wake()
         self._closed.set()
 
     def abort(self) -> None:
@@ -233,7 +521,7 @@ class MemoryTransport:
             self._peer._reset = True
             self._peer._inbox.clear()
             self._peer._inbox_bytes = 0
-            self._peer._readable.set()
+            self._peer._wake()
             self._peer._drained.set()
         self._drained.set()
         self._closed.set()

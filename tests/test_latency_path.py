@@ -20,7 +20,7 @@ from broker.node import Broker
 from cli.cluster import LocalCluster
 from client.client import Client
 from net import trace
-from net.transport import StreamTransport
+from net.transport import StreamTransport, connect_broker
 from overlay.protocol import ControlFrame, FrameDecoder, Ping, encode_control
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,8 +96,7 @@ async def test_a_stream_transport_writes_at_once_in_order() -> None:
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        t = StreamTransport(reader, writer)
+        t = await connect_broker("127.0.0.1", port, None, 5.0)
         for i in range(3):
             t.write(encode_control(Ping(i)))
             assert t.writes == i + 1
