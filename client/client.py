@@ -36,7 +36,7 @@ from typing import Any, Final, Self
 
 from client.admin import HANDSHAKE_HINT
 from client.errors import ClientClosed, ClientError, ConnectError, RequestFailed
-from net.connection import CLIENT_WRITE_HIGH_WATER, READ_CHUNK, HandshakeRefused, Heartbeat, Requests, open_handshake
+from net.connection import CLIENT_WRITE_HIGH_WATER, HandshakeRefused, Heartbeat, Requests, open_handshake
 from net.credentials import Credentials
 from net.transport import Transport, connect_broker
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
@@ -299,6 +299,22 @@ class Subscription:
         await self.aclose()
 
 
+class _Reader:
+    """Where one connection's transport pushes what it reads (net.transport.Receiver)."""
+
+    __slots__ = ("_client", "_conn")
+
+    def __init__(self, client: Client, conn: _Connection) -> None:
+        self._client = client
+        self._conn = conn
+
+    def received(self, data: bytes) -> None:
+        self._client._received(self._conn, data)
+
+    def lost(self, exc: Exception) -> None:
+        self._client._read_ended(self._conn, exc)
+
+
 class _Connection:
     """One connection to an access broker: its transport, frame decoder and heartbeat, with writes batched."""
 
@@ -314,6 +330,7 @@ class _Connection:
         # Frames queued in one turn of the event loop go out in one write (one system call, not one each).
         self._wbuf = bytearray()
         self._flush_scheduled = False
+        self.read_done = False  # the end of the stream, a reset or a protocol error was read
 
     def send(self, data: bytes) -> None:
         self._wbuf += data
@@ -499,7 +516,7 @@ class Client:
         self._conn = conn
         conn.heartbeat.received()
         self._connected.set()
-        self._spawn(self._read_loop(conn))
+        transport.receive(_Reader(self, conn))  # after `rest` below: the transport hands over in a later call
         self._spawn(conn.heartbeat.run(lambda: self._conn is conn and not conn.closed.is_set(),
                                        lambda: conn.send(encode_control(Ping(next(self._ping_seq)))),
                                        lambda silent: self._silent(conn, silent)))  # fmt: skip
@@ -551,24 +568,36 @@ class Client:
                     p.future.set_exception(exc)
 
     # ---- reading -------------------------------------------------------------------------------------
-    async def _read_loop(self, conn: _Connection) -> None:
+    def _received(self, conn: _Connection, data: bytes) -> None:
+        """Bytes from the broker, pushed by the transport as they arrive (b"": the end of the stream)."""
+        if conn.read_done:
+            return
         try:
-            while True:
-                data = await conn.transport.read(READ_CHUNK)
-                conn.heartbeat.received()
-                frames = conn.decoder.feed(data)
-                for f in frames:
-                    self._on_frame(f)
-                if not data:
-                    break
+            conn.heartbeat.received()
+            for f in conn.decoder.feed(data):
+                self._on_frame(f)
         except (ConnectionError, ProtocolError) as exc:
+            self._read_ended(conn, exc)
+        except Exception as exc:  # a bug handling the broker's input ends this connection, visibly
+            log.exception("bug while handling input from %s", conn.address)
+            self._read_ended(conn, exc)
+        else:
+            if not data:
+                self._read_ended(conn, None)
+
+    def _read_ended(self, conn: _Connection, exc: Exception | None) -> None:
+        """Nothing more is read from conn (exc: why, None for the end of the stream): close it, and reconnect
+        unless the client is closing."""
+        if conn.read_done:
+            return
+        conn.read_done = True
+        if exc is not None:
             log.warning("connection to %s lost: %s", conn.address, exc)
-        finally:
-            conn.close()
-            if self._conn is conn:
-                self._connected.clear()
-                if not self._closing:
-                    self._spawn(self._reconnect(conn.address))
+        conn.close()
+        if self._conn is conn:
+            self._connected.clear()
+            if not self._closing:
+                self._spawn(self._reconnect(conn.address))
 
     def _on_frame(self, frame: object) -> None:
         if not isinstance(frame, ControlFrame):

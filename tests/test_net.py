@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
+from cluster import wait_for
 
 from broker.config import BrokerConfig
 from broker.link import PeerLink
@@ -16,7 +17,7 @@ from broker.tasks import TaskSet
 from client.admin import AdminClient, BrokerUnavailable
 from client.client import Client
 from net.connection import CloseReason, Heartbeat, LinkClosed, Requests, open_handshake
-from net.transport import memory_pair
+from net.transport import StreamTransport, Transport, connect_broker, memory_pair
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -222,3 +223,129 @@ class _Handler:
 
     def on_closed(self, link: PeerLink, reason: CloseReason, detail: str) -> None:
         self.closed.append(reason)
+
+
+# ---- push reading (Transport.receive) ------------------------------------------------------------------------
+
+
+class _Got:
+    """A Receiver that records what it is handed."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.ends: list[object] = []  # b"" for the end of the stream, the exception for a reset
+
+    def received(self, data: bytes) -> None:
+        if data:
+            assert not self.ends, "bytes after the end"
+            self.data += data
+        else:
+            self.ends.append(data)
+
+    def lost(self, exc: Exception) -> None:
+        self.ends.append(exc)
+
+
+async def _turns(n: int = 20) -> None:
+    # Loop turns for a push that must NOT happen (a paused receiver); what must happen is waited for by condition.
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def _pushes_in_order_pauses_and_ends_once(writer: Transport, reader: Transport) -> None:
+    writer.write(b"one")
+    assert await reader.read(2) == b"on"  # pull first (a handshake), the rest pushed
+    got = _Got()
+    reader.receive(got)
+    await wait_for(lambda: got.data == b"e", 5.0, "the byte left over from pull mode")
+    assert got.ends == []  # handing over what pull mode left is not the end of the stream
+    writer.write(b"two")
+    await wait_for(lambda: got.data == b"etwo", 5.0, "a pushed chunk")
+    reader.pause_reading()
+    writer.write(b"three")
+    await _turns()
+    assert got.data == b"etwo"
+    reader.resume_reading()
+    await wait_for(lambda: got.data == b"etwothree", 5.0, "what waited out the pause")
+    reader.pause_reading()
+    writer.close()
+    await _turns()
+    assert got.ends == []  # the end waits behind the pause too
+    reader.resume_reading()
+    await wait_for(lambda: bool(got.ends), 5.0, "the end of the stream")
+    await _turns()
+    assert got.ends == [b""]
+
+
+async def test_memory_pair_pushes_in_order_pauses_and_ends_once() -> None:
+    a, b = memory_pair()
+    await _pushes_in_order_pauses_and_ends_once(a, b)
+    c, d = memory_pair()
+    got = _Got()
+    d.receive(got)
+    c.abort()
+    await wait_for(lambda: bool(got.ends), 5.0, "the reset")
+    assert len(got.ends) == 1 and isinstance(got.ends[0], ConnectionResetError)
+
+
+async def test_a_stream_transport_pushes_in_order_pauses_and_ends_once() -> None:
+    accepted: list[StreamTransport] = []
+
+    def made() -> StreamTransport:
+        accepted.append(StreamTransport())
+        return accepted[-1]
+
+    server = await asyncio.get_running_loop().create_server(made, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client = await connect_broker("127.0.0.1", port, None, 5.0)
+        await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
+        await _pushes_in_order_pauses_and_ends_once(client, accepted[0])
+        accepted[0].close()  # plain TCP stays open for writing after the peer's end of the stream
+        async with asyncio.timeout(5):
+            await accepted[0].wait_closed()
+            await client.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+class _Congested(_Handler):
+    """A broker-like handler whose next hops are congested after every read until `drained` is set."""
+
+    def __init__(self, closed: list[CloseReason]) -> None:
+        super().__init__(closed)
+        self.drained = asyncio.Event()
+        self.flushes = 0
+
+    def needs_flush(self) -> bool:
+        return not self.drained.is_set()
+
+    async def flush(self) -> None:
+        self.flushes += 1
+        await self.drained.wait()
+
+
+async def test_a_peer_link_stops_reading_while_its_handler_flushes(broker: Broker) -> None:
+    near, far = memory_pair("tool", "broker")
+    broker.accept(far)
+    closed: list[CloseReason] = []
+    handler = _Congested(closed)
+    link = PeerLink(near, handler, TaskSet(logging.getLogger("t")), logging.getLogger("t"), outbound=True,
+                    heartbeat_interval=0.2, heartbeat_misses=3, hello_timeout=2.0, drain_timeout=1.0)  # fmt: skip
+    await link.open(Hello(PROTOCOL_VERSION, "tool-1", "admin"))
+    async with asyncio.timeout(5):
+        first = await link.request(StatusReq(1))  # read, then the handler asks for a flush: reading pauses
+    assert isinstance(first, Status)
+    await wait_for(lambda: handler.flushes == 1, 5.0, "the flush")
+    assert link._beat.paused  # the peer's silence while we do not read is not the peer's
+    second = asyncio.ensure_future(link.request(StatusReq(2)))
+    await wait_for(lambda: near.write_buffered() == 0 and far.write_buffered() > 0, 5.0, "the reply, unread")
+    await _turns()
+    assert not second.done()
+    handler.drained.set()
+    async with asyncio.timeout(5):
+        assert isinstance(await second, Status)
+    assert not link._beat.paused and handler.flushes == 1
+    await link.aclose(CloseReason.DONE)
+    assert closed == [CloseReason.DONE]
