@@ -194,6 +194,30 @@ async def test_level1_loss_is_reported(tmp_path: Path) -> None:
                 assert sum(st.counters.get("lost", 0) for st in sts.values()) == 20
 
 
+async def test_publish_times_out_and_the_late_ack_settles_it(tmp_path: Path) -> None:
+    # publish() gives up after request_timeout with a TimeoutError that says so; the message stays pending, so
+    # the acknowledgement that comes once the (hung) broker runs again still settles it, and publishing goes on.
+    async with LocalCluster(1, seed=13, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/late/ack"
+        async with Client(c.nodes[0].listen) as pub:
+            first = await pub.publish(topic, "m0")
+            pub.request_timeout = 0.3
+            os.kill(c.nodes[0].pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TimeoutError, match=r"no acknowledgement within 0\.3 s"):
+                    await pub.publish(topic, "m1")
+                assert pub.unacknowledged == 1
+            finally:
+                os.kill(c.nodes[0].pid, signal.SIGCONT)
+            await wait_for(lambda: pub.unacknowledged == 0, 30.0, "the late ACK of m1")
+            pub.request_timeout = 30.0
+            third = await pub.publish(topic, "m2")
+            assert (first.seq, third.seq) == (0, 2)
+            records = await pub.fetch(topic)
+            assert [r.payload for r in records] == [b"m0", b"m1", b"m2"]
+
+
 async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalCluster) -> None:
     topic = "grid/resume/power"
     addrs = [bp.listen for bp in cluster10.nodes]
