@@ -1041,8 +1041,9 @@ class Client:
                 if first is not None and first.sent_at < now - delay:
                     self._resend_delay[topic] = min(delay * 2, MAX_RESEND_DELAY)
                     self._resend_topic(topic)
-            if self._conn is not None:
-                await self._conn.drain()
+            conn = self._conn
+            if conn is not None and conn.buffered:  # a thousand idle devices' ticks need not each await a drain
+                await conn.drain()
 
     # ---- subscribing, fetching, locating ---------------------------------------------------------------
     def subscribe(self, topic: str, since: float | None = None) -> _SubscribeCall:
