@@ -697,8 +697,11 @@ class Client:
                     found, level = await self._fetch_gap(sub, publisher)
                     if level >= 2:
                         patience = REPAIR_PATIENCE_REPLICATED
-                    held = sub._behind.get(publisher, {0: None})
-                    missing = set(range(sub._last_seq.get(publisher, -1) + 1, min(held))) - {r.seq for r in found}
+                    # Every seq up to the highest held back: messages pushed while the fetch ran (a merge's)
+                    # land among the held ones, and a gap can remain between them, not only before the first.
+                    held = sub._behind.get(publisher, {})
+                    last = sub._last_seq.get(publisher, -1)
+                    missing = set(range(last + 1, max(held, default=last))) - held.keys() - {r.seq for r in found}
                     if not missing or sub.closed:
                         break
                     if attempt >= REPAIR_MIN_ATTEMPTS and loop.time() + retry > started + patience:
@@ -715,12 +718,12 @@ class Client:
             self._spawn(self._repair(sub))
 
     async def _fetch_gap(self, sub: Subscription, publisher: str) -> tuple[list[Record], int]:
-        """The stored messages of publisher between its last handed-out one and the first held back, and the
+        """The stored messages of publisher between its last handed-out one and the last held back, and the
         answering holder's resilience level (0 if none answered)."""
         behind = sub._behind.get(publisher)
         if not behind:
             return [], 0
-        upto = min(r.ts for r in behind.values())
+        upto = max(r.ts for r in behind.values())
         since = sub._last_ts.get(publisher, 0.0)
         found: list[Record] = []
         level = 0
