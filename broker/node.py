@@ -39,7 +39,7 @@ from broker.storage import DiskStore
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
-from net.transport import StreamTransport, Transport
+from net.transport import Transport
 from overlay.delegation import BalancePlan, BalancePlanned, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.protocol import (
@@ -181,7 +181,7 @@ class Broker(Membership, Routing):
         self._listener = Listener(
             tls.server if tls is not None else None,
             self.config.hello_timeout,
-            self._on_stream,
+            self.accept,
             lambda handshaking: not self._closing and self.guard.may_accept(len(self.links), handshaking),
             self.tasks,
             self.log,
@@ -225,9 +225,6 @@ class Broker(Membership, Routing):
             link.limit_frames(c.max_frame_size)
         self.links.add(link)
         return link
-
-    def _on_stream(self, transport: StreamTransport) -> None:
-        self.accept(transport)
 
     def accept(self, transport: Transport) -> None:
         """Serve an inbound connection (the listener's, or any connected transport: tests use memory)."""

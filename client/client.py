@@ -103,9 +103,9 @@ CATCH_UP_PAGE: Final = 512
 # A repair FETCH can go unanswered while the overlay heals (a routed request dropped on the way): it is asked
 # again after REPAIR_FETCH_TIMEOUT, not after the request timeout, and asked at least REPAIR_MIN_ATTEMPTS times.
 # At resilience 2 and 3 (the holder says which in its FETCHED) no single change loses an acknowledged message,
-# so a gap there is messages on their way: the other side of a healed partition, merged once the overlay has
-# healed, which on a loaded machine took longer than 8 s.  The client then holds the gap for
-# REPAIR_PATIENCE_REPLICATED, or until as many messages wait behind it as the subscription's queue holds.
+# so a gap there is messages on their way: the other side of a partition, merged once the overlay has healed,
+# however long the cut lasted.  The client then holds the gap for REPAIR_PATIENCE_REPLICATED, or until as many
+# messages wait behind it as the subscription's queue holds.
 REPAIR_RETRY: Final = 0.2
 REPAIR_RETRY_MAX: Final = 1.6
 REPAIR_PATIENCE: Final = 8.0

@@ -298,9 +298,13 @@ def dec_int(v: Any) -> int:
     return v
 
 
+# The wire types of a number (exact: a bool is an int subclass and not a number here).
+_NUMBER_TYPES: Final = (int, float)
+
+
 def dec_float(v: Any) -> float:
     """A number from the wire as a float (integers accepted), else TypeError."""
-    if type(v) not in (int, float):
+    if type(v) not in _NUMBER_TYPES:
         raise TypeError(f"expected a number, got {type(v).__name__}")
     return float(v)
 
@@ -354,30 +358,35 @@ def _enc_coord(c: Coord) -> list[float]:
 # empties it again.
 _NODE_CACHE: Final[dict[tuple[str, float, float, str], NodeInfo]] = {}
 _NODE_CACHE_SIZE: Final = 1024
-_NUMBER_TYPES: Final = (int, float)
 
 
-def dec_node(v: Any) -> NodeInfo:
-    """A NodeInfo [id, [x, y], listen] from the wire, else TypeError/ValueError."""
+def _node_key(v: Any) -> tuple[str, float, float, str] | None:
+    """The cache key of a wire node [id, [x, y], listen] of exact types, else None (decoded the long way).
+    Exact types only (a bool is not a number here, as in dec_float), so a key can only equal the key of a wire
+    value that decodes to an equal NodeInfo."""
     if type(v) is list and len(v) == 3:
         node_id, c, listen = v
         if type(c) is list and len(c) == 2 and type(node_id) is str and type(listen) is str:
             x, y = c
-            # Exact types only (a bool is not a number here, as in dec_float), so a key can only equal the key
-            # of a wire value that decodes to an equal NodeInfo.
             if type(x) in _NUMBER_TYPES and type(y) in _NUMBER_TYPES:
-                key = (node_id, x, y, listen)
-                node = _NODE_CACHE.get(key)
-                if node is None:
-                    node = NodeInfo(node_id, (float(x), float(y)), listen)  # validates: raises on a bad node
-                    if len(_NODE_CACHE) >= _NODE_CACHE_SIZE:
-                        _NODE_CACHE.clear()
-                    _NODE_CACHE[key] = node
-                return node
+                return (node_id, x, y, listen)
+    return None
+
+
+def dec_node(v: Any) -> NodeInfo:
+    """A NodeInfo [id, [x, y], listen] from the wire, else TypeError/ValueError."""
+    key = _node_key(v)
+    if key is not None and (node := _NODE_CACHE.get(key)) is not None:
+        return node
     items = dec_list(v)
     if len(items) != 3:
         raise ValueError(f"a node is [id, coord, listen], got {len(items)} entries")
-    return NodeInfo(dec_str(items[0]), dec_coord(items[1]), dec_str(items[2]))
+    node = NodeInfo(dec_str(items[0]), dec_coord(items[1]), dec_str(items[2]))  # validates: raises on a bad node
+    if key is not None:
+        if len(_NODE_CACHE) >= _NODE_CACHE_SIZE:
+            _NODE_CACHE.clear()
+        _NODE_CACHE[key] = node
+    return node
 
 
 def enc_node(n: NodeInfo) -> list[Any]:

@@ -606,21 +606,17 @@ class ReplicationRole:
                 r.meta_dirty = True
                 self.flush(r)
             pull = r.pull
-            if pull is not None and pull.asked and now - max(pull.started, pull.heard) > self.t.config.pull_timeout:
-                pull.asked.clear()
-                self.pull_progress(r)
-            elif (
-                pull is not None
-                and pull.asked
-                and not pull.retried
-                and now - pull.started > self.t.config.pull_timeout / 4
-            ):
-                # Right after a failure a pull can be routed through a broker that has not yet noticed it and
-                # be lost there; asking again once the overlay has healed beats waiting out the time-out (the
-                # requests of the topic wait meanwhile).  A second answer is merged like one that comes after the
-                # time-out: the merge drops what is already stored.
-                pull.retried = True
-                view = self.t.ov.view()
-                for corr, nid in pull.asked.items():
-                    if (node := view.get(nid)) is not None:
-                        self.t.ov.route(node.coord, Pull(corr, r.name, r.coord, self.t.ov.me))
+            if pull is not None and pull.asked:
+                if now - max(pull.started, pull.heard) > self.t.config.pull_timeout:
+                    pull.asked.clear()
+                    self.pull_progress(r)
+                elif not pull.retried and now - pull.started > self.t.config.pull_timeout / 4:
+                    # Right after a failure a pull can be routed through a broker that has not yet noticed it and
+                    # be lost there; asking again once the overlay has healed beats waiting out the time-out (the
+                    # requests of the topic wait meanwhile).  A second answer is merged like one that comes after the
+                    # time-out: the merge drops what is already stored.
+                    pull.retried = True
+                    view = self.t.ov.view()
+                    for corr, nid in pull.asked.items():
+                        if (node := view.get(nid)) is not None:
+                            self.t.ov.route(node.coord, Pull(corr, r.name, r.coord, self.t.ov.me))
