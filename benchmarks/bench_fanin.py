@@ -35,6 +35,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -384,18 +385,45 @@ class Driver:
             bp.stop_proc(proc)
 
 
+_LABELS: Final = {"sedax": "SeDAX", "mqtt": "Mosquitto"}
+
+
 def fmt(r: Result) -> str:
     lat = r.lat
     cpu_pct = r.broker_cpu / r.window * 100 if r.window else 0.0
     per_msg = r.broker_cpu / max(1, r.got) * 1e6
     return (
-        f"{'SeDAX' if r.system == 'sedax' else 'Mosquitto':9} {r.scenario.name:42} p50 {pct(lat, 0.5) * 1e3:7.2f}"
+        f"{_LABELS.get(r.system, r.system):9} {r.scenario.name:42} p50 {pct(lat, 0.5) * 1e3:7.2f}"
         f"  p99 {pct(lat, 0.99) * 1e3:7.2f}  p99.9 {pct(lat, 0.999) * 1e3:7.2f}"
         f"  max {(lat[-1] if lat else 0) * 1e3:7.1f} ms"
         f"  delivered {r.got}/{r.expected} (offered {r.offered} of nominal {r.nominal})  broker CPU {cpu_pct:.0f}% "
         f"({per_msg:.0f} µs/delivery)  load {r.load[0]:.1f}->{r.load[1]:.1f}"
         + (f"  [{'; '.join(r.notes)}]" if r.notes else "")
     )
+
+
+_TABLE_NAMES: Final = {"sedax": "SeDAX (9 brokers, level 2)", "mqtt": "Mosquitto (1 broker)"}
+
+
+def table(results: list[Result], names: Mapping[str, str] = _TABLE_NAMES) -> list[str]:
+    """The results table's lines (bench_floor.py's fan-in rows use it too); names: system -> row label."""
+    out = [
+        "| system | scenario | p50 ms | p99 ms | p99.9 ms | max ms | delivered / expected | offered / nominal | "
+        "broker CPU (% of a core) | broker CPU µs per delivery | load 1 min | notes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        lat = r.lat
+        out.append(
+            f"| {names.get(r.system, r.system)} | "
+            f"{r.scenario.name} | {pct(lat, 0.5) * 1e3:.2f} | {pct(lat, 0.99) * 1e3:.2f} | "
+            f"{pct(lat, 0.999) * 1e3:.2f} | "
+            f"{(lat[-1] if lat else float('nan')) * 1e3:.1f} | {r.got:,} / {r.expected:,} | "
+            f"{r.offered:,} / {r.nominal:,} | "
+            f"{(r.broker_cpu / r.window * 100 if r.window else 0):.0f} | {r.broker_cpu / max(1, r.got) * 1e6:.0f} | "
+            f"{r.load[0]:.1f}→{r.load[1]:.1f} | {'; '.join(r.notes)} |"
+        )
+    return out
 
 
 def markdown(d: Driver, command: str, up: tuple[str, str], code: str) -> str:
@@ -406,21 +434,8 @@ def markdown(d: Driver, command: str, up: tuple[str, str], code: str) -> str:
         "",
         f"Load: `{up[0]}` at the start, `{up[1]}` at the end (2 cores shared with other engineers' runs).",
         "",
-        "| system | scenario | p50 ms | p99 ms | p99.9 ms | max ms | delivered / expected | offered / nominal | "
-        "broker CPU (% of a core) | broker CPU µs per delivery | load 1 min | notes |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in d.results:
-        lat = r.lat
-        out.append(
-            f"| {'SeDAX (9 brokers, level 2)' if r.system == 'sedax' else 'Mosquitto (1 broker)'} | "
-            f"{r.scenario.name} | {pct(lat, 0.5) * 1e3:.2f} | {pct(lat, 0.99) * 1e3:.2f} | "
-            f"{pct(lat, 0.999) * 1e3:.2f} | "
-            f"{(lat[-1] if lat else float('nan')) * 1e3:.1f} | {r.got:,} / {r.expected:,} | "
-            f"{r.offered:,} / {r.nominal:,} | "
-            f"{(r.broker_cpu / r.window * 100 if r.window else 0):.0f} | {r.broker_cpu / max(1, r.got) * 1e6:.0f} | "
-            f"{r.load[0]:.1f}→{r.load[1]:.1f} | {'; '.join(r.notes)} |"
-        )
+    out += table(d.results)
     return "\n".join(out) + "\n"
 
 
