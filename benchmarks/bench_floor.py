@@ -458,8 +458,6 @@ def main() -> int:
 
         uvloop.run(relay_main(json.loads(sys.argv[2])))
         return 0
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        return bl.worker_main(sys.argv[2])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="5000,10000", help="publish rates, msg/s (default 5000,10000)")
     p.add_argument("--duration", type=float, default=2.0, help="seconds per run (default 2)")
@@ -476,7 +474,6 @@ def main() -> int:
     p.add_argument("--out", help="write the markdown report here (the part after the results marker)")
     args = p.parse_args()
     args.rate_list = [int(x) for x in args.rates.split(",") if x]
-    args.no_trace = True
     os.environ["SEDAX_INSECURE"] = "1"
     return asyncio.run(main_async(args))
 

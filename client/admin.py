@@ -15,7 +15,7 @@ from typing import Final, Self
 from client.errors import ClientError, ConnectError, RequestFailed
 from net.connection import READ_CHUNK, HandshakeRefused, Requests, open_handshake
 from net.credentials import Credentials
-from net.transport import Transport, open_stream
+from net.transport import Transport, connect_broker
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -88,10 +88,10 @@ class AdminClient:
         except ValueError as exc:
             raise BrokerUnavailable(str(exc)) from None
         creds = credentials if credentials is not None else Credentials.from_env()
-        creds.ssl_context()  # unreadable files fail here, before any connection attempt
+        ctx = creds.ssl_context()  # unreadable files fail here, before any connection attempt
         try:
             async with asyncio.timeout(timeout):
-                transport = await open_stream(host, port, creds, timeout)
+                transport = await connect_broker(host, port, ctx, timeout)
         except (OSError, TimeoutError) as exc:
             raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
         return await cls.over(transport, addr, timeout=timeout, role=role, token=creds.token or "")

@@ -19,7 +19,7 @@ from collections import deque
 from typing import Protocol, cast
 
 from net import trace
-from net.credentials import ROLE_BROKER, Credentials, NotABroker, PeerCert, peer_cert
+from net.credentials import ROLE_BROKER, NotABroker, PeerCert, peer_cert
 
 
 class Receiver(Protocol):
@@ -359,11 +359,6 @@ class StreamTransport(asyncio.Protocol):
         else:
             return None
         return socket.socket(fileno=os.dup(sock.fileno())), overhead
-
-
-async def open_stream(host: str, port: int, credentials: Credentials, handshake_timeout: float) -> StreamTransport:
-    """Connect to a broker with these credentials (see `connect_broker`)."""
-    return await connect_broker(host, port, credentials.ssl_context(), handshake_timeout)
 
 
 async def connect_broker(
