@@ -307,16 +307,23 @@ class MqttProtocol(asyncio.Protocol):
         del buf[:pos]
 
 
+def _port(server: asyncio.Server) -> int:
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
 async def relay_main(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     r = Relay(spec)
-    ports = spec["link_ports"]
-    await loop.create_server(lambda: LinkProtocol(r), "127.0.0.1", ports[r.index])
-    await loop.create_server(lambda: MqttProtocol(r), "127.0.0.1", spec["mqtt_port"])
+    # Port 0 for both servers (a port picked free beforehand can be taken by the time it is bound); the driver
+    # learns them from the ready line and hands the link ports to the relays started after this one.
+    ports = {int(k): v for k, v in spec["link_ports"].items()}
+    link = await loop.create_server(lambda: LinkProtocol(r), "127.0.0.1", 0)
+    mqtt = await loop.create_server(lambda: MqttProtocol(r), "127.0.0.1", 0)
     for j in spec["neighbours"]:
         if j < r.index:  # relays start in index order: the lower one listens already
             await loop.create_connection(lambda j=j: LinkProtocol(r, j), "127.0.0.1", ports[j])
-    print(json.dumps({"event": "ready"}), flush=True)
+    print(json.dumps({"event": "ready", "link_port": _port(link), "mqtt_port": _port(mqtt)}), flush=True)
     await asyncio.Event().wait()
 
 
@@ -329,15 +336,13 @@ async def relays(
 ) -> AsyncIterator[tuple[list[int], list[str]]]:
     """Start one relay per coordinate (in index order: each dials its lower neighbours); yields their pids and
     MQTT addresses, and kills them on exit."""
-    n = len(coords)
-    link_ports = [bp.free_port() for _ in range(n)]
-    mqtt_ports = [bp.free_port() for _ in range(n)]
+    link_ports: dict[int, int] = {}
+    mqtt_ports: list[int] = []
     procs: list[asyncio.subprocess.Process] = []
     try:
-        for i in range(n):
+        for i in range(len(coords)):
             spec = {"index": i, "level": level, "coords": coords, "neighbours": sorted(neighbours[i]),
-                    "link_ports": link_ports, "mqtt_port": mqtt_ports[i], "placement": placement,
-                    "burn_us": burn_us}  # fmt: skip
+                    "link_ports": link_ports, "placement": placement, "burn_us": burn_us}  # fmt: skip
             p = await asyncio.create_subprocess_exec(
                 sys.executable, __file__, "--relay", json.dumps(spec), stdout=asyncio.subprocess.PIPE
             )
@@ -345,8 +350,11 @@ async def relays(
             assert p.stdout is not None
             async with asyncio.timeout(bl.READY_TIMEOUT):
                 line = await p.stdout.readline()
-            if json.loads(line or b"{}").get("event") != "ready":
+            ready = json.loads(line or b"{}")
+            if ready.get("event") != "ready":
                 raise RuntimeError(f"relay {i} did not start")
+            link_ports[i] = ready["link_port"]
+            mqtt_ports.append(ready["mqtt_port"])
         yield [p.pid for p in procs], [f"127.0.0.1:{port}" for port in mqtt_ports]
     finally:
         for p in procs:
