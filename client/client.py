@@ -542,7 +542,11 @@ class Client:
             self._on_event(kind, detail)
 
     async def aclose(self) -> None:
-        """Close the connection, fail what waits, and stop the client's tasks."""
+        """Close the connection, fail what waits, and stop the client's tasks.
+
+        Publishes not yet acknowledged fail with ClientClosed (the brokers may or may not have stored them); their
+        number is logged in one warning of the "sedax.client" logger.
+        """
         if self._closing:
             return
         self._closing = True
@@ -568,10 +572,22 @@ class Client:
                 conn.abort()
         exc = ClientClosed("the client was closed")
         self._requests.fail_all(exc)
+        unacknowledged = 0
         for per_topic in self._pending.values():
             for p in per_topic.values():
                 if not p.future.done():
                     p.future.set_exception(exc)
+                    # Whoever awaits the future still gets ClientClosed.  One a script dropped (publish_nowait
+                    # without keeping what it returns) would otherwise print asyncio's "exception was never
+                    # retrieved" at collection, one block per message: they are reported below in one line.
+                    p.future.exception()
+                    unacknowledged += 1
+        if unacknowledged:
+            log.warning(
+                "closed with %d publish(es) not acknowledged: the brokers may not have stored them "
+                "(await publish(), or the futures publish_nowait() returns, before closing)",
+                unacknowledged,
+            )
 
     # ---- reading -------------------------------------------------------------------------------------
     def _received(self, conn: _Connection, data: bytes) -> None:
@@ -899,7 +915,8 @@ class Client:
     async def publish_nowait(self, topic: str, payload: bytes | str) -> asyncio.Future[PublishAck]:
         """Send a publish and return a future for its acknowledgement; waits only when too many are in flight.
 
-        Raises ValueError at once for an invalid topic name or an oversized payload.
+        Raises ValueError at once for an invalid topic name or an oversized payload.  The future fails with
+        ClientClosed if the client is closed before the acknowledgement comes (`aclose`).
         """
         if topic not in self._seq:
             validate_topic(topic)

@@ -218,6 +218,58 @@ async def test_publish_times_out_and_the_late_ack_settles_it(tmp_path: Path) -> 
             assert [r.payload for r in records] == [b"m0", b"m1", b"m2"]
 
 
+_CLOSE_UNACKED = """
+import asyncio, os, signal, sys
+from client.client import Client
+from client.errors import ClientClosed
+
+async def main() -> None:
+    addr, pid = sys.argv[1], int(sys.argv[2])
+    pub = Client(addr)
+    await pub.__aenter__()
+    await pub.publish("grid/close/unacked", "m0")
+    os.kill(pid, signal.SIGSTOP)  # no ACK comes while the broker is stopped
+    try:
+        kept = await pub.publish_nowait("grid/close/unacked", "m1")
+        for i in range(2, 5):
+            await pub.publish_nowait("grid/close/unacked", f"m{i}")  # dropped, as a careless script does
+        await pub.aclose()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        await kept
+    except ClientClosed as exc:
+        print(f"kept: {exc}")
+
+asyncio.run(main())
+"""
+
+
+async def test_closing_with_publishes_unacknowledged_says_so_in_one_line(tmp_path: Path) -> None:
+    # A script publishes with publish_nowait, drops the futures and closes before the ACKs came (its broker is
+    # stopped): a kept future raises ClientClosed when awaited, and the close reports the count in one warning
+    # instead of asyncio's "Future exception was never retrieved" block per message when the futures are
+    # collected.
+    script = tmp_path / "close_unacked.py"
+    script.write_text(_CLOSE_UNACKED)
+    async with LocalCluster(1, seed=15, resilience=1, state_dir=tmp_path / "c", broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), c.nodes[0].listen, str(c.nodes[0].pid),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(60):
+            out, err = await proc.communicate()
+    said = err.decode()
+    assert proc.returncode == 0, said
+    assert out.decode() == "kept: the client was closed\n"
+    assert "never retrieved" not in said, said
+    assert said.splitlines() == [
+        "closed with 4 publish(es) not acknowledged: the brokers may not have stored them "
+        "(await publish(), or the futures publish_nowait() returns, before closing)"
+    ]
+
+
 async def test_a_repair_fills_every_gap_up_to_the_last_message_held_back(tmp_path: Path) -> None:
     # A subscription that sees seq 8 after 2 holds it back and fetches what is missing; a message pushed while
     # the fetch is under way (a merge's, here seq 5) lands among the held ones.  The gap between 5 and 8 is
