@@ -153,7 +153,7 @@ def main() -> int:
     for level in (1, 2, 3):
         for far in (False, True):
             r = run(level, far, args.messages, 0)
-            where = "far (TOPIC_REQUEST / TOPIC_REPLY)" if far else "at the primary (0 hops)"
+            where = "far (TOPIC_REQUEST / TOPIC_REPLY)" if r.far else "at the primary (0 hops)"
             print(f"| {r.level} | {where} | {r.us_per_message:.1f} | {r.frames_per_message:.1f} |", flush=True)
     if args.profile:
         for level in (1, 2):

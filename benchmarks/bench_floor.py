@@ -414,21 +414,7 @@ def markdown(d: FloorDriver, fan: list[bf.Result], command: str, up: tuple[str, 
         "",
     ]
     if d.results:
-        lines += [
-            "| system | configuration | msg/s | p50 ms | p99 ms | p99.9 ms | max ms | p99 ÷ Mosquitto "
-            "| broker CPU µs/msg | delivered | load 1 min |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        ref = {r.rate: r for r in d.results if r.system == "Mosquitto"}
-        for r in d.results:
-            p = [bl.pct(r.lat, q) * 1e3 for q in (0.5, 0.99, 0.999, 1.0)]
-            m = ref.get(r.rate)
-            ratio = f"{p[1] / (bl.pct(m.lat, 0.99) * 1e3):.1f}" if m is not None and r is not m and m.lat else "–"
-            lines.append(
-                f"| {r.system} | {r.config} | {r.rate:,} | {p[0]:.2f} | {p[1]:.2f} | {p[2]:.2f} | {p[3]:.1f} "
-                f"| {ratio} | {r.broker_cpu_us or 0:.1f} | {r.got}/{r.sent} | {r.load[0]:.1f}→{r.load[1]:.1f} |"
-            )
-        lines.append("")
+        lines += [*bl.table(d.results), ""]
     if fan:
         lines += bf.table(fan, {"mqtt": "Mosquitto (1 broker)", FLOOR: f"{FLOOR} (9 relays, level 2)"})
     return "\n".join(lines) + "\n"

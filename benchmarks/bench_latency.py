@@ -483,20 +483,15 @@ def breakdown(
     )
 
 
-def markdown(d: Driver, command: str, up: tuple[str, str], elapsed: float, code: str) -> str:
+def table(results: list[Result]) -> list[str]:
+    """The results table's lines, p99 against Mosquitto's at the same rate (bench_floor.py's rows use it too)."""
     out = [
-        "## Results",
-        "",
-        f"`{command}` — {elapsed:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {code}.",
-        "",
-        f"Load: `{up[0]}` at the start, `{up[1]}` at the end (2 cores shared with other engineers' runs).",
-        "",
         "| system | configuration | msg/s | p50 ms | p99 ms | p99.9 ms | max ms | p99 ÷ Mosquitto | ACK p50 / p99 ms"
         " | broker CPU µs/msg | delivered | load 1 min | notes |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    mosq = {r.rate: r for r in d.results if r.system == "Mosquitto"}
-    for r in d.results:
+    mosq = {r.rate: r for r in results if r.system == "Mosquitto"}
+    for r in results:
         m = mosq.get(r.rate)
         ratio = f"{pct(r.lat, 0.99) / pct(m.lat, 0.99):.1f}" if m and m.lat and r.lat and r is not m else "–"
         ack = f"{pct(r.ack, 0.5) * 1e3:.2f} / {pct(r.ack, 0.99) * 1e3:.2f}" if r.ack else "–"
@@ -505,6 +500,19 @@ def markdown(d: Driver, command: str, up: tuple[str, str], elapsed: float, code:
             f"{pct(r.lat, 0.999) * 1e3:.2f} | {(r.lat[-1] if r.lat else float('nan')) * 1e3:.1f} | {ratio} | {ack} | "
             f"{r.broker_cpu_us or 0:.1f} | {r.got}/{r.sent} | {r.load[0]:.1f}→{r.load[1]:.1f} | {'; '.join(r.notes)} |"
         )
+    return out
+
+
+def markdown(d: Driver, command: str, up: tuple[str, str], elapsed: float, code: str) -> str:
+    out = [
+        "## Results",
+        "",
+        f"`{command}` — {elapsed:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {code}.",
+        "",
+        f"Load: `{up[0]}` at the start, `{up[1]}` at the end (2 cores shared with other engineers' runs).",
+        "",
+        *table(d.results),
+    ]
     for r in d.results:
         if not r.stages:
             continue
