@@ -31,6 +31,7 @@ from net.credentials import source_address
 from net.transport import connect_broker
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
+    OLDEST_CLIENT_VERSION,
     PROTOCOL_VERSION,
     Coord,
     Error,
@@ -247,9 +248,13 @@ class Membership:
         """Admit a peer, client or admin tool, or say precisely why not."""
         if self._closing:
             return Refuse("shutting_down", f"broker {self.node_id} is leaving the overlay")
-        if hello.version != PROTOCOL_VERSION:
+        oldest = PROTOCOL_VERSION if hello.role == "broker" else OLDEST_CLIENT_VERSION
+        if not oldest <= hello.version <= PROTOCOL_VERSION:
+            speaks = f"{oldest} to {PROTOCOL_VERSION}" if oldest < PROTOCOL_VERSION else str(PROTOCOL_VERSION)
             return Refuse(
-                "version_mismatch", f"this broker speaks protocol {PROTOCOL_VERSION}, HELLO had {hello.version}"
+                "version_mismatch",
+                f"this broker speaks protocol {speaks} to a {hello.role}, {hello.node!r} speaks {hello.version}: "
+                "run the same SeDAX release on both (pip show sedax tells which)",
             )
         clients = sum(1 for x in self.links if x.role in ("client", "admin") and not x.outbound and x.established)
         if (refusal := self.guard.admit(link, hello, clients)) is not None:

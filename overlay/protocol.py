@@ -35,7 +35,14 @@ from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, TypeAlia
 
 import msgpack
 
-PROTOCOL_VERSION: Final = 1
+# The wire protocol's version, checked at HELLO: peers of different versions refuse each other there, not
+# after misreading each other's frames.  Bumped whenever a message's fields or meaning change:
+#   1: the first overlay and pub/sub messages;
+#   2: client requests for other brokers travel in TOPIC_REQUEST / TOPIC_REPLY, one per turn (afe1dea).
+PROTOCOL_VERSION: Final = 2
+# The oldest version whose clients and admin tools a broker still admits: their messages (HELLO, PUBLISH,
+# SUBSCRIBE, FETCH, the admin requests...) have not changed since.  Brokers must speak PROTOCOL_VERSION itself.
+OLDEST_CLIENT_VERSION: Final = 1
 
 # One frame must fit in memory before it is processed, so its size is bounded.  1 MiB is far above the largest
 # control message (a STATUS with MAX_LIST_LEN entries is < 100 KiB) and leaves room for publish payloads of

@@ -5,6 +5,7 @@ Every test ends by checking the overlay still routes exactly, through the attack
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import msgpack
@@ -15,6 +16,7 @@ from cli.cluster import LocalCluster
 from client.admin import AdminClient, RequestFailed
 from overlay.protocol import (
     PROTOCOL_VERSION,
+    ControlFrame,
     FrameDecoder,
     Hello,
     HelloOk,
@@ -131,6 +133,19 @@ async def test_broker_with_duplicate_coordinate_refused_at_hello(cluster3: Local
     await check_routes(cluster3, 30, seed=5)
 
 
+async def _first_frame(reader: asyncio.StreamReader) -> ControlFrame:
+    """The first frame the broker sends on a raw connection (within a deadline)."""
+    decoder = FrameDecoder()
+    async with asyncio.timeout(3.0):
+        while True:
+            data = await reader.read(65536)
+            assert data, "the broker closed before answering"
+            if frames := decoder.feed(data):
+                frame = frames[0]
+                assert isinstance(frame, ControlFrame), frame
+                return frame
+
+
 async def test_version_mismatch_refused(cluster3: LocalCluster) -> None:
     target = cluster3.nodes[2]
     reader, writer = await raw_connect(target)
@@ -139,6 +154,22 @@ async def test_version_mismatch_refused(cluster3: LocalCluster) -> None:
     writer.close()
     (frame,) = FrameDecoder().feed(data)
     assert frame.message.code == "version_mismatch"  # type: ignore[union-attr]
+    text = frame.message.text  # type: ignore[union-attr]
+    assert f"'future' speaks {PROTOCOL_VERSION + 1}" in text
+    assert "same SeDAX release" in text  # the fix, not only the fault
+    # A broker of the previous version is refused (its TOPIC_REQUESTs would be misread); a client of it is
+    # admitted (the client messages have not changed since).
+    for role, refused in (("broker", True), ("client", False)):
+        reader, writer = await raw_connect(target)
+        coord, listen = ((0.11, 0.83), "127.0.0.1:9") if role == "broker" else (None, "")
+        writer.write(encode_control(Hello(PROTOCOL_VERSION - 1, f"old-{role}", role, coord, listen)))
+        frame = await _first_frame(reader)
+        writer.close()
+        if refused:
+            assert frame.message.code == "version_mismatch", frame  # type: ignore[union-attr]
+            assert f"protocol {PROTOCOL_VERSION} to a broker" in frame.message.text  # type: ignore[union-attr]
+        else:
+            assert isinstance(frame.message, HelloOk), frame
     async with await AdminClient.connect(target.listen) as c:
         assert (await c.status()).node.id == target.node_id
 
