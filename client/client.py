@@ -585,7 +585,7 @@ class Client:
         if unacknowledged:
             log.warning(
                 "closed with %d publish(es) not acknowledged: the brokers may not have stored them "
-                "(await publish(), or the futures publish_nowait() returns, before closing)",
+                "(await client.flush(), publish() or the futures publish_nowait() returns, before closing)",
                 unacknowledged,
             )
 

@@ -266,7 +266,7 @@ async def test_closing_with_publishes_unacknowledged_says_so_in_one_line(tmp_pat
     assert "never retrieved" not in said, said
     assert said.splitlines() == [
         "closed with 4 publish(es) not acknowledged: the brokers may not have stored them "
-        "(await publish(), or the futures publish_nowait() returns, before closing)"
+        "(await client.flush(), publish() or the futures publish_nowait() returns, before closing)"
     ]
 
 
