@@ -337,6 +337,7 @@ class _Connection:
         self._wbuf = bytearray()
         self._flush_scheduled = False
         self.read_done = False  # the end of the stream, a reset or a protocol error was read
+        self.wrote_at = self.loop.time()  # when bytes last went to the transport (uvloop's clock: a cached read)
 
     def send(self, data: bytes) -> None:
         self._wbuf += data
@@ -348,7 +349,23 @@ class _Connection:
         self._flush_scheduled = False
         if self._wbuf and not self.transport.is_closing():
             self.transport.write(bytes(self._wbuf))
+            self.wrote_at = self.loop.time()
         self._wbuf.clear()
+
+    def keep_alive(self, ping: Callable[[], bytes]) -> None:
+        """The heartbeat's turn: send a PING, unless the last interval already had frames both ways.
+
+        A PING tells the broker this client is alive and draws a PONG that tells the client the broker is; a
+        publisher's PUBLISHes and their ACKs within the interval have told both already (MQTT's keep-alive
+        rule, "only if no other packet was sent", with the answer direction added).  A thousand devices at
+        10 Hz each pinging twice a second were 2,000 PINGs and PONGs a second through the brokers.  The
+        silence limit is unchanged: it counts from the last frame heard, PONG or not.
+        """
+        hb = self.heartbeat
+        now = self.loop.time()
+        if now - self.wrote_at < hb.interval and now - hb.last_rx < hb.interval:
+            return
+        self.send(ping())
 
     def send_now(self, data: bytes) -> None:
         """Write data, and whatever this turn queued before it, to the connection at once."""
@@ -524,7 +541,7 @@ class Client:
         self._connected.set()
         transport.receive(_Reader(self, conn))  # after `rest` below: the transport hands over in a later call
         self._spawn(conn.heartbeat.run(lambda: self._conn is conn and not conn.closed.is_set(),
-                                       lambda: conn.send(encode_control(Ping(next(self._ping_seq)))),
+                                       lambda: conn.keep_alive(lambda: encode_control(Ping(next(self._ping_seq)))),
                                        lambda silent: self._silent(conn, silent)))  # fmt: skip
         if not self._resending:
             self._resending = True

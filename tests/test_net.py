@@ -23,6 +23,7 @@ from overlay.protocol import (
     ControlFrame,
     FrameDecoder,
     Hello,
+    Ping,
     Refuse,
     Status,
     StatusReq,
@@ -153,6 +154,45 @@ async def test_client_publishes_and_subscribes_over_memory(broker: Broker) -> No
         await sub.aclose()
     assert [a.seq for a in acks] == list(range(5))
     assert got == [f"v{i}".encode() for i in range(5)]
+
+
+class _CountingPings:
+    """A transport that counts the PINGs written through it (and changes nothing)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+        self.pings = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def write(self, data: bytes) -> None:
+        for f in FrameDecoder().feed(data):
+            if isinstance(f, ControlFrame) and isinstance(f.message, Ping):
+                self.pings += 1
+        self._inner.write(data)  # type: ignore[attr-defined]
+
+
+async def test_a_publishing_client_sends_no_pings_an_idle_one_does(broker: Broker) -> None:
+    # A client pings its access broker once per heartbeat interval, unless frames went both ways within it:
+    # a publisher's PUBLISHes and ACKs prove both ends alive.  Before, it pinged every interval regardless.
+    near, far = memory_pair("publisher", "broker")
+    broker.accept(far)
+    counting = _CountingPings(near)
+    interval = 0.1
+    pub = Client("memory:1", reconnect=False, heartbeat_interval=interval)
+    try:
+        await pub.attach(counting, "memory")  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < 10 * interval:
+            await pub.publish("grid/mem/busy", b"x")
+            await asyncio.sleep(interval / 5)  # the publisher's pace: five messages per interval
+        busy = counting.pings
+        assert busy <= 1, busy  # ten intervals of traffic: no PING needed (one at most, as the stream starts)
+        await wait_for(lambda: counting.pings >= busy + 3, 20 * interval, "an idle client pings again")
+    finally:
+        await pub.aclose()
 
 
 async def test_a_peer_link_over_memory_handshakes_requests_and_closes(broker: Broker) -> None:
