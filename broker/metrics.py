@@ -70,6 +70,11 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_replication_resends",
         "Replication time-outs after which a primary sent every unconfirmed record of a topic again.",
     ),
+    "replicate_without_meta": (
+        "sedax_replicate_without_meta",
+        "Records-only replication batches left unconfirmed by a copy that lacked the topic's subscribers and "
+        "publisher table (the primary's re-send carries them).",
+    ),
     "syncs": ("sedax_syncs", "Pulls a new, returning or taking-over primary finished before serving a topic."),
     "offers": ("sedax_offers", "Offers of held records to a topic's holders (retiring, demoted, shutdown, repair)."),
     "synced_records": ("sedax_synced_records", "Records sent to another holder that lacked them (re-sync, hand-off)."),

@@ -569,10 +569,14 @@ class SessionGone(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class Replicate(Message):
-    """Primary -> replica: new records and the full subscriber list of a topic; answered by REPLICATED.
+    """Primary -> replica: new records, and the topic's subscriber list, delegates and publisher table; answered
+    by REPLICATED.
 
     `full` marks a complete copy (a new replica being pre-populated, Sec. IV-B level 3, or a hand-over):
     the replica replaces what it had.  `coord` is C(t), `delegates` the delegate list (Sec. III-A).
+    `meta` False: the batch carries records only (`subscribers`, `delegates` and `last_seq` are empty and mean
+    "unchanged"), because the replica confirmed the current ones already; the publisher table follows from the
+    records.  A copy that never received them from its primary confirms no such batch (the re-send has them).
     """
 
     op: ClassVar[Literal["replicate"]] = "replicate"
@@ -593,6 +597,7 @@ class Replicate(Message):
     # A re-sync between holders (an answer to PULL or OFFER): records to merge; `subscribers` are added to the
     # receiver's, never replace them (the sender need not be the primary).
     sync: bool = False
+    meta: bool = True  # subscribers, delegates and last_seq are carried (else: unchanged since confirmed)
 
 
 @register_message

@@ -134,6 +134,77 @@ def test_a_lost_batch_holds_the_acknowledgements_back_until_it_is_resent(level: 
             assert sorted(r[2] for r in net.nodes[nid].ps.store.get(TOPIC).rows) == list(range(6))
 
 
+def _meta_of(batches: list[Replicate]) -> list[tuple[bool, int, int]]:
+    """Per REPLICATE: whether it carried the meta, and how many subscribers and publisher-table entries."""
+    return [(m.meta, len(m.subscribers), len(m.last_seq)) for m in batches]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_the_subscribers_and_publisher_table_travel_until_confirmed_then_records_alone(level: int) -> None:
+    # Before, every REPLICATE carried the topic's whole subscriber list, delegates and publisher table: with a
+    # thousand subscribers or publishers, every message paid for them twice (encode, decode).  Now they go
+    # until the secondary confirmed a batch that carried them, and again after each change.
+    net, primary, secondary, pub = _setup(level)
+    sent: list[Replicate] = []
+
+    def watch(to: str, m: Message) -> bool:
+        if isinstance(m, Replicate) and m.origin.id == primary and not m.sync:
+            sent.append(m)
+        return False
+
+    net.hold = watch
+    net.nodes[pub].request("s1", Subscribe(1, TOPIC))
+    for i in range(3):
+        net.nodes[pub].request("p", Publish(TOPIC, f"P{i}", 0, b"x", 0))  # three publishers
+    assert sent and sent[0].meta and len(sent[0].subscribers) == 1
+    assert _meta_of(sent[1:]) == [(False, 0, 0)] * 3  # confirmed: the records alone
+    sent.clear()
+    net.nodes[pub].request("s2", Subscribe(2, TOPIC))  # a change: the next batch carries the new list
+    net.nodes[pub].request("p", Publish(TOPIC, "P0", 1, b"y", 0))
+    assert _meta_of(sent) == [(True, 2, 3), (False, 0, 0)]
+    # The copy holds what the primary holds, the publisher table included (from the records themselves).
+    rp, rs = net.nodes[primary].ps.table.replicas[TOPIC], net.nodes[secondary].ps.table.replicas[TOPIC]
+    assert set(rs.subscribers) == set(rp.subscribers) and len(rs.subscribers) == 2
+    assert rs.log.last_seq == rp.log.last_seq == {"P0": 1, "P1": 0, "P2": 0}
+    if level == 3:  # the tertiary had them passed on by the secondary
+        (rt,) = [n.ps.table.replicas[TOPIC] for n in net.nodes.values() if n.ps.table.replicas.get(TOPIC, rp).rank == 3]
+        assert set(rt.subscribers) == set(rp.subscribers) and rt.log.last_seq == rp.log.last_seq
+    # The primary fails: the copy takes over with both subscribers and knows every publisher's last message.
+    net.kill(primary)
+    net.nodes[pub].request("p", Publish(TOPIC, "P1", 0, b"again", 0))  # a re-send: acknowledged, not stored
+    net.nodes[pub].request("p", Publish(TOPIC, "P2", 1, b"new", 0))
+    for session in ("s1", "s2"):  # (the take-over re-delivers its last moments; clients drop duplicates)
+        assert ("P2", 1) in [(r.publisher, r.seq) for r in delivered(net.nodes[pub], session)]
+    assert _acked_by(net, pub, "P1") == 0 and _acked_by(net, pub, "P2") == 1
+    rows = [(row[1], row[2]) for row in net.nodes[secondary].ps.store.get(TOPIC).rows]
+    assert sorted(rows) == [("P0", 0), ("P0", 1), ("P1", 0), ("P2", 0), ("P2", 1)]  # the re-send stored once
+
+
+def _acked_by(net: Net, node: str, publisher: str) -> int:
+    return max(
+        (m.seq for m in net.nodes[node].inbox.get("p", []) if isinstance(m, Ack) and m.publisher == publisher),
+        default=-1,
+    )
+
+
+def test_a_copy_without_the_meta_confirms_nothing_until_the_resend_brings_it() -> None:
+    # A copy that never received the subscribers and the publisher table from its primary (read back from
+    # disk, say) must not count a records-only batch: were the primary to fail, it would serve the topic
+    # without its subscribers.  It leaves the batch unconfirmed; the re-send carries them.
+    net, _, secondary, pub = _setup(2)
+    net.nodes[pub].request("s", Subscribe(1, TOPIC))
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 0, b"m0", 0))
+    rs = net.nodes[secondary].ps.table.replicas[TOPIC]
+    rs.meta_known = False  # as a copy recovered from disk
+    rs.subscribers.clear()
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 1, b"m1", 0))
+    assert net.nodes[secondary].ps.counters["replicate_without_meta"] == 1
+    assert _acked(net, pub) == 0  # not acknowledged: the copy did not confirm it
+    net.tick(0.6)  # past REPLICATION_TIMEOUT: the re-send carries the meta
+    assert _acked(net, pub) == 1
+    assert len(rs.subscribers) == 1 and rs.meta_known
+
+
 def test_late_confirmations_of_superseded_batches_still_count() -> None:
     # Under load a confirmation can be slower than the time-out: the batches the re-send superseded still
     # count when their confirmations come (in order), so the primary does not re-send forever.

@@ -135,6 +135,7 @@ class TopicTable:
             "replicated_batches": 0,
             "replicated_pipelined": 0,  # batches sent while an earlier one was unconfirmed (REPLICATION_WINDOW)
             "replication_resends": 0,  # time-outs after which the unconfirmed records were sent again
+            "replicate_without_meta": 0,  # records-only batches a copy without the topic's meta left unconfirmed
             "lost": 0,
             "moves": 0,
             "moved_bytes": 0,

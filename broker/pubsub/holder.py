@@ -308,6 +308,7 @@ class HolderRole:
             )  # fmt: skip
             last = base - 1
             r.log.last_seq[publisher] = last
+            r.meta_dirty = True  # a publisher table entry no record carries: the secondary needs the table
         if seq > last + 1:
             # Earlier messages are still on their way or were dropped in a failover: the publisher has them.
             self.t.reply(

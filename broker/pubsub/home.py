@@ -83,6 +83,7 @@ class HomeRole:
         r = self.t.replicas.get(topic)
         if r is not None:
             r.delegates = list(dl)
+            r.meta_dirty = True  # with the next batch to the secondary, as before every batch carried them
         self._sync_secondary(topic)
 
     def _sync_secondary(self, topic: str) -> None:

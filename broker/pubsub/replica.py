@@ -208,6 +208,7 @@ class Batch:
     # A re-send after a time-out carries this batch's records again: it no longer times out nor takes a
     # window slot, but its confirmation still counts (under load a reply can be slower than the time-out).
     superseded: bool = False
+    meta_version: int = -1  # the Replica.meta_version it carried (-1: records only)
 
 
 @dataclass(slots=True)
@@ -280,6 +281,16 @@ class Replica:
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
     queued: list[tuple[NodeInfo, str, Message]] = field(default_factory=list)  # requests held while WAITING
     meta_dirty: bool = False  # subscribers changed: the secondary needs the new list
+    # The subscriber list, delegates and publisher table ("meta") travel only until the secondary confirmed
+    # them (REPLICATE.meta): a topic with a thousand subscribers or publishers sent them with every message
+    # before.  At the primary: the version of the current meta (one more per change sent), and whether the
+    # secondary confirmed a batch that carried it.  At a copy: whether it received them from its primary since
+    # it was made (a copy read back from disk, or made by a records-only batch, has not: it confirms nothing
+    # until a batch brings them).  At a level-3 secondary: the tertiary it last passed them on to.
+    meta_version: int = 0
+    meta_confirmed: bool = False
+    meta_known: bool = False
+    meta_chained_to: str | None = None
     moved_at: float = 0.0
     pull: Pulling | None = None  # SYNCING, TAKING_OVER
     move: Move | None = None  # HANDING_OVER

@@ -85,6 +85,7 @@ class ReplicationRole:
         if sec is None:
             r.outbox.clear()
             r.meta_dirty = False
+            r.meta_confirmed = False
             r.backfill = False
             r.window.clear()
             r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
@@ -100,6 +101,7 @@ class ReplicationRole:
         if r.replica != sec.id:
             r.replica = None
             r.backfill = True  # a new secondary gets the whole history (module docstring)
+            r.meta_confirmed = False  # (and the meta goes along until the back-fill is confirmed)
         live = [b for b in r.window if not b.superseded]
         if len(live) >= REPLICATION_WINDOW:
             return  # the outbox waits for a confirmation and then leaves as one batch
@@ -114,21 +116,22 @@ class ReplicationRole:
         r.unchecked = True  # the next anti-entropy round compares digests with the secondary
         records = r.log.records() if full else list(r.outbox)
         batches = chunks(records)
+        if r.meta_dirty:
+            r.meta_version += 1
+            r.meta_confirmed = False
+        # The subscribers, delegates and publisher table go along until the secondary confirmed them (and with
+        # every back-fill); after that a batch is its records alone.
+        meta = full or not r.meta_confirmed
+        subs, dl, last_seq = (
+            (tuple(r.subscribers.values()), tuple(r.delegates), dict(r.log.last_seq)) if meta else ((), (), {})
+        )
         corr = 0
         for i, batch in enumerate(batches):
             corr = self.t.next_corr()
             self.t.ov.route(
                 sec.coord,
                 Replicate(
-                    corr,
-                    r.name,
-                    r.coord,
-                    self.t.ov.me,
-                    tuple(batch),
-                    tuple(r.subscribers.values()),
-                    tuple(r.delegates),
-                    full and i == 0,
-                    dict(r.log.last_seq),
+                    corr, r.name, r.coord, self.t.ov.me, tuple(batch), subs, dl, full and i == 0, last_seq, meta=meta
                 ),
             )
         upto = r.waiting[-1].record.ts if r.waiting else r.last_ts
@@ -139,7 +142,9 @@ class ReplicationRole:
             self.t.counters["replicated_pipelined"] += 1
         if whole and len(r.window) > MAX_SUPERSEDED:
             r.window.clear()  # re-sends that stayed unconfirmed: this batch carries everything they did
-        r.window.append(Batch(corr, sec.id, self.t.ov.now(), upto, whole, full))
+        r.window.append(
+            Batch(corr, sec.id, self.t.ov.now(), upto, whole, full, meta_version=r.meta_version if meta else -1)
+        )
         r.outbox.clear()
         r.meta_dirty = False
         self.t.counters["replicated_batches"] += 1
@@ -182,6 +187,8 @@ class ReplicationRole:
         if frontier < 0:
             return  # an earlier batch is still unconfirmed: the acknowledgements wait for it
         done, r.window = r.window[: frontier + 1], r.window[frontier + 1 :]
+        if not r.meta_confirmed and any(b.confirmed and b.meta_version == r.meta_version for b in done):
+            r.meta_confirmed = True  # the next batches carry records only
         if any(b.backfill and b.confirmed for b in done):
             r.replica = batch.target
             r.backfill = False
@@ -222,26 +229,36 @@ class ReplicationRole:
             r.unchecked = True
             if pull is not None and pull.push_merged and r.rank == 1:
                 self.holder.merged(r, new)
-        for pub, seq in m.last_seq.items():
+        for pub, seq in m.last_seq.items():  # (merge took the records' own; this adds what only the table has)
             if seq > r.log.last_seq.get(pub, -1):
                 r.log.last_seq[pub] = seq
                 r.log.last_seen[pub] = now
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
-        subs = {(s.access.id, s.session): s for s in m.subscribers}
-        theirs = pull.offered.pop(m.origin.id, None) if pull is not None else None
-        if theirs is not None and r.rank == 1:
-            self._catch_up_newcomers(r, [s for k, s in subs.items() if k not in r.subscribers], theirs)
-        if r.rank == 1 or m.sync:
-            r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
-        else:
-            r.subscribers = subs
+        if m.meta:
+            subs = {(s.access.id, s.session): s for s in m.subscribers}
+            theirs = pull.offered.pop(m.origin.id, None) if pull is not None else None
+            if theirs is not None and r.rank == 1:
+                self._catch_up_newcomers(r, [s for k, s in subs.items() if k not in r.subscribers], theirs)
+            if r.rank == 1 or m.sync:
+                r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
+            else:
+                r.subscribers = subs
+            if not m.sync or created:
+                r.delegates = list(m.delegates)
+            r.meta_known = True
         r.coord = m.coord
-        if not m.sync or created:
-            r.delegates = list(m.delegates)
         r.rank = self.t.rank_of_me(r.coord)
+        if r.rank == 1:
+            r.meta_dirty = True  # what a pull or an offer added here goes to the secondary with the next batch
         r.settle()
         stored = self.holder.persist(r)
+        if not m.meta and not r.meta_known:
+            # A records-only batch for a copy that never received the subscribers and the publisher table from
+            # its primary (it was read back from disk, or lost them): not confirmed, so the primary's re-send,
+            # which carries them, makes it whole before the batch counts.
+            self.t.counters["replicate_without_meta"] += 1
+            return
         if pull is not None and answers_pull:
             del pull.asked[m.corr]
             if stored and self._offer_pulls.pop(m.corr, None) == m.origin.id:
@@ -379,10 +396,16 @@ class ReplicationRole:
                     self._chain_confirm(corr)
 
             r.log.when_durable(on_disk)
-        records, subs, dl, last_seq = m.records, m.subscribers, m.delegates, m.last_seq
+        meta, subs, dl, last_seq = m.meta, m.subscribers, m.delegates, m.last_seq
+        if not meta and r.meta_chained_to != tertiary.id:
+            # A tertiary that has not had them from this broker gets this broker's (which are the primary's: a
+            # records-only batch comes only after this broker confirmed them).
+            meta, subs, dl, last_seq = True, tuple(r.subscribers.values()), tuple(r.delegates), dict(r.log.last_seq)
+        if meta:
+            r.meta_chained_to = tertiary.id
         self.t.ov.route(
             tertiary.coord,
-            Replicate(corr, m.topic, m.coord, self.t.ov.me, records, subs, dl, False, last_seq, sync=True),
+            Replicate(corr, m.topic, m.coord, self.t.ov.me, m.records, subs, dl, False, last_seq, sync=True, meta=meta),
         )
         return True
 
