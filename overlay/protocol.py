@@ -38,7 +38,8 @@ import msgpack
 # The wire protocol's version, checked at HELLO: peers of different versions refuse each other there, not
 # after misreading each other's frames.  Bumped whenever a message's fields or meaning change:
 #   1: the first overlay and pub/sub messages;
-#   2: client requests for other brokers travel in TOPIC_REQUEST / TOPIC_REPLY, one per turn (afe1dea).
+#   2: client requests for other brokers travel in TOPIC_REQUEST / TOPIC_REPLY, one per turn (afe1dea), and
+#      REPLICATE may carry records only (its `meta` field).
 PROTOCOL_VERSION: Final = 2
 # The oldest version whose clients and admin tools a broker still admits: their messages (HELLO, PUBLISH,
 # SUBSCRIBE, FETCH, the admin requests...) have not changed since.  Brokers must speak PROTOCOL_VERSION itself.
