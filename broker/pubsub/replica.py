@@ -322,6 +322,10 @@ class Replica:
         """Requests for the topic are held (a pull, a placement or a move is under way)."""
         return self.stage in WAITING
 
+    def meta(self) -> tuple[tuple[SubRef, ...], tuple[Delegation, ...], dict[str, int]]:
+        """What a copy needs besides the records (REPLICATE's subscribers, delegates and last_seq), as sent."""
+        return tuple(self.subscribers.values()), tuple(self.delegates), dict(self.log.last_seq)
+
     def settle(self) -> None:
         """After the rank changed: a steady copy that became closest serves, a steady primary that did not holds."""
         if self.stage is Stage.RETIRING and self.rank != 0:

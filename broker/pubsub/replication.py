@@ -122,9 +122,7 @@ class ReplicationRole:
         # The subscribers, delegates and publisher table go along until the secondary confirmed them (and with
         # every back-fill); after that a batch is its records alone.
         meta = full or not r.meta_confirmed
-        subs, dl, last_seq = (
-            (tuple(r.subscribers.values()), tuple(r.delegates), dict(r.log.last_seq)) if meta else ((), (), {})
-        )
+        subs, dl, last_seq = r.meta() if meta else ((), (), {})
         corr = 0
         for i, batch in enumerate(batches):
             corr = self.t.next_corr()
@@ -352,22 +350,12 @@ class ReplicationRole:
         me = self.t.ov.me
         self.t.counters["synced_records"] += len(records)
         batches = chunks(records)
+        subs, dl, last_seq = r.meta()
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             self.t.ov.route(
                 to.coord,
-                Replicate(
-                    corr if last else 0,
-                    r.name,
-                    r.coord,
-                    me,
-                    tuple(batch),
-                    tuple(r.subscribers.values()),
-                    tuple(r.delegates),
-                    False,
-                    dict(r.log.last_seq),
-                    sync=True,
-                ),
+                Replicate(corr if last else 0, r.name, r.coord, me, tuple(batch), subs, dl, False, last_seq, sync=True),
             )
 
     def _chain(self, r: Replica, m: Replicate) -> bool:
@@ -400,7 +388,7 @@ class ReplicationRole:
         if not meta and r.meta_chained_to != tertiary.id:
             # A tertiary that has not had them from this broker gets this broker's (which are the primary's: a
             # records-only batch comes only after this broker confirmed them).
-            meta, subs, dl, last_seq = True, tuple(r.subscribers.values()), tuple(r.delegates), dict(r.log.last_seq)
+            meta, (subs, dl, last_seq) = True, r.meta()
         if meta:
             r.meta_chained_to = tertiary.id
         self.t.ov.route(
