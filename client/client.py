@@ -337,10 +337,12 @@ class _Connection:
         self._wbuf = bytearray()
         self._flush_scheduled = False
         self.read_done = False  # the end of the stream, a reset or a protocol error was read
-        self.wrote_at = self.loop.time()  # when bytes last went to the transport (uvloop's clock: a cached read)
+        # Something other than the heartbeat's own PING was queued since the heartbeat's last turn (keep_alive).
+        self.sent_since_beat = False
 
     def send(self, data: bytes) -> None:
         self._wbuf += data
+        self.sent_since_beat = True
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self.flush)
@@ -349,7 +351,6 @@ class _Connection:
         self._flush_scheduled = False
         if self._wbuf and not self.transport.is_closing():
             self.transport.write(bytes(self._wbuf))
-            self.wrote_at = self.loop.time()
         self._wbuf.clear()
 
     def keep_alive(self, ping: Callable[[], bytes]) -> None:
@@ -360,16 +361,21 @@ class _Connection:
         rule, "only if no other packet was sent", with the answer direction added).  A thousand devices at
         10 Hz each pinging twice a second were 2,000 PINGs and PONGs a second through the brokers.  The
         silence limit is unchanged: it counts from the last frame heard, PONG or not.
+
+        What this end sent counts only if it was not the last turn's PING: judged by the clock ("wrote within
+        an interval"), an idle client's PING and its PONG were the traffic of the interval whenever the timer
+        fired a little early, and it skipped every other PING (the broker then pinged it instead).
         """
         hb = self.heartbeat
-        now = self.loop.time()
-        if now - self.wrote_at < hb.interval and now - hb.last_rx < hb.interval:
-            return
-        self.send(ping())
+        busy = self.sent_since_beat and self.loop.time() - hb.last_rx < hb.interval
+        if not busy:
+            self.send(ping())
+        self.sent_since_beat = False
 
     def send_now(self, data: bytes) -> None:
         """Write data, and whatever this turn queued before it, to the connection at once."""
         self._wbuf += data
+        self.sent_since_beat = True
         self.flush()
 
     @property
