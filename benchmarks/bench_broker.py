@@ -1,7 +1,7 @@
 """The brokers' whole per-message path in one process (not a test): real brokers, real sockets, no scheduling.
 
     .venv/bin/python benchmarks/bench_broker.py [--messages 20000] [--configs l1,l2,l2far] [--subscribers 1]
-        [--publishers 1] [--profile 30]
+        [--publishers 1] [--window 1] [--profile 30]
 
 bench_engine.py times the pub/sub engine alone; bench_latency.py times everything, on a 2-core machine where
 six processes take turns, so its CPU figures move by +-10 % from run to run.  This one runs the brokers of
@@ -9,7 +9,9 @@ bench_latency's layout (on a line through h(t): broker 0 the primary, broker 1 t
 hops away) as `Broker` objects in this process, over loopback TCP, with every layer a message crosses in a
 broker process: transport, link, node, routing, engine, store, metrics.  The publisher and the subscriber
 are raw connections in the same loop (a HELLO, then pre-encoded PUBLISH frames, one at a time; the next
-leaves once the previous one's ACK and DELIVER are back), so almost all the CPU is the brokers'.
+leaves once the previous one's ACK and DELIVER are back), so almost all the CPU is the brokers'.  With
+`--window W` the publisher writes W PUBLISH frames at once and waits for all of them: the pipelined
+one-PUBLISH-per-message path of bench_pubsub, where one read carries several frames and one turn answers them.
 
 Reported per message: user CPU (the interpreter, the event loop, msgpack: what the code decides) and system
 CPU (the kernel: reads, writes, epoll), from os.times over the whole run.  Both end points' cost is in the
@@ -54,6 +56,7 @@ class Raw(asyncio.Protocol):
     def __init__(self) -> None:
         self.decoder = FrameDecoder()
         self.acks = 0
+        self.acked: dict[str, int] = {}  # publisher -> highest seq acknowledged (ACKs are cumulative)
         self.delivered = 0
         self.changed = asyncio.Event()
         self.first: list[object] = []
@@ -67,7 +70,9 @@ class Raw(asyncio.Protocol):
                 continue
             m = f.message
             if isinstance(m, Ack):
-                self.acks += 1  # one message in flight: one ACK each
+                self.acks += 1
+                if m.seq > self.acked.get(m.publisher, -1):
+                    self.acked[m.publisher] = m.seq
             elif isinstance(m, Deliver):
                 self.delivered += len(m.records)
             else:
@@ -96,7 +101,9 @@ class Result:
     wall_us: float
 
 
-async def run(name: str, messages: int, profile: int, subscribers: int = 1, publishers: int = 1) -> Result:
+async def run(
+    name: str, messages: int, profile: int, subscribers: int = 1, publishers: int = 1, window: int = 1
+) -> Result:
     level, hops = CONFIGS[name]
     coords = bp.line_coords(TOPIC, max(hops + 1, level))
     brokers: list[Broker] = []
@@ -131,12 +138,17 @@ async def run(name: str, messages: int, profile: int, subscribers: int = 1, publ
             for i in range(WARMUP + messages)
         ]
 
+        def acked(upto: int) -> bool:  # messages 0..upto-1 acknowledged
+            return all(pub.acked.get(f"bench-publisher-{k}", -1) >= (upto - 1 - k) // publishers
+                       for k in range(min(publishers, upto)))  # fmt: skip
+
         async def send(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                pub.t.write(frames[i])
-                await pub.until(lambda i=i: pub.acks > i)
+            for i in range(lo, hi, window):
+                j = min(i + window, hi)
+                pub.t.write(b"".join(frames[i:j]))
+                await pub.until(lambda j=j: acked(j))
                 for sub in subs:
-                    await sub.until(lambda s=sub, i=i: s.delivered > i)
+                    await sub.until(lambda s=sub, j=j: s.delivered >= j)
 
         await asyncio.wait_for(send(0, WARMUP), 60.0)
         prof = cProfile.Profile() if profile else None
@@ -177,12 +189,12 @@ async def main_async(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     results = []
     for n in names:
-        results.append(await run(n, args.messages, args.profile, args.subscribers, args.publishers))
-    print("| configuration | user CPU µs/msg | system CPU µs/msg | wall µs/msg (one in flight) |")
+        results.append(await run(n, args.messages, args.profile, args.subscribers, args.publishers, args.window))
+    print(f"| configuration | user CPU µs/msg | system CPU µs/msg | wall µs/msg ({args.window} in flight) |")
     print("|---|---:|---:|---:|")
     for r in results:
         level, hops = CONFIGS[r.name]
-        who = f", {args.subscribers} subscribers, {args.publishers} publishers"
+        who = f", {args.subscribers} subscribers, {args.publishers} publishers, window {args.window}"
         print(f"| level {level}, {hops} hops{who} | {r.user_us:.1f} | {r.sys_us:.1f} | {r.wall_us:.1f} |")
     return 0
 
@@ -193,6 +205,7 @@ def main() -> int:
     p.add_argument("--configs", default="l1,l2,l2far", help=f"subset of {','.join(CONFIGS)} (default all)")
     p.add_argument("--subscribers", type=int, default=1, help="subscriber connections at the primary (default 1)")
     p.add_argument("--publishers", type=int, default=1, help="publisher ids, taking turns (default 1)")
+    p.add_argument("--window", type=int, default=1, help="PUBLISH frames written at once (default 1)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="also profile: the N costliest functions")
     return uvloop.run(main_async(p.parse_args()))
 

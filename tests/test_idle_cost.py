@@ -1,6 +1,6 @@
 """What an idle overlay costs (docs/benchmarks-scale.md), on real brokers: an idle broker wakes up about once
-per heartbeat interval (its beat) however many links it has, traffic on a link replaces its PINGs, and load
-reports go out when loads change, not every interval.
+per heartbeat interval (its beat) however many links it has, on one thread; traffic on a link replaces its
+PINGs, and load reports go out when loads change, not every interval.
 
 The evidence is the brokers' own: their counters (STATUS: heartbeat_pings, load_reports_sent) and the kernel's
 count of their wake-ups (/proc/PID/status); the time that passes is measured in the brokers' own beats (PINGs
@@ -45,6 +45,11 @@ def _wakeups(pid: int) -> int:
     raise AssertionError(f"no voluntary_ctxt_switches in /proc/{pid}/status")
 
 
+def _threads(pid: int) -> int:
+    """How many threads the process runs (/proc)."""
+    return len(list(Path(f"/proc/{pid}/task").iterdir()))
+
+
 async def test_an_idle_broker_wakes_about_once_per_beat(tmp_path: Path) -> None:
     # Five brokers: every one has 2-4 links, each carrying one PING each way per interval.  Before, a broker
     # woke for every PING and PONG it received and twice per interval for its ticker (5 or more wake-ups per
@@ -62,6 +67,10 @@ async def test_an_idle_broker_wakes_about_once_per_beat(tmp_path: Path) -> None:
         )
         woke = {bp.node_id: _wakeups(bp.pid) - woken[bp.node_id] for bp in cluster.nodes}
         after = await _counters(cluster)
+        # And each runs on one thread: no OpenBLAS pool of numpy's or scipy's (a thread per core each, spinning
+        # after every call) beside the event loop.
+        threads = {bp.node_id: _threads(bp.pid) for bp in cluster.nodes}
+        assert set(threads.values()) == {1}, threads
     for nid, n in woke.items():
         links = before[nid]["links"] - 1  # less the STATUS connection that asked
         beats = (after[nid]["heartbeat_pings"] - before[nid]["heartbeat_pings"]) / links  # PINGs per link
