@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from overlay.geometry import Coord, delaunay_neighbour_map
 from overlay.protocol import NodeInfo
 
+# At most this many destinations' routes are remembered (NeighbourView.route); beyond it they are computed afresh.
+ROUTE_CACHE = 4096
+
 
 @dataclass
 class NeighbourView:
@@ -50,6 +53,10 @@ class NeighbourView:
     detours: dict[str, str] = field(default_factory=dict)
     # (next hop, x, y, node): one entry per linked node and per detour
     _route: list[tuple[str, float, float, str]] = field(default_factory=list)
+    # route()'s answers for the current table, by destination: a routed frame is addressed to a topic's or a
+    # broker's coordinate, so a busy broker asks about the same few again and again (a 3-hop level-2 message
+    # asks 12 times across its brokers).  Emptied whenever the table changes.
+    _routes: dict[tuple[float, float], tuple[str | None, float]] = field(default_factory=dict)
 
     # ----------------------------------------------------------------------------------------- updates
 
@@ -162,6 +169,7 @@ class NeighbourView:
         entries = [(k, *self.nodes[k].coord, k) for k in self.linked]
         entries += [(via, *self.nodes[k].coord, k) for k, via in self.detours.items()]
         self._route = sorted(entries, key=lambda e: e[3])
+        self._routes.clear()
 
     def next_hop(self, x: float, y: float) -> str | None:
         """Greedy forwarding over linked neighbours: the one closest to (x, y), or None if self is closest.
@@ -174,6 +182,9 @@ class NeighbourView:
 
     def route(self, x: float, y: float) -> tuple[str | None, float]:
         """(next hop, distance to (x, y) of the node it leads to): `next_hop` and how close that gets."""
+        known = self._routes.get((x, y))
+        if known is not None:
+            return known
         best_id: str | None = None
         best_key = self.me.id
         best_d = math.hypot(self.me.coord[0] - x, self.me.coord[1] - y)
@@ -181,4 +192,7 @@ class NeighbourView:
             d = math.hypot(nx - x, ny - y)
             if d < best_d or (d == best_d and k < best_key):
                 best_d, best_key, best_id = d, k, hop
-        return best_id, best_d
+        if len(self._routes) >= ROUTE_CACHE:
+            self._routes.clear()  # destinations beyond the bound (many topics): start again, never grow
+        answer = self._routes[(x, y)] = (best_id, best_d)
+        return answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from overlay.dt import NeighbourView
+from overlay.dt import ROUTE_CACHE, NeighbourView
 from overlay.geometry import delaunay_neighbour_map, greedy_next_hop
 from overlay.protocol import NodeInfo
 
@@ -120,3 +120,45 @@ def test_next_hop_matches_geometry_greedy_including_ties(seed: int) -> None:
     nbrs = {o.id: o.coord for o in others}
     for tx, ty in rng.integers(0, 9, size=(200, 2)) / 8.0:
         assert view.next_hop(float(tx), float(ty)) == greedy_next_hop(me.id, me.coord, nbrs, (tx, ty))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_remembered_routes_follow_every_change_of_the_table(seed: int) -> None:
+    # route() remembers its answers per destination: links coming up, closing and failing, and detours, must
+    # each be seen by the next question about a destination asked before.
+    rng = np.random.default_rng(seed)
+    pts = np.unique(rng.integers(0, 5, size=(20, 2)) / 4.0, axis=0)
+    infos = _infos(pts)
+    me, others = infos[0], infos[1:]
+    view = NeighbourView(me)
+    targets = [(float(x), float(y)) for x, y in rng.integers(0, 9, size=(40, 2)) / 8.0]
+    for step in range(60):
+        o = others[int(rng.integers(len(others)))]
+        action = int(rng.integers(3))
+        if action == 0:
+            view.link_up(o)
+        elif action == 1:
+            view.unlink(o.id)
+        else:
+            view.forget(o.id, now=float(step), ttl=0.0)
+            view.expire(float(step) + 1.0)
+        linked = {k: view.nodes[k].coord for k in view.linked}
+        for t in targets:
+            assert view.next_hop(*t) == greedy_next_hop(me.id, me.coord, linked, t), (step, t)
+    # A detour: an alive node whose link broke is reached through the neighbour that still hears it.
+    a, b = others[0], others[1]
+    view.link_up(a)
+    view.link_up(b)
+    assert view.next_hop(*b.coord) == b.id
+    view.unlink(b.id)
+    assert view.next_hop(*b.coord) != b.id
+    view.detour(b.id, a.id)
+    assert view.next_hop(*b.coord) == a.id
+
+
+def test_remembered_routes_are_bounded() -> None:
+    view = NeighbourView(NodeInfo("me", (0.5, 0.5), "127.0.0.1:1"))
+    view.link_up(NodeInfo("n1", (0.9, 0.9), "127.0.0.1:2"))
+    for i in range(ROUTE_CACHE + 10):
+        assert view.next_hop(i / (ROUTE_CACHE + 10), 0.95) in (None, "n1")
+        assert len(view._routes) <= ROUTE_CACHE
