@@ -55,7 +55,6 @@ class Raw(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.decoder = FrameDecoder()
-        self.acks = 0
         self.acked: dict[str, int] = {}  # publisher -> highest seq acknowledged (ACKs are cumulative)
         self.delivered = 0
         self.changed = asyncio.Event()
@@ -70,7 +69,6 @@ class Raw(asyncio.Protocol):
                 continue
             m = f.message
             if isinstance(m, Ack):
-                self.acks += 1
                 if m.seq > self.acked.get(m.publisher, -1):
                     self.acked[m.publisher] = m.seq
             elif isinstance(m, Deliver):
