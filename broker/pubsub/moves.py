@@ -112,6 +112,7 @@ class MoveRole:
         )
         delivered_upto = r.undelivered[0].ts - TS_EPSILON / 2 if r.undelivered else r.last_ts
         dl = (*r.delegates, Delegation(mv.to, self.t.ov.now()))
+        subs, _, last_seq = r.meta()  # the delegates go as dl: the list with this move appended
         batches = chunks(r.log.records())
         me = self.t.ov.me
         for i, batch in enumerate(batches):
@@ -124,10 +125,10 @@ class MoveRole:
                     mv.to,
                     me,
                     tuple(batch),
-                    tuple(r.subscribers.values()),
+                    subs,
                     dl,
                     i == 0,
-                    dict(r.log.last_seq),
+                    last_seq,
                     handover=True,
                     delivered_upto=delivered_upto,
                     waiters=waiters if final else (),
