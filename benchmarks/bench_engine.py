@@ -86,7 +86,7 @@ class Node:
     def route(self, dest: Coord, msg: Message) -> None:
         self.net.queue.append((dest, encode_message(msg)))
 
-    def to_session(self, session: str, frame: bytes) -> bool:
+    def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
         if session not in self.frames_to:
             return False
         self.frames_to[session] += 1

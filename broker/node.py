@@ -63,7 +63,7 @@ from overlay.protocol import (
     format_address,
     parse_address,
 )
-from overlay.pubsub import Fetch, Locate, Publish, Subscribe, Unsubscribe
+from overlay.pubsub import Ack, Fetch, Locate, Nack, Publish, Subscribe, Unsubscribe
 
 if TYPE_CHECKING:
     # prometheus_client is imported only by a broker that serves metrics (--metrics): a few MB less for the rest.
@@ -623,7 +623,7 @@ class PubSubPort:
     def route(self, dest: Coord, msg: Message) -> None:
         self._b.send_routed(dest, msg)
 
-    def to_session(self, session: str, frame: bytes) -> bool:
+    def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
         link = self._b.sessions.get(session)
         if link is None or not link.established:
             return False
@@ -634,8 +634,12 @@ class PubSubPort:
             # deliveries and acknowledgements for everyone else that this call is part of.
             return False
         self._b.written(link)
-        if session in self._b.stats.acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
-            self._b.stats.acks.frame(session, frame)
+        acks = self._b.stats.acks
+        if session in acks.waiting:  # metrics: an ACK stops publish-to-ACK clocks
+            if sent is None:
+                acks.frame(session, frame)  # an answer from another broker: decoded for the three fields
+            elif isinstance(sent, Ack | Nack):
+                acks.answered(session, sent.topic, sent.publisher, sent.seq, isinstance(sent, Ack))
         return True
 
     def now(self) -> float:

@@ -108,37 +108,45 @@ class AckTimer:
         q.append((seq, time.monotonic()))
         self.size += 1
 
-    def frame(self, session: str, frame: bytes) -> None:
-        """A frame to a local session that has publishes waiting: stop the clocks an ACK answers."""
-        if frame.startswith(_ACK_TAG, _FRAME_HEAD + 1):
-            is_ack = True
-        elif frame.startswith(_NACK_TAG, _FRAME_HEAD + 1):
-            is_ack = False
-        else:
-            return
-        # The broker encoded this frame itself; only three fields are needed, so skip the typed decode.
+    def answered(self, session: str, topic: str, publisher: str, seq: int, acked: bool) -> None:
+        """An ACK (acked) or NACK for (topic, publisher) up to seq went to a local session: an ACK stops the
+        clocks it covers, a NACK drops the one it refuses (no ACK will come for it)."""
         per = self.waiting.get(session)
-        try:
-            wire = msgpack.unpackb(frame[_FRAME_HEAD:], raw=False)
-            key, seq = (wire["topic"], wire["publisher"]), wire["seq"]
-            q = per.get(key) if per is not None else None
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+        key = (topic, publisher)
+        q = per.get(key) if per is not None else None
+        if per is None or q is None:
             return
-        if per is None or q is None or type(seq) is not int:
-            return
-        if is_ack:
+        if acked:
             now = time.monotonic()
             while q and q[0][0] <= seq:
                 self.into.observe(now - q.popleft()[1])
                 self.size -= 1
         else:
-            kept = deque(e for e in q if e[0] != seq)  # refused: no ACK will come for it
+            kept = deque(e for e in q if e[0] != seq)
             self.size -= len(q) - len(kept)
             q = per[key] = kept
         if not q:
             del per[key]
             if not per:
                 del self.waiting[session]
+
+    def frame(self, session: str, frame: bytes) -> None:
+        """An encoded frame to a local session that has publishes waiting, when the sender did not have the
+        message at hand (an answer from another broker's TOPIC_REPLY): an ACK or NACK is decoded for `answered`."""
+        if frame.startswith(_ACK_TAG, _FRAME_HEAD + 1):
+            acked = True
+        elif frame.startswith(_NACK_TAG, _FRAME_HEAD + 1):
+            acked = False
+        else:
+            return
+        # The broker encoded this frame itself; only three fields are needed, so skip the typed decode.
+        try:
+            wire = msgpack.unpackb(frame[_FRAME_HEAD:], raw=False)
+            topic, publisher, seq = wire["topic"], wire["publisher"], wire["seq"]
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            return
+        if type(topic) is str and type(publisher) is str and type(seq) is int:
+            self.answered(session, topic, publisher, seq, acked)
 
     def session_closed(self, session: str) -> None:
         """Forget the clocks of a session that went away."""

@@ -339,3 +339,22 @@ def test_ack_timer_reads_the_acks_of_long_names_and_large_numbers() -> None:
         t.started("s", f"t/{i}", "p", 0)
         t.frame("s", encode_control(Ack(f"t/{i}", "p", 0, 0.0)))
     assert b.count == 7 and t.size == 0
+
+
+def test_ack_timer_answers_given_typed_match_the_decoded_frames() -> None:
+    # A local holder hands the ACK or NACK itself (`answered`), a TOPIC_REPLY only its bytes (`frame`): the
+    # clocks must end the same either way.
+    replies = [Ack("a", "p", 1, 0.0), Nack("a", "p", 3, "too_large", "x"), Ack("b", "p", 0, 0.0), Ack("a", "p", 4, 0.0)]
+    timers = []
+    for typed in (True, False):
+        b = Buckets((1.0,))
+        t = AckTimer(b, limit=10)
+        for topic, seq in [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5), ("b", 0), ("b", 1)]:
+            t.started("s", topic, "p", seq)
+        for m in replies:
+            if typed:
+                t.answered("s", m.topic, m.publisher, m.seq, isinstance(m, Ack))
+            else:
+                t.frame("s", encode_control(m))
+        timers.append((b.count, t.size, {k: [seq for seq, _ in q] for k, q in t.waiting["s"].items()}))
+    assert timers[0] == timers[1] == (5, 2, {("a", "p"): [5], ("b", "p"): [1]})

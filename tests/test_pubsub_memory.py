@@ -120,7 +120,7 @@ class Node:
         self.net.sent.append((self._me.id, msg))
         self.net.queue.append((dest, encode_message(msg)))
 
-    def to_session(self, session: str, frame: bytes) -> bool:
+    def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
         if session not in self.inbox or not self.alive:
             return False
         for f in FrameDecoder().feed(frame):

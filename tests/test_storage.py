@@ -404,7 +404,7 @@ class _Alone:
     def route(self, dest: tuple[float, float], msg: Message) -> None:
         self.queue.append(msg)
 
-    def to_session(self, session: str, frame: bytes) -> bool:
+    def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
         for f in FrameDecoder().feed(frame):
             assert isinstance(f, ControlFrame)
             self.inbox.append(f.message)

@@ -157,15 +157,16 @@ class AccessRole:
         for sessions, body in rep.answers:
             self.local_reply(sessions, body)
 
-    def local_reply(self, sessions: Sequence[str], reply: bytes) -> None:
-        """An answer (an encoded message) for sessions of this broker, from a TOPIC_REPLY or a local holder."""
+    def local_reply(self, sessions: Sequence[str], reply: bytes, sent: Message | None = None) -> None:
+        """An answer (an encoded message) for sessions of this broker, from a TOPIC_REPLY or a local holder (which
+        passes the message itself too, as `sent`)."""
         frame = control_frame(reply)
         to_session = self.t.ov.to_session
         if len(sessions) == 1:  # an ACK, a reply, a DELIVER to one subscriber here: no list per message
-            if not to_session(sessions[0], frame):
+            if not to_session(sessions[0], frame, sent):
                 self._sessions_gone(sessions, reply)
             return
-        missing = [s for s in sessions if not to_session(s, frame)]
+        missing = [s for s in sessions if not to_session(s, frame, sent)]
         if missing:
             self._sessions_gone(missing, reply)
 

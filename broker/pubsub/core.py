@@ -49,8 +49,9 @@ class Overlay(Protocol):
         """Send msg in a ROUTED frame toward dest (handled here if this broker is closest)."""
         ...
 
-    def to_session(self, session: str, frame: bytes) -> bool:
-        """Send a frame to a local client session; False if there is no such session."""
+    def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
+        """Send a frame to a local client session; False if there is no such session.  `sent` is the message
+        the frame carries when the caller has it at hand (the broker's metrics then need not decode it)."""
         ...
 
     def now(self) -> float:
@@ -119,7 +120,7 @@ class TopicTable:
         self.on_flush: Callable[[], None] = lambda: None
         # Set by the engine: a reply (sessions, encoded message) for sessions of this broker (the access role
         # hands it to them); no TOPIC_REPLY is built for what never leaves the broker.
-        self.on_local_reply: Callable[[Sequence[str], bytes], None] = lambda sessions, body: None
+        self.on_local_reply: Callable[[Sequence[str], bytes, Message | None], None] = lambda s, body, sent: None
         # Answers for other access brokers, by node id, sent once the input at hand is handled (`flush_replies`):
         # a holder's acknowledgements and deliveries to one access broker travel in one routed frame.
         self._replies: dict[str, tuple[NodeInfo, list[Answer]]] = {}
@@ -222,14 +223,14 @@ class TopicTable:
 
     def reply(self, access: NodeInfo, sessions: list[str], msg: Message) -> None:
         """Answer sessions at an access broker (here, or routed there)."""
-        self.reply_bytes(access, sessions, encode_message(msg))
+        self.reply_bytes(access, sessions, encode_message(msg), msg)
 
-    def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes) -> None:
+    def reply_bytes(self, access: NodeInfo, sessions: list[str], body: bytes, sent: Message | None = None) -> None:
         """An encoded answer for sessions at an access broker: handed over at once if that is this broker, else
         gathered with the other answers for it into one TOPIC_REPLY (`flush_replies`: at the end of the routed
         message being handled, or of the turn)."""
         if access.id == self.ov.me.id:
-            self.on_local_reply(sessions, body)
+            self.on_local_reply(sessions, body, sent)
             return
         pending = self._replies.get(access.id)
         if pending is None:
