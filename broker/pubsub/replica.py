@@ -58,6 +58,10 @@ class Stage(enum.Enum):
     RETIRING = "retiring"
     GONE = "gone"
 
+    # Members are singletons compared by identity, so they hash by identity too: in C, where Enum's own __hash__
+    # is a Python call (hash of the name), and `r.stage in WAITING` runs for every message.
+    __hash__ = object.__hash__
+
 
 class Transition(enum.Enum):
     """The named steps between stages."""
