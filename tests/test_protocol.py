@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import ClassVar, Literal
 
 import msgpack
@@ -299,3 +299,54 @@ def test_batched_topic_frames_round_trip_and_refuse_bad_entries() -> None:
     for obj, match in bad:
         with pytest.raises(RemoteProtocolError, match=match):
             FrameDecoder().feed(_control(obj))
+
+
+def _probe_class() -> type:
+    # Defined inside a function: `from __future__ import annotations` leaves the annotations as strings, which
+    # dataclasses reads without resolving them.
+    @dataclass(frozen=True, slots=True)
+    class Probe:
+        a: int
+        b: str = "x"
+        c: list[int] = field(default_factory=list)
+
+        def __post_init__(self) -> None:
+            if self.a < 0:
+                raise ValueError("a must not be negative")
+
+    return Probe
+
+
+def test_fast_init_behaves_as_the_dataclass_init() -> None:
+    ref, fast = _probe_class(), p.fast_init(_probe_class())
+    assert fast.__init__ is not ref.__init__ and "_s0" in fast.__init__.__code__.co_names
+    for args, kwargs in [((1,), {}), ((1, "y"), {}), ((1,), {"c": [2]}), ((), {"a": 3, "b": "z"}), ((4, "w", [5]), {})]:
+        r, f = ref(*args, **kwargs), fast(*args, **kwargs)
+        assert (f.a, f.b, f.c) == (r.a, r.b, r.c)
+    assert fast(1).c is not fast(1).c  # the factory runs per object
+    for args, kwargs, exc in [((), {}, TypeError), ((1, "x", [], 9), {}, TypeError), ((1,), {"d": 1}, TypeError)]:
+        with pytest.raises(exc):
+            fast(*args, **kwargs)
+    with pytest.raises(ValueError, match="negative"):
+        fast(-1)  # __post_init__ still checks
+    with pytest.raises(FrozenInstanceError):
+        fast(1).a = 2  # type: ignore[misc]
+
+
+def test_fast_init_leaves_the_classes_it_does_not_fit() -> None:
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class KeywordsOnly:
+        a: int
+
+    @dataclass(frozen=True)
+    class NoSlots:
+        a: int
+
+    for cls in (KeywordsOnly, NoSlots):
+        before = cls.__init__
+        assert p.fast_init(cls).__init__ is before
+
+
+def test_every_message_with_fields_gets_the_fast_init() -> None:
+    slow = [cls.__name__ for cls in p.MESSAGE_TYPES.values() if "_s0" not in cls.__init__.__code__.co_names]
+    assert slow == []
