@@ -173,11 +173,20 @@ class _Pending:
 
 
 class Subscription:
-    """An async iterator of the messages of one topic; `aclose()` (or `async with`) unsubscribes."""
+    """An async iterator of the messages of one topic, or, subscribed with `on_message`, the handle of a
+    subscription whose messages go to that function; `aclose()` (or `async with`) unsubscribes."""
 
-    def __init__(self, client: Client, topic: str, since: float | None, maxsize: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        topic: str,
+        since: float | None,
+        maxsize: int,
+        on_message: Callable[[ReceivedMessage], None] | None = None,
+    ) -> None:
         self._client = client
         self.topic = topic
+        self._on_message = on_message
         self.since = since  # resume point: the ts of the last message handed out
         self._queue: deque[ReceivedMessage] = deque()
         self._maxsize = maxsize
@@ -255,6 +264,14 @@ class Subscription:
         self._last_ts[d.publisher] = d.ts
         if self.since is None or d.ts > self.since:
             self.since = d.ts
+        on_message = self._on_message
+        if on_message is not None:
+            # Handed over as it is read: no queue, no task to wake per message.
+            try:
+                on_message(ReceivedMessage(self.topic, d.publisher, d.seq, d.ts, d.payload))
+            except Exception:
+                log.exception("subscription %s: on_message raised; the subscription goes on", self.topic)
+            return
         if len(self._queue) >= self._maxsize:
             self._queue.popleft()
             self.dropped += 1
@@ -265,6 +282,11 @@ class Subscription:
         self._wakeup.set()
 
     def __aiter__(self) -> Self:
+        if self._on_message is not None:
+            raise TypeError(
+                f"the subscription to {self.topic!r} hands its messages to on_message: "
+                "subscribe without on_message to iterate over them"
+            )
         return self
 
     async def __anext__(self) -> ReceivedMessage:
@@ -1089,21 +1111,35 @@ class Client:
                 await conn.drain()
 
     # ---- subscribing, fetching, locating ---------------------------------------------------------------
-    def subscribe(self, topic: str, since: float | None = None) -> _SubscribeCall:
+    def subscribe(
+        self,
+        topic: str,
+        since: float | None = None,
+        *,
+        on_message: Callable[[ReceivedMessage], None] | None = None,
+    ) -> _SubscribeCall:
         """Subscribe to topic: `async with c.subscribe(t) as sub` or `sub = await c.subscribe(t)`.
 
         With `since` (a timestamp as in the messages' `ts`), stored messages newer than it come first, pulled
         page by page as the consumer takes them (a backlog larger than the queue is not dropped); if the
-        overlay refuses the subscription after that catch-up, the iteration raises the refusal.
+        overlay refuses the subscription after that catch-up, the iteration raises the refusal (and the
+        client logs it).
+        With `on_message`, each message goes to that function as soon as it is read, in order, instead of to
+        a queue the subscription is iterated over (as paho-mqtt's on_message or nats.py's cb): no task is woken
+        per message, which is what a consumer that keeps up wants.  It runs inside the client's read loop, so
+        it must not block; if it raises, the error is logged and the subscription goes on.  Such a
+        subscription cannot be iterated; `aclose()` unsubscribes as usual.
         Raises RequestFailed (already_subscribed, bad_topic, not_allowed, ...) when the overlay refuses.
         """
-        return _SubscribeCall(self, topic, since)
+        return _SubscribeCall(self, topic, since, on_message)
 
-    async def _subscribe(self, topic: str, since: float | None) -> Subscription:
+    async def _subscribe(
+        self, topic: str, since: float | None, on_message: Callable[[ReceivedMessage], None] | None = None
+    ) -> Subscription:
         validate_topic(topic)
         if topic in self._subs:
             raise RequestFailed("already_subscribed", f"this client is already subscribed to {topic!r}")
-        sub = Subscription(self, topic, since, self.subscription_queue)
+        sub = Subscription(self, topic, since, self.subscription_queue, on_message)
         self._subs[topic] = sub
         try:
             if await self._catch_up(sub, wait=False):
@@ -1202,17 +1238,20 @@ class _Window:
 class _SubscribeCall:
     """Lets `subscribe()` be awaited or used as `async with`."""
 
-    def __init__(self, client: Client, topic: str, since: float | None) -> None:
+    def __init__(
+        self, client: Client, topic: str, since: float | None, on_message: Callable[[ReceivedMessage], None] | None
+    ) -> None:
         self._client = client
         self._topic = topic
         self._since = since
+        self._on_message = on_message
         self._sub: Subscription | None = None
 
     def __await__(self) -> Generator[object, None, Subscription]:
-        return self._client._subscribe(self._topic, self._since).__await__()
+        return self._client._subscribe(self._topic, self._since, self._on_message).__await__()
 
     async def __aenter__(self) -> Subscription:
-        self._sub = await self._client._subscribe(self._topic, self._since)
+        self._sub = await self._client._subscribe(self._topic, self._since, self._on_message)
         return self._sub
 
     async def __aexit__(

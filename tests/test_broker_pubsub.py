@@ -16,7 +16,7 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 
 from cli.cluster import LocalCluster
-from client.client import Client, PublishAck, RequestFailed, Subscription
+from client.client import Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
 from overlay.pubsub import Located
 
@@ -289,6 +289,71 @@ async def test_a_repair_fills_every_gap_up_to_the_last_message_held_back(tmp_pat
             got = await drain(sub, 9, 20.0)
             assert [q for _, q in got] == list(range(9))
             assert (sub.gaps, sub.repaired, sub.duplicates) == (0, 4, 0)
+
+
+async def test_on_message_gets_every_message_in_order_and_survives_a_raising_callback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A subscription with on_message: each message goes to the function as it is read, in order, with the
+    # stored ones first (since=); a callback that raises is logged and the messages after it still come; the
+    # subscription cannot be iterated, and aclose() unsubscribes.
+    async with LocalCluster(1, seed=16, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/callback/voltage"
+        got: list[int] = []
+
+        def on_message(m: ReceivedMessage) -> None:
+            got.append(m.seq)
+            if m.payload == b"m7":
+                raise RuntimeError("a consumer bug")
+
+        async with (
+            Client(c.nodes[0].listen) as pub,
+            Client(c.nodes[0].listen) as sc,
+            Client(c.nodes[0].listen) as other,
+        ):
+            for i in range(5):
+                await pub.publish(topic, f"m{i}")  # stored before the subscription: fetched with since=0
+            sub = await sc.subscribe(topic, since=0.0, on_message=on_message)
+            for i in range(5, 20):
+                await pub.publish(topic, f"m{i}")
+            await wait_for(lambda: len(got) >= 20, 20.0, "20 messages to on_message")
+            assert got == list(range(20))
+            assert [r.getMessage() for r in caplog.records if r.exc_info] == [
+                f"subscription {topic}: on_message raised; the subscription goes on"
+            ]
+            with pytest.raises(TypeError, match="on_message"):
+                async for _ in sub:
+                    pass
+            await sub.aclose()
+            witness = await other.subscribe(topic)
+            await pub.publish(topic, "after")
+            assert [q for _, q in await drain(witness, 1, 20.0)] == [20]
+            assert got == list(range(20))  # the unsubscribed callback saw nothing of it
+
+
+def _readme_python_example() -> str:
+    blocks = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8").split("```python\n")
+    assert len(blocks) == 2, "the README has one Python example"
+    return blocks[1].split("```")[0]
+
+
+async def test_the_readme_python_example_runs(tmp_path: Path) -> None:
+    # The client example users copy from the README, run as it is against a live broker.
+    example = _readme_python_example()
+    script = tmp_path / "example.py"
+    async with LocalCluster(1, seed=17, resilience=1, state_dir=tmp_path / "c", broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        port = parse_address(c.nodes[0].listen)[1]
+        script.write_text(example.replace("PORT", str(port)))
+        env = dict(os.environ, SEDAX_INSECURE="1")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        async with asyncio.timeout(60):
+            out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().splitlines()[0].endswith(" 0 b'230.4'"), out.decode()
 
 
 async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalCluster) -> None:
