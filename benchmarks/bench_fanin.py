@@ -116,6 +116,13 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
             await c.connect()
             closers.append(c.aclose)
             for t in topics:
+                if not spec["iterate"]:
+                    # Messages handed to a function as they are read, as the Mosquitto subscribers take them.
+                    def on_message(m: Any, j: int = j) -> None:
+                        sink(m.payload, j)
+
+                    subs_.append(await c.subscribe(t, on_message=on_message))
+                    continue
                 sub = await c.subscribe(t)
                 subs_.append(sub)
 
@@ -293,7 +300,10 @@ class Driver:
             # Far enough ahead for every worker to connect its clients first (checked below).
             start_at = time.perf_counter() + a.connect_time
             end_at = start_at + a.duration
-            base = {"system": system, "hz": sc.hz, "start_at": start_at, "end_at": end_at, "grace": grace}
+            base = {
+                "system": system, "hz": sc.hz, "start_at": start_at, "end_at": end_at, "grace": grace,
+                "iterate": a.sub_iterate,
+            }  # fmt: skip
             sub_outs = []
             for g in sub_groups:
                 p, out = await self.spawn(dict(base, role="sub", subs=g))
@@ -468,6 +478,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1, help="the brokers' coordinates (default 1)")
     p.add_argument("--broker-args", default=bp.SEDAX_BROKER_ARGS, help="SeDAX broker flags")
     p.add_argument("--no-mosquitto", action="store_true", help="SeDAX only")
+    p.add_argument(
+        "--sub-iterate",
+        action="store_true",
+        help="the SeDAX subscribers iterate (async for) instead of taking messages by on_message (rounds 1-8)",
+    )
     p.add_argument("--out", help="write the markdown report into this file (its own section)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

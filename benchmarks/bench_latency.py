@@ -112,18 +112,24 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from client.client import Client
 
         async with Client([spec["addr"]], client_id=f"lat-sub-{os.getpid()}") as c:
-            sub = await c.subscribe(spec["topic"])
-            bp.ready()
+            if not spec["iterate"]:
+                # Messages handed to a function as they are read, as the Mosquitto subscriber below takes them.
+                await c.subscribe(spec["topic"], on_message=lambda m: sink(m.payload))
+                bp.ready()
+                await wait()
+            else:
+                sub = await c.subscribe(spec["topic"])
+                bp.ready()
 
-            async def consume() -> None:
-                async for m in sub:
-                    sink(m.payload)
+                async def consume() -> None:
+                    async for m in sub:
+                        sink(m.payload)
 
-            task = asyncio.create_task(consume())
-            await wait()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+                task = asyncio.create_task(consume())
+                await wait()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
     else:
         from peers import MqttClient
 
@@ -363,7 +369,10 @@ class Driver:
                         config = f"resilience {level}, {h} hop{'s' if h != 1 else ''}"
                         config += ", one PUBLISH per message" if unbatched else ""
                         res = Result("SeDAX", config, rate)
-                        spec = {"system": "sedax", "unbatched": unbatched, "pace": self.args.pace}
+                        spec = {
+                            "system": "sedax", "unbatched": unbatched, "pace": self.args.pace,
+                            "iterate": self.args.sub_iterate,
+                        }  # fmt: skip
                         batches0 = await replication_counters(primary)
                         workers = await self.run_pair(res, spec, primary, cluster.nodes[h].listen, pids, traced)
                         if level >= 2:
@@ -563,6 +572,10 @@ def main() -> int:
     p.add_argument("--broker-args", default=bp.SEDAX_BROKER_ARGS, help="SeDAX broker flags")
     p.add_argument("--pace", choices=bp.PACES, default="sleep", help=bp.PACE_HELP)
     p.add_argument("--no-trace", action="store_true", help="run without SEDAX_TRACE (no breakdown)")
+    p.add_argument(
+        "--sub-iterate", action="store_true",
+        help="the SeDAX subscriber iterates (async for) instead of taking messages by on_message (rounds 1-8)",
+    )  # fmt: skip
     p.add_argument("--out", help="write the markdown report here (the part after the results marker)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

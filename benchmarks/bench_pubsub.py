@@ -150,18 +150,24 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from client.client import Client
 
         async with Client([spec["addr"]], client_id=f"bench-sub-{os.getpid()}") as c:
-            sub = await c.subscribe(spec["topic"])
-            ready()
+            if not spec["iterate"]:
+                # Messages handed to a function as they are read, as the Mosquitto and NATS subscribers take them.
+                await c.subscribe(spec["topic"], on_message=lambda m: sink(m.payload))
+                ready()
+                await sink.wait()
+            else:
+                sub = await c.subscribe(spec["topic"])
+                ready()
 
-            async def consume() -> None:
-                async for m in sub:
-                    sink(m.payload)
+                async def consume() -> None:
+                    async for m in sub:
+                        sink(m.payload)
 
-            task = asyncio.create_task(consume())
-            await sink.wait()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+                task = asyncio.create_task(consume())
+                await sink.wait()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             res = sink.result()
             res.update(dropped=sub.dropped, duplicates=sub.duplicates, gaps=sub.gaps, reconnects=c.reconnects)
             return res
@@ -354,6 +360,7 @@ class Settings:
     uvloop: bool
     workdir: Path
     pace: str = "sleep"  # how a latency run's publisher waits for its next message (PACES)
+    sub_iterate: bool = False  # the SeDAX subscriber iterates instead of taking messages by on_message
 
 
 def anomalies(pub: dict[str, Any], sub: dict[str, Any], run: str) -> list[str]:
@@ -594,13 +601,14 @@ class Driver:
                 for h in hops:
                     row = Row("SeDAX", f"resilience {resilience}, {h} hop{'s' if h != 1 else ''}")
                     before = broker_warnings(cluster)
-                    await self.measure(row, {"system": "sedax", "topic": TOPIC}, primary, cluster.nodes[h].listen, pids)
+                    spec = {"system": "sedax", "topic": TOPIC, "iterate": self.s.sub_iterate}
+                    await self.measure(row, spec, primary, cluster.nodes[h].listen, pids)
                     after = broker_warnings(cluster)
                     row.notes += [f"brokers logged {after[k] - before[k]} × {k}" for k in after if after[k] > before[k]]
                 if resilience == 1 and 0 in hops:
                     # Like for like with one-message protocols: the client sends one PUBLISH per message.
                     row = Row("SeDAX", "resilience 1, 0 hops, one PUBLISH per message")
-                    spec = {"system": "sedax", "topic": TOPIC, "unbatched": True}
+                    spec = {"system": "sedax", "topic": TOPIC, "unbatched": True, "iterate": self.s.sub_iterate}
                     await self.measure(row, spec, primary, cluster.nodes[0].listen, pids)
         except Exception as exc:
             for h in hops:
@@ -764,6 +772,7 @@ def settings(args: argparse.Namespace) -> Settings:
         repeat=args.repeat or (1 if quick else 3),
         profile=Path(args.profile).resolve() if args.profile else None,
         broker_args=tuple(args.broker_args.split()),
+        sub_iterate=args.sub_iterate,
         uvloop=not args.no_uvloop,
         workdir=Path(tempfile.mkdtemp(prefix="sedax-bench-pubsub-")),
         pace=args.pace,
@@ -823,6 +832,11 @@ def main() -> int:
     p.add_argument("--levels", default="1,2,3", help="SeDAX resilience levels to run (default 1,2,3)")
     p.add_argument("--no-hops", action="store_true", help="SeDAX 0-hop configurations only")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop in the clients")
+    p.add_argument(
+        "--sub-iterate",
+        action="store_true",
+        help="the SeDAX subscribers iterate (async for) instead of taking messages by on_message (rounds 1-8)",
+    )
     p.add_argument("--profile", metavar="DIR", help="run the client workers under cProfile, stats into DIR")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
