@@ -51,6 +51,7 @@ from overlay.protocol import (
     Pong,
     ProtocolError,
     encode_control,
+    fast_init,
     parse_address,
 )
 from overlay.pubsub import (
@@ -140,6 +141,7 @@ def _expire(fut: asyncio.Future[PublishAck], seconds: float) -> None:
         fut.set_exception(TimeoutError(f"no acknowledgement within {seconds:g} s (request_timeout)"))
 
 
+@fast_init  # one per message received
 @dataclass(frozen=True, slots=True)
 class ReceivedMessage:
     """A delivered message: its topic, publisher and sequence number, the primary's timestamp, the payload."""
@@ -151,6 +153,7 @@ class ReceivedMessage:
     payload: bytes
 
 
+@fast_init  # one per message acknowledged
 @dataclass(frozen=True, slots=True)
 class PublishAck:
     """The acknowledgement of one publish: its sequence number and the primary's storage timestamp."""
