@@ -20,6 +20,10 @@ stage breakdown (p50/p99 per stage over the messages that took the most common p
 the subscriber's clock on arrival minus the stamp; publish -> ACK the publisher's, when the ACK resolves the
 publish's future.  Tracing costs a `bytes.find` per frame; `--no-trace` runs without it (the figures to quote
 against Mosquitto; the breakdown is for finding where the time goes).
+
+Both subscribers take each message in a function called as it is read: the Mosquitto one through its callback,
+the SeDAX one through `subscribe(..., on_message=...)`.  Rounds 1-8 iterated the SeDAX subscription with
+`async for` (a task woken per message); `--sub-iterate` runs that subscriber again.
 """
 
 from __future__ import annotations

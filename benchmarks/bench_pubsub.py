@@ -152,7 +152,7 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         async with Client([spec["addr"]], client_id=f"bench-sub-{os.getpid()}") as c:
             if not spec["iterate"]:
                 # Messages handed to a function as they are read, as the Mosquitto and NATS subscribers take them.
-                await c.subscribe(spec["topic"], on_message=lambda m: sink(m.payload))
+                sub = await c.subscribe(spec["topic"], on_message=lambda m: sink(m.payload))
                 ready()
                 await sink.wait()
             else:
