@@ -29,7 +29,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, TypeAlias, TypeVar, get_args
 
@@ -232,6 +232,18 @@ _ENCODERS: Final[dict[type[Message], Callable[[Any], dict[str, Any]]]] = {}
 _DECODERS: Final[dict[str, Callable[[dict[str, Any]], Message]]] = {}
 
 
+def _field_default(f: Field[Any], env: dict[str, Any], key: str) -> str | None:
+    """For code generated from a dataclass: put f's default value or factory in env[key] and return the
+    expression that yields the default (`key` or `key()`), or None if f has no default."""
+    if f.default is not MISSING:
+        env[key] = f.default
+        return key
+    if f.default_factory is not MISSING:
+        env[key] = f.default_factory
+        return f"{key}()"
+    return None
+
+
 def _compile(cls: type[Message], codecs: tuple[tuple[str, _FieldCodec], ...]) -> None:
     env: dict[str, Any] = {"cls": cls, "names": frozenset(name for name, _ in codecs), "bad": _unknown_fields}
     enc_items = [f"'op': {cls.op!r}"]
@@ -241,15 +253,10 @@ def _compile(cls: type[Message], codecs: tuple[tuple[str, _FieldCodec], ...]) ->
         env[f"e{i}"] = codec.encode
         env[f"d{i}"] = codec.decode
         enc_items.append(f"{name!r}: m.{name}" if codec.encode is _ident else f"{name!r}: e{i}(m.{name})")
-        f = defaults[name]
-        if f.default is not MISSING:
-            env[f"v{i}"] = f.default
-            dec_args.append(f"d{i}(w[{name!r}]) if {name!r} in w else v{i}")
-        elif f.default_factory is not MISSING:
-            env[f"v{i}"] = f.default_factory
-            dec_args.append(f"d{i}(w[{name!r}]) if {name!r} in w else v{i}()")
-        else:
-            dec_args.append(f"d{i}(w[{name!r}])")
+        default = _field_default(defaults[name], env, f"v{i}")
+        dec_args.append(
+            f"d{i}(w[{name!r}])" if default is None else f"d{i}(w[{name!r}]) if {name!r} in w else {default}"
+        )
     src = (
         f"def enc(m):\n    return {{{', '.join(enc_items)}}}\n"
         f"def dec(w):\n    if not w.keys() <= names:\n        bad(cls, w, names)\n"
@@ -285,15 +292,14 @@ def fast_init(cls: type[_D]) -> type[_D]:
     body: list[str] = []
     for i, (f, d) in enumerate(zip(fs, setters, strict=True)):
         env[f"_s{i}"] = d.__set__  # type: ignore[union-attr]
-        if f.default is not MISSING:
-            env[f"_v{i}"] = f.default
-            params.append(f"{f.name}=_v{i}")
-        elif f.default_factory is not MISSING:
-            env[f"_v{i}"] = f.default_factory
-            params.append(f"{f.name}=_FACTORY")
-            body.append(f"    if {f.name} is _FACTORY:\n        {f.name} = _v{i}()\n")
-        else:
+        default = _field_default(f, env, f"_v{i}")
+        if default is None:
             params.append(f.name)
+        elif f.default_factory is MISSING:
+            params.append(f"{f.name}={default}")
+        else:  # a new object per call, as dataclasses does: the factory runs only when no argument came
+            params.append(f"{f.name}=_FACTORY")
+            body.append(f"    if {f.name} is _FACTORY:\n        {f.name} = {default}\n")
         body.append(f"    _s{i}(self, {f.name})\n")
     if hasattr(cls, "__post_init__"):
         body.append("    self.__post_init__()\n")
