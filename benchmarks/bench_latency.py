@@ -50,7 +50,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
-from harness import code_state, spawn_worker, uptime, write_section  # noqa: E402
+from harness import code_state, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
 
 from net.trace import MAGIC, STAMP_SIZE, stamp  # noqa: E402
 
@@ -116,24 +116,7 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from client.client import Client
 
         async with Client([spec["addr"]], client_id=f"lat-sub-{os.getpid()}") as c:
-            if not spec["iterate"]:
-                # Messages handed to a function as they are read, as the Mosquitto subscriber below takes them.
-                await c.subscribe(spec["topic"], on_message=lambda m: sink(m.payload))
-                bp.ready()
-                await wait()
-            else:
-                sub = await c.subscribe(spec["topic"])
-                bp.ready()
-
-                async def consume() -> None:
-                    async for m in sub:
-                        sink(m.payload)
-
-                task = asyncio.create_task(consume())
-                await wait()
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await sedax_consume(c, spec["topic"], sink, bp.ready, wait, iterate=spec["iterate"])
     else:
         from peers import MqttClient
 

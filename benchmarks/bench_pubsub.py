@@ -53,7 +53,7 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
-from harness import code_state, program_output, spawn_worker, uptime, write_section  # noqa: E402
+from harness import code_state, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 # flag (1 = warm-up), message index, publisher's perf_counter(); padded to PAYLOAD_SIZE
@@ -150,24 +150,7 @@ async def sub_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from client.client import Client
 
         async with Client([spec["addr"]], client_id=f"bench-sub-{os.getpid()}") as c:
-            if not spec["iterate"]:
-                # Messages handed to a function as they are read, as the Mosquitto and NATS subscribers take them.
-                sub = await c.subscribe(spec["topic"], on_message=lambda m: sink(m.payload))
-                ready()
-                await sink.wait()
-            else:
-                sub = await c.subscribe(spec["topic"])
-                ready()
-
-                async def consume() -> None:
-                    async for m in sub:
-                        sink(m.payload)
-
-                task = asyncio.create_task(consume())
-                await sink.wait()
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            sub = await sedax_consume(c, spec["topic"], sink, ready, sink.wait, iterate=spec["iterate"])
             res = sink.result()
             res.update(dropped=sub.dropped, duplicates=sub.duplicates, gaps=sub.gaps, reconnects=c.reconnects)
             return res

@@ -9,14 +9,18 @@ their own and not the driver's; these helpers are the one place that spawns them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from client.client import Client, Subscription
 
 _ROOT: Final = Path(__file__).resolve().parent.parent
 
@@ -75,6 +79,41 @@ async def spawn_worker(
     finally:
         if stderr is not None:
             stderr.close()  # the child has its own descriptor
+
+
+async def sedax_consume(
+    client: Client,
+    topic: str,
+    take: Callable[[bytes], None],
+    subscribed: Callable[[], None],
+    until: Callable[[], Awaitable[None]],
+    *,
+    iterate: bool = False,
+) -> Subscription:
+    """A SeDAX worker's subscriber: subscribe to topic, call subscribed(), and hand every payload to take until
+    until() returns.  By on_message, as the peers' subscribers take their messages in a callback; with iterate,
+    by a task iterating the subscription (`async for`: rounds 1-8, and bench_storage beside JetStream's
+    iterating consumer).  Returns the subscription, for its counters."""
+    if not iterate:
+        sub = await client.subscribe(topic, on_message=lambda m: take(m.payload))
+        subscribed()
+        await until()
+        return sub
+    sub = await client.subscribe(topic)
+    subscribed()
+
+    async def consume() -> None:
+        async for m in sub:
+            take(m.payload)
+
+    task = asyncio.create_task(consume())
+    try:
+        await until()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return sub
 
 
 RESULTS_PREFIX: Final = "<!-- bench_"
