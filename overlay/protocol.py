@@ -31,6 +31,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import IntEnum
+from types import MemberDescriptorType
 from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, TypeAlias, TypeVar, get_args
 
 import msgpack
@@ -284,7 +285,7 @@ def fast_init(cls: type[_D]) -> type[_D]:
     fs = fields(cls)  # type: ignore[arg-type]
     setters = [cls.__dict__.get(f.name) for f in fs]
     if any(not f.init or f.kw_only or f.name == "self" for f in fs) or not all(
-        type(d).__name__ == "member_descriptor" for d in setters
+        isinstance(d, MemberDescriptorType) for d in setters
     ):
         return cls
     env: dict[str, Any] = {"_FACTORY": _FACTORY}
