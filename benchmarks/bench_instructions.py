@@ -1,6 +1,7 @@
 """Instructions per message through the brokers (not a test): a count that does not move with the machine's load.
 
-    .venv/bin/python benchmarks/bench_instructions.py [--configs l1,l2] [--messages 2000] [--tree PATH ...]
+    .venv/bin/python benchmarks/bench_instructions.py [--configs l1,l2,l2far,client] [--messages 2000]
+        [--tree PATH ...]
 
 CPU time per message moves by +-5 % from run to run even in bench_broker.py (one process, no scheduling), so a
 change worth 1-3 % cannot be told from the noise by timing it.  This runs bench_broker.py under valgrind's
@@ -9,6 +10,10 @@ uvloop, libc; not the kernel's reads and writes) whatever else the machine does.
 twice, with B and with B + N messages after the same start-up; the difference divided by N is the count per
 message, start-up and shut-down cancelled out.  Two runs of the same tree agree to within ~500 instructions
 per message, 0.1 % (of ~386,000 at level 1).
+
+`client` counts the other end: bench_client.py's publishing and subscribing `Client`s (one PUBLISH per
+message, the next once the last is acknowledged and delivered), with the broker in a child process that
+callgrind does not follow.  Two runs of one tree agree to ~0.4 % (of ~194,000).
 
 With `--tree` given more than once the trees are measured in the same run and compared with the first (a base
 worktree: `git worktree add /tmp/base REV`).  Each tree runs with its own directory on PYTHONPATH and this
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("l1", "l2", "l2far")
+CONFIGS = ("l1", "l2", "l2far", "client")  # client: bench_client.py, the client library with the broker untraced
 _IREFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
@@ -50,12 +55,17 @@ class Row:
 
 
 def count(tree: Path, config: str, messages: int, window: int) -> int:
-    """Instructions executed by one bench_broker.py run of `messages` messages in `tree`."""
+    """Instructions executed by one run of `messages` messages in `tree`: bench_broker.py (the brokers and raw
+    clients in one process), or for `client` bench_client.py (two Clients; the broker is a child process, which
+    callgrind does not follow)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(tree))
+    if config == "client":
+        script, args = "bench_client.py", ["--window", str(window), "--unbatched"]
+    else:
+        script, args = "bench_broker.py", ["--configs", config, "--window", str(window)]
     cmd = [
         "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-        sys.executable, str(tree / "benchmarks" / "bench_broker.py"),
-        "--configs", config, "--messages", str(messages), "--window", str(window),
+        sys.executable, str(tree / "benchmarks" / script), "--messages", str(messages), *args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     m = _IREFS.search(proc.stderr)
@@ -90,9 +100,11 @@ def main() -> int:
         return 2
     trees = [t.resolve() for t in (args.tree or [HERE.parent])]
     for t in trees:
-        if not (t / "benchmarks" / "bench_broker.py").is_file():
-            print(f"error: {t} has no benchmarks/bench_broker.py: pass a checkout of this project", file=sys.stderr)
-            return 2
+        for script in {"bench_client.py" if c == "client" else "bench_broker.py" for c in configs}:
+            if not (t / "benchmarks" / script).is_file():
+                print(f"error: {t} has no benchmarks/{script}: pass a checkout of this project (for an older "
+                      "commit, copy the script into its worktree)", file=sys.stderr)  # fmt: skip
+                return 2
     if shutil.which("valgrind") is None:
         print("error: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 1
