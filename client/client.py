@@ -399,9 +399,12 @@ class _Connection:
 
     def send_now(self, data: bytes) -> None:
         """Write data, and whatever this turn queued before it, to the connection at once."""
-        self._wbuf += data
         self.sent_since_beat = True
-        self.flush()
+        if self._wbuf:
+            self._wbuf += data
+            self.flush()
+        elif not self.transport.is_closing():
+            self.transport.write(data)  # a lone frame: written as it is, not copied through the buffer twice
 
     @property
     def buffered(self) -> int:
@@ -908,8 +911,10 @@ class Client:
 
     def _first_pending(self, topic: str, low: int) -> int:
         """The lowest unacknowledged sequence number of topic at or above low (the next one if none is)."""
-        per_topic = self._pending.get(topic, {})
+        per_topic = self._pending.get(topic)
         end = self._seq.get(topic, 0)
+        if not per_topic:
+            return max(low, end)  # nothing pending: the next one, without walking up to it
         while low < end and low not in per_topic:
             low += 1
         return low
@@ -975,7 +980,9 @@ class Client:
             await self._inflight.wait()
         seq = self._seq.get(topic, 0)
         self._seq[topic] = seq + 1
-        per_topic = self._pending.setdefault(topic, {})
+        per_topic = self._pending.get(topic)
+        if per_topic is None:  # (not setdefault: that builds an empty dict per publish to throw away)
+            per_topic = self._pending[topic] = {}
         base = self._low.get(topic, 0) if per_topic else seq  # the lowest unacknowledged sequence number
         conn = self._conn
         loop = conn.loop if conn is not None else asyncio.get_running_loop()
@@ -991,7 +998,7 @@ class Client:
             # is queued and sent at the end of the turn with the others, one batched PUBLISH per topic: batches
             # form only under load, and a steady stream is not split into a lone frame plus a batch each turn.
             if not self._outbox_scheduled and self._inflight.taken == 1:
-                conn.send_now(encode_control(self._publish_msg([p])))
+                conn.send_now(encode_control(Publish(topic, self.publisher_id, seq, data, base)))
                 self.sent_at_once += 1
             else:
                 if not self._outbox_scheduled:
