@@ -124,6 +124,8 @@ FRESH_WRITE: Final = 0.5
 BEAT: Final = encode_control(Ping(0))  # a broker link's heartbeat, the same bytes every time
 # A timer may fire a little early (uvloop's clock has millisecond steps): what is due within this counts as due.
 TICK_SLACK: Final = 0.002
+# What a link answers itself once established (PING, PONG) or refuses (a second handshake); all else is the handler's.
+_LINK_LEVEL: Final = frozenset({Ping, Pong, Hello, HelloOk})
 
 # Liveness costs wake-ups, and on an idle overlay they are nearly all a broker does: measured on this project's
 # 2-core machine (docs/benchmarks-scale.md), one wake-up of an idle uvloop process costs ~100 us of CPU before
@@ -362,19 +364,18 @@ class PeerLink:
                 self._handler.on_routed(self, frame)
                 return
             msg = frame.message
-            match msg:
-                case Ping(seq=seq):
-                    if self.role != "broker":  # a broker link's PINGs are beats, answered by the peer's own
-                        self._t.write(encode_control(Pong(seq)))
-                        self._wrote_at = self._loop.time()
-                case Pong():
-                    pass
-                case Hello() | HelloOk():
-                    raise RemoteProtocolError(f"{msg.op} after the handshake")
-                case _:
-                    self.last_request = self._loop.time()
-                    if not self._requests.complete(getattr(msg, "corr", None), msg):
-                        self._handler.on_message(self, msg)
+            kind = type(msg)
+            if kind not in _LINK_LEVEL:  # nearly every message: the handler's, past four tests to find it so
+                self.last_request = self._loop.time()
+                corr = getattr(msg, "corr", None)  # (a PUBLISH has none: no reply of ours to look for)
+                if corr is None or not self._requests.complete(corr, msg):
+                    self._handler.on_message(self, msg)
+            elif isinstance(msg, Ping):
+                if self.role != "broker":  # a broker link's PINGs are beats, answered by the peer's own
+                    self._t.write(encode_control(Pong(msg.seq)))
+                    self._wrote_at = self._loop.time()
+            elif not isinstance(msg, Pong):
+                raise RemoteProtocolError(f"{msg.op} after the handshake")  # HELLO or HELLO_OK
             return
         if state is LinkState.DRAINING:
             return  # we are closing; whatever the peer still sends is moot

@@ -97,6 +97,8 @@ def _answer_size(a: Answer) -> int:
 
 def chunks(records: list[Record]) -> list[list[Record]]:
     """Split records into batches that fit a frame (by payload size); always at least one batch."""
+    if len(records) == 1:
+        return [list(records)]  # a lone record is a batch of its own whatever its size: the common case per turn
     return frame_chunks(records, _payload_size)
 
 
@@ -260,12 +262,16 @@ class TopicTable:
         """Deliver records to subscribers, one DELIVER per access broker and chunk."""
         groups: dict[str, tuple[NodeInfo, list[str]]] = {}
         for s in subs:
-            groups.setdefault(s.access.id, (s.access, []))[1].append(s.session)
+            g = groups.get(s.access.id)
+            if g is None:
+                groups[s.access.id] = (s.access, [s.session])
+            else:
+                g[1].append(s.session)
         if not groups or not recs:
             return
         for batch in chunks(recs):
             body = encode_message(Deliver(topic, tuple(batch)))
-            size = sum(len(r.payload) for r in batch)
+            size = sum([len(r.payload) for r in batch])
             for access, sessions in groups.values():
                 self.counters["delivered"] += len(sessions) * len(batch)
                 self.counters["delivered_bytes"] += len(sessions) * size

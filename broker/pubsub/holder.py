@@ -468,6 +468,12 @@ class HolderRole:
         if not done:
             return
         # ACK is cumulative per publisher: one answers everything a session published in this batch.
+        if len(done) == 1:  # one message this turn (a device's lone publish): no grouping to do
+            w = done[0]
+            rec = w.record
+            self.t.reply(w.access, [w.session], Ack(r.name, rec.publisher, rec.seq, rec.ts))
+            self.t.counters["acked"] += 1
+            return
         last: dict[tuple[str, str, str], tuple[Waiting, Record]] = {}
         for w in done:
             key = (w.access.id, w.session, w.record.publisher)
