@@ -301,14 +301,21 @@ class StreamTransport(asyncio.Protocol):
     def peer_cert(self) -> PeerCert | None:
         return peer_cert(self.transport.get_extra_info("peercert"))
 
+    # write and write_buffered run per frame sent: the transport is read directly, not through the property.
     def write(self, data: bytes) -> None:
         self.writes += 1
         if trace.ENABLED:
             trace.mark("write", data)
-        self.transport.write(data)
+        tr = self._tr
+        if tr is None:
+            raise ConnectionResetError("not connected")
+        tr.write(data)
 
     def write_buffered(self) -> int:
-        return self.transport.get_write_buffer_size()
+        tr = self._tr
+        if tr is None:
+            raise ConnectionResetError("not connected")
+        return tr.get_write_buffer_size()
 
     def set_write_high_water(self, high: int) -> None:
         self.transport.set_write_buffer_limits(high=high)
