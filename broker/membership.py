@@ -426,11 +426,10 @@ class Membership:
             return
         if quiet:
             self.log.debug("%s still unreachable (%s)", nid, why)
-            self.view.forget(nid, self._now(), self.config.tombstone_ttl)
-            return
-        self.log.info("cannot link to %s (%s); treating it as gone for %.1f s", nid, why, self.config.tombstone_ttl)
+        else:
+            self.log.info("cannot link to %s (%s); treating it as gone for %.1f s", nid, why, self.config.tombstone_ttl)
         self.view.forget(nid, self._now(), self.config.tombstone_ttl)
-        self._after_forget()
+        self._after_forget()  # (an advert may still list it: it is looked at again when the tombstone lapses)
 
     def _start_join(self, link: PeerLink, join: Join) -> None:
         if not self.joined:

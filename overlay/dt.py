@@ -39,6 +39,10 @@ class NeighbourView:
         candidates: ids learned from a JOIN_ACCEPT or a lost neighbour, kept until linked or not wanted.
         tombstones: ids known to be gone, with the time their tombstone expires.  A stale advert of a
             neighbour that has not noticed the failure yet must not bring a dead node back.
+        withheld: what is known of tombstoned nodes (their last NodeInfo), kept out of `nodes` meanwhile.  A
+            neighbour advertises only when its own neighbours change, so an advert that lists such a node is
+            not sent again when the tombstone lapses: the node then comes back from here (`expire`) if a
+            linked neighbour's advert still lists it, or it would stay unknown for good.
     """
 
     me: NodeInfo
@@ -47,6 +51,7 @@ class NeighbourView:
     adverts: dict[str, frozenset[str]] = field(default_factory=dict)
     candidates: set[str] = field(default_factory=set)
     tombstones: dict[str, float] = field(default_factory=dict)
+    withheld: dict[str, NodeInfo] = field(default_factory=dict)
     # Alive nodes whose link from here is broken (a common neighbour still hears them, SUSPECT/WITNESS): node
     # -> the linked neighbour that forwards toward it.  They stay in the view (nothing fails over) and greedy
     # forwarding treats them as reachable through that neighbour.
@@ -71,6 +76,7 @@ class NeighbourView:
         if info.id == self.me.id:
             return
         self.tombstones.pop(info.id, None)
+        self.withheld.pop(info.id, None)
         self.nodes[info.id] = info
         self.linked.add(info.id)
         self.candidates.discard(info.id)
@@ -83,8 +89,11 @@ class NeighbourView:
             return
         ids: set[str] = set()
         for info in neighbours:
-            if info.id == self.me.id or self._note(info):
-                ids.add(info.id)
+            if info.id in self.tombstones:
+                self.withheld[info.id] = info  # listed all the same: known again once the tombstone lapses
+            elif info.id != self.me.id:
+                self.nodes[info.id] = info
+            ids.add(info.id)
         self.adverts[node_id] = frozenset(ids)
 
     def add_candidates(self, infos: Iterable[NodeInfo]) -> None:
@@ -107,7 +116,9 @@ class NeighbourView:
         advert = self.adverts.pop(node_id, frozenset())
         self.linked.discard(node_id)
         self.candidates.discard(node_id)
-        self.nodes.pop(node_id, None)
+        info = self.nodes.pop(node_id, None)
+        if info is not None:
+            self.withheld[node_id] = info
         self.detours.pop(node_id, None)
         self.tombstones[node_id] = now + ttl
         for other in advert:
@@ -116,10 +127,16 @@ class NeighbourView:
         self._rebuild_route()
 
     def expire(self, now: float) -> bool:
-        """Drop tombstones older than now; True if any expired (the known set may grow again)."""
+        """Drop tombstones older than now; True if any expired (the known set may grow again).
+
+        A node whose tombstone lapses is known again if a linked neighbour's advert lists it (`withheld`).
+        """
         gone = [k for k, t in self.tombstones.items() if t <= now]
         for k in gone:
             del self.tombstones[k]
+            info = self.withheld.pop(k, None)
+            if info is not None and any(k in advert for advert in self.adverts.values()):
+                self.nodes[info.id] = info
         return bool(gone)
 
     def prune(self, keep: set[str]) -> None:

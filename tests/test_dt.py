@@ -162,3 +162,52 @@ def test_remembered_routes_are_bounded() -> None:
     for i in range(ROUTE_CACHE + 10):
         assert view.next_hop(i / (ROUTE_CACHE + 10), 0.95) in (None, "n1")
         assert len(view._routes) <= ROUTE_CACHE
+
+
+def _compose_quad() -> tuple[NodeInfo, NodeInfo, NodeInfo, NodeInfo]:
+    """b2, b3, b5, b6 of docker-compose.yml: b2 - b6 is a Delaunay edge only while b3 is not known."""
+    coords = {"b2": (0.52, 0.13), "b3": (0.86, 0.19), "b5": (0.49, 0.47), "b6": (0.83, 0.55)}
+    b2, b3, b5, b6 = (NodeInfo(n, c, f"{n}:7000") for n, c in coords.items())
+    return b2, b3, b5, b6
+
+
+def test_a_node_advertised_while_tombstoned_is_known_once_the_tombstone_lapses() -> None:
+    # The compose cluster's b2, b3, b5, b6 (docker-compose.yml).  In a full restart b6 dialled b3 while b3 was
+    # down and tombstoned it; b5's advert listing b3 came meanwhile.  b5 sends no new advert later (its own
+    # neighbours do not change), so b6 must keep what b5 said and see b3 once the tombstone lapses; a view
+    # that dropped b3 from the advert kept b2 instead of b3 as a neighbour for good (the links were not
+    # the Delaunay triangulation 300 s after the restart).
+    b2, b3, b5, b6 = _compose_quad()
+    view = NeighbourView(b6)
+    view.link_up(b5)
+    view.forget("b3", now=10.0, ttl=2.0)  # the dial to b3 failed: gone for 2 s
+    view.learn("b5", [b2, b3, b6])
+    assert "b3" not in view.known()  # within the tombstone, the advert does not bring it back
+    assert view.desired() == {"b2", "b5"}
+    assert view.expire(12.5)
+    assert set(view.known()) == {"b2", "b3", "b5", "b6"}
+    assert view.desired() == {"b3", "b5"}  # b2 - b6 crosses b3 - b5: not a Delaunay edge with b3 known
+
+
+def test_a_forgotten_node_comes_back_after_its_tombstone_only_while_an_advert_lists_it() -> None:
+    b2, b3, b5, b6 = _compose_quad()
+    # The other order: b5's advert came first, then the dial to b3 failed.
+    view = NeighbourView(b6)
+    view.link_up(b5)
+    view.learn("b5", [b2, b3, b6])
+    assert view.desired() == {"b3", "b5"}
+    view.forget("b3", now=10.0, ttl=2.0)
+    assert view.desired() == {"b2", "b5"}
+    assert not view.expire(11.0)
+    assert "b3" not in view.known()
+    assert view.expire(12.0)
+    assert view.desired() == {"b3", "b5"}
+    # b3 really is gone: b5 advertises without it before the tombstone lapses, and it stays gone.
+    view.forget("b3", now=20.0, ttl=2.0)
+    view.learn("b5", [b2, b6])
+    assert view.expire(22.0)
+    assert "b3" not in view.known() and not view.withheld
+    # A link from b3 (it is back) needs no tombstone to lapse.
+    view.forget("b3", now=30.0, ttl=2.0)
+    view.link_up(b3)
+    assert "b3" in view.known() and not view.withheld and not view.tombstones
