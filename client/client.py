@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -333,14 +334,13 @@ class Subscription:
 class _Reader:
     """Where one connection's transport pushes what it reads (net.transport.Receiver)."""
 
-    __slots__ = ("_client", "_conn")
+    __slots__ = ("_client", "_conn", "received")
 
     def __init__(self, client: Client, conn: _Connection) -> None:
         self._client = client
         self._conn = conn
-
-    def received(self, data: bytes) -> None:
-        self._client._received(self._conn, data)
+        # Called per read: a partial goes straight to the client's handler, with no Python frame of its own.
+        self.received: Callable[[bytes], None] = functools.partial(client._received, conn)
 
     def lost(self, exc: Exception) -> None:
         self._client._read_ended(self._conn, exc)
