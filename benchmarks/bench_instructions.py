@@ -9,7 +9,10 @@ callgrind, which counts the instructions the process executes (user space only: 
 uvloop, libc; not the kernel's reads and writes) whatever else the machine does.  Each configuration runs
 twice, with B and with B + N messages after the same start-up; the difference divided by N is the count per
 message, start-up and shut-down cancelled out.  Two runs of the same tree agree to within ~500 instructions
-per message, 0.1 % (of ~386,000 at level 1).
+per message, 0.1 % (of ~386,000 at level 1).  Run it on a quiet machine all the same: under valgrind a message
+takes ~50x longer, and the brokers' timers fire per second of wall time, so a machine busy with something else
+adds timer work to every message (a level-2, 3-hop count came out 5.7 % high beside a running test suite, and
+2.9 % low against the same base once the machine was quiet).
 
 `client` counts the other end: bench_client.py's publishing and subscribing `Client`s (one PUBLISH per
 message, the next once the last is acknowledged and delivered), with the broker in a child process that
