@@ -26,7 +26,6 @@ import asyncio
 import cProfile
 import logging
 import os
-import pstats
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pubsub as bp
 import numpy as np
 import uvloop
+from harness import print_profile
 
 from broker.config import BrokerConfig
 from broker.node import Broker
@@ -160,13 +160,7 @@ async def run(
         t1, w1 = os.times(), loop.time()
         if prof is not None:
             print(f"\n### {name} under cProfile")
-            stats = pstats.Stats(prof)
-            stats.sort_stats("tottime").print_stats(profile)
-            # Python calls per message: what a layer costs is mostly how many calls it makes.
-            calls = sorted(((v[1] / messages, k) for k, v in stats.stats.items()), reverse=True)  # type: ignore[attr-defined]
-            print(f"Python calls per message: {sum(c for c, _ in calls):.0f}; the most frequent:")
-            for c, (file, line, func) in calls[:profile]:
-                print(f"  {c:6.2f}  {Path(file).name}:{line}({func})")
+            print_profile(prof, messages, profile)
         for c in (pub, *subs):
             c.t.close()
         return Result(

@@ -21,14 +21,15 @@ import asyncio
 import cProfile
 import logging
 import os
-import pstats
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import uvloop
+from harness import print_profile
 
 from cli.cluster import LocalCluster
 from client.client import Client, ReceivedMessage
@@ -83,12 +84,7 @@ async def run(messages: int, window: int, batched: bool, profile: int) -> tuple[
                     prof.disable()
                 t1, w1 = os.times(), loop.time()
                 if prof is not None:
-                    stats = pstats.Stats(prof)
-                    stats.sort_stats("tottime").print_stats(profile)
-                    calls = sorted(((v[1] / messages, k) for k, v in stats.stats.items()), reverse=True)  # type: ignore[attr-defined]
-                    print(f"Python calls per message: {sum(c for c, _ in calls):.0f}; the most frequent:")
-                    for c, (file, line, func) in calls[:profile]:
-                        print(f"  {c:6.2f}  {Path(file).name}:{line}({func})")
+                    print_profile(prof, messages, profile)
     return (
         (t1.user - t0.user) / messages * 1e6,
         (t1.system - t0.system) / messages * 1e6,

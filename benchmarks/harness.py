@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
+    import cProfile
+
     from client.client import Client, Subscription
 
 _ROOT: Final = Path(__file__).resolve().parent.parent
@@ -129,3 +132,14 @@ def write_section(path: Path, mark: str, report: str, title: str) -> None:
     nxt = rest.find(RESULTS_PREFIX, 1)
     tail = rest[nxt:] if nxt >= 0 else ""
     path.write_text(head + mark + "\n\n" + report + ("\n" + tail if tail else ""))
+
+
+def print_profile(prof: cProfile.Profile, messages: int, top: int) -> None:
+    """A cProfile run's `top` costliest functions, and its Python calls per message: what a layer costs is mostly
+    how many calls it makes (bench_broker, bench_client)."""
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    calls = sorted(((v[1] / messages, k) for k, v in stats.stats.items()), reverse=True)  # type: ignore[attr-defined]
+    print(f"Python calls per message: {sum(c for c, _ in calls):.0f}; the most frequent:")
+    for c, (file, line, func) in calls[:top]:
+        print(f"  {c:6.2f}  {Path(file).name}:{line}({func})")
