@@ -14,9 +14,12 @@ import pytest
 
 from broker.acl import Acl, parse_acl
 from broker.pubsub import PubSub, PubSubConfig
+from broker.pubsub.core import chunks, frame_chunks
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo, decode_message, encode_message
 from overlay.pubsub import (
+    MAX_BATCH,
+    MAX_BATCH_BYTES,
     MAX_PAYLOAD_SIZE,
     Ack,
     Deliver,
@@ -613,3 +616,16 @@ def test_level_three_survives_primary_and_secondary_failing_at_once() -> None:
     net.run()
     net.tick(1.5)
     assert _fetch_all(pub, topic) == list(range(30))
+
+
+@pytest.mark.parametrize(
+    ("count", "size"),
+    [(1, 10), (1, MAX_PAYLOAD_SIZE), (3, 100), (MAX_BATCH, 10), (MAX_BATCH + 1, 10), (40, MAX_BATCH_BYTES // 30)],
+)
+def test_chunks_splits_records_as_frame_chunks_does(count: int, size: int) -> None:
+    # chunks() answers the common case (everything fits one frame) without frame_chunks' call per record;
+    # the batches must be the same either way, splits included.
+    recs = [Record(float(i), "p", i, b"x" * size) for i in range(count)]
+    got = chunks(recs)
+    assert got == frame_chunks(recs, lambda r: len(r.payload))
+    assert all(b is not recs for b in got)  # batches are lists of their own, not the caller's list

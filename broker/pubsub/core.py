@@ -97,8 +97,11 @@ def _answer_size(a: Answer) -> int:
 
 def chunks(records: list[Record]) -> list[list[Record]]:
     """Split records into batches that fit a frame (by payload size); always at least one batch."""
-    if len(records) == 1:
-        return [list(records)]  # a lone record is a batch of its own whatever its size: the common case per turn
+    n = len(records)
+    if n == 1 or (n <= MAX_BATCH and sum([len(r.payload) for r in records]) <= MAX_BATCH_BYTES):
+        # What frame_chunks would make of it, one batch, without a call per record (a lone record is a batch
+        # of its own whatever its size): nearly every turn's records fit one frame.
+        return [list(records)]
     return frame_chunks(records, _payload_size)
 
 

@@ -428,7 +428,8 @@ class HolderRole:
         r.waiting.append(Waiting(rec, access, session))
         r.first_waiting.setdefault(rec.publisher, rec.seq)
         key = (access.id, session, rec.publisher)
-        r.waiter_max[key] = max(r.waiter_max.get(key, -1), rec.seq)
+        if r.waiter_max.get(key, -1) < rec.seq:  # (per message: a comparison, not a call of max())
+            r.waiter_max[key] = rec.seq
 
     def commit(self, r: Replica, upto: float) -> None:
         """Messages stored up to timestamp upto have their copies: deliver and acknowledge, in order, those that
