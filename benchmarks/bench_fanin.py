@@ -45,7 +45,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
-from harness import code_state, spawn_worker, uptime, write_section  # noqa: E402
+from harness import add_sub_iterate, code_state, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 _HEAD: Final = struct.Struct("<dII")  # publisher's perf_counter(), publisher index, message index
@@ -478,11 +478,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1, help="the brokers' coordinates (default 1)")
     p.add_argument("--broker-args", default=bp.SEDAX_BROKER_ARGS, help="SeDAX broker flags")
     p.add_argument("--no-mosquitto", action="store_true", help="SeDAX only")
-    p.add_argument(
-        "--sub-iterate",
-        action="store_true",
-        help="the SeDAX subscribers iterate (async for) instead of taking messages by on_message (rounds 1-8)",
-    )
+    add_sub_iterate(p)
     p.add_argument("--out", help="write the markdown report into this file (its own section)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

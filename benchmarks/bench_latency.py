@@ -50,7 +50,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
-from harness import code_state, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
+from harness import add_sub_iterate, code_state, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
 
 from net.trace import MAGIC, STAMP_SIZE, stamp  # noqa: E402
 
@@ -559,10 +559,7 @@ def main() -> int:
     p.add_argument("--broker-args", default=bp.SEDAX_BROKER_ARGS, help="SeDAX broker flags")
     p.add_argument("--pace", choices=bp.PACES, default="sleep", help=bp.PACE_HELP)
     p.add_argument("--no-trace", action="store_true", help="run without SEDAX_TRACE (no breakdown)")
-    p.add_argument(
-        "--sub-iterate", action="store_true",
-        help="the SeDAX subscriber iterates (async for) instead of taking messages by on_message (rounds 1-8)",
-    )  # fmt: skip
+    add_sub_iterate(p)
     p.add_argument("--out", help="write the markdown report here (the part after the results marker)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -53,7 +53,7 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
-from harness import code_state, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
+from harness import add_sub_iterate, code_state, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 # flag (1 = warm-up), message index, publisher's perf_counter(); padded to PAYLOAD_SIZE
@@ -815,11 +815,7 @@ def main() -> int:
     p.add_argument("--levels", default="1,2,3", help="SeDAX resilience levels to run (default 1,2,3)")
     p.add_argument("--no-hops", action="store_true", help="SeDAX 0-hop configurations only")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop in the clients")
-    p.add_argument(
-        "--sub-iterate",
-        action="store_true",
-        help="the SeDAX subscribers iterate (async for) instead of taking messages by on_message (rounds 1-8)",
-    )
+    add_sub_iterate(p)
     p.add_argument("--profile", metavar="DIR", help="run the client workers under cProfile, stats into DIR")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

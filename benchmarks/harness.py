@@ -8,6 +8,7 @@ their own and not the driver's; these helpers are the one place that spawns them
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -82,6 +83,15 @@ async def spawn_worker(
     finally:
         if stderr is not None:
             stderr.close()  # the child has its own descriptor
+
+
+def add_sub_iterate(parser: argparse.ArgumentParser) -> None:
+    """The `--sub-iterate` flag of the drivers whose SeDAX subscribers take messages by on_message."""
+    parser.add_argument(
+        "--sub-iterate",
+        action="store_true",
+        help="the SeDAX subscribers iterate (async for) instead of taking messages by on_message (rounds 1-8)",
+    )
 
 
 async def sedax_consume(

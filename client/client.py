@@ -268,11 +268,12 @@ class Subscription:
         self._last_ts[d.publisher] = d.ts
         if self.since is None or d.ts > self.since:
             self.since = d.ts
+        msg = ReceivedMessage(self.topic, d.publisher, d.seq, d.ts, d.payload)
         on_message = self._on_message
         if on_message is not None:
             # Handed over as it is read: no queue, no task to wake per message.
             try:
-                on_message(ReceivedMessage(self.topic, d.publisher, d.seq, d.ts, d.payload))
+                on_message(msg)
             except Exception:
                 log.exception("subscription %s: on_message raised; the subscription goes on", self.topic)
             return
@@ -282,7 +283,7 @@ class Subscription:
             if not self._warned:
                 self._warned = True
                 log.warning("subscription %s: consumer too slow, dropping oldest messages", self.topic)
-        self._queue.append(ReceivedMessage(self.topic, d.publisher, d.seq, d.ts, d.payload))
+        self._queue.append(msg)
         self._wakeup.set()
 
     def __aiter__(self) -> Self:
