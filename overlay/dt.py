@@ -43,8 +43,6 @@ class NeighbourView:
             neighbour advertises only when its own neighbours change, so an advert that lists such a node is
             not sent again when the tombstone lapses: the node then comes back from here (`expire`) if a
             linked neighbour's advert still lists it, or it would stay unknown for good.
-        withheld_candidates: the withheld nodes that were offered as candidates meanwhile (a departing
-            neighbour's LEAVE list, a JOIN): candidates once their tombstone lapses, as they were offered.
     """
 
     me: NodeInfo
@@ -54,7 +52,6 @@ class NeighbourView:
     candidates: set[str] = field(default_factory=set)
     tombstones: dict[str, float] = field(default_factory=dict)
     withheld: dict[str, NodeInfo] = field(default_factory=dict)
-    withheld_candidates: set[str] = field(default_factory=set)
     # Alive nodes whose link from here is broken (a common neighbour still hears them, SUSPECT/WITNESS): node
     # -> the linked neighbour that forwards toward it.  They stay in the view (nothing fails over) and greedy
     # forwarding treats them as reachable through that neighbour.
@@ -68,13 +65,18 @@ class NeighbourView:
 
     # ----------------------------------------------------------------------------------------- updates
 
+    def _note(self, info: NodeInfo) -> bool:
+        if info.id == self.me.id or info.id in self.tombstones:
+            return False
+        self.nodes[info.id] = info
+        return True
+
     def link_up(self, info: NodeInfo) -> None:
         """A link to info is established: it is a forwarding neighbour and is alive (tombstone cleared)."""
         if info.id == self.me.id:
             return
         self.tombstones.pop(info.id, None)
         self.withheld.pop(info.id, None)
-        self.withheld_candidates.discard(info.id)
         self.nodes[info.id] = info
         self.linked.add(info.id)
         self.candidates.discard(info.id)
@@ -97,16 +99,7 @@ class NeighbourView:
     def add_candidates(self, infos: Iterable[NodeInfo]) -> None:
         """Nodes worth considering as neighbours (JOIN_ACCEPT view, LEAVE list of a departing neighbour)."""
         for info in infos:
-            if info.id == self.me.id:
-                continue
-            if info.id in self.tombstones:
-                # Held for gone here, yet offered: the edge a departure opens may be to it, and it may be back by
-                # the time the tombstone lapses (restarting like the rest of a cluster).
-                self.withheld[info.id] = info
-                self.withheld_candidates.add(info.id)
-                continue
-            self.nodes[info.id] = info
-            if info.id not in self.linked:
+            if self._note(info) and info.id not in self.linked:
                 self.candidates.add(info.id)
 
     def unlink(self, node_id: str) -> None:
@@ -136,23 +129,14 @@ class NeighbourView:
     def expire(self, now: float) -> bool:
         """Drop tombstones older than now; True if any expired (the known set may grow again).
 
-        A node whose tombstone lapses is known again if a linked neighbour's advert lists it, and a candidate
-        again if it was offered as one meanwhile (`withheld`, `withheld_candidates`).  Either is once: a node
-        that is really gone fails the dial and is tombstoned afresh.
+        A node whose tombstone lapses is known again if a linked neighbour's advert lists it (`withheld`).
         """
         gone = [k for k, t in self.tombstones.items() if t <= now]
         for k in gone:
             del self.tombstones[k]
             info = self.withheld.pop(k, None)
-            offered = k in self.withheld_candidates
-            self.withheld_candidates.discard(k)
-            if info is None:
-                continue
-            if offered:
-                self.nodes[k] = info
-                self.candidates.add(k)  # (not linked: a link would have cleared the tombstone)
-            elif any(k in advert for advert in self.adverts.values()):
-                self.nodes[k] = info
+            if info is not None and any(k in advert for advert in self.adverts.values()):
+                self.nodes[info.id] = info
         return bool(gone)
 
     def prune(self, keep: set[str]) -> None:

@@ -211,24 +211,3 @@ def test_a_forgotten_node_comes_back_after_its_tombstone_only_while_an_advert_li
     view.forget("b3", now=30.0, ttl=2.0)
     view.link_up(b3)
     assert "b3" in view.known() and not view.withheld and not view.tombstones
-
-
-def test_a_tombstoned_node_offered_by_a_leaving_neighbour_is_a_candidate_once_the_tombstone_lapses() -> None:
-    b2, b3, b5, b6 = _compose_quad()
-    # b6 holds b3 for gone (a dial failed while b3 restarted); then b5, its only link, leaves and offers its
-    # neighbours b2 and b3.  No advert will list b3 again (b5 is gone), so the offer is all b6 has of it.
-    view = NeighbourView(b6)
-    view.link_up(b5)
-    view.learn("b5", [b2, b3, b6])
-    view.forget("b3", now=10.0, ttl=2.0)
-    view.forget("b5", now=11.0, ttl=2.0)
-    view.add_candidates([b2, b3, b6])
-    assert view.candidates == {"b2"} and view.desired() == {"b2"}
-    assert view.expire(12.0)
-    assert view.candidates == {"b2", "b3"}
-    assert view.desired() == {"b2", "b3"}
-    # Once: if b3 really is gone its dial fails, it is tombstoned afresh and not offered again by itself.
-    view.forget("b3", now=12.1, ttl=2.0)
-    assert view.expire(14.2)
-    assert "b3" not in view.candidates and "b3" not in view.known()
-    assert not view.withheld and not view.withheld_candidates
