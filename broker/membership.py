@@ -289,12 +289,14 @@ class Membership:
             by_id = existing.outbound != link.outbound and link.outbound == (self.node_id < pid)
             keep_new = existing.unlink_received or by_id
             loser = existing if keep_new else link
+            self.log.debug("%r duplicates %r: keeping %r", link, existing, link if keep_new else existing)
             if keep_new:
                 self.peers[pid] = link
             loser.retire("duplicate_link")
             if not keep_new:
                 return
         self.peers[pid] = link
+        self.log.debug("%r up", link)
         self.view.link_up(link.peer)
         link.send_nowait(Neighbours(tuple(self.view.infos(self._advertised))))
         self._peer_up.set()
@@ -314,6 +316,7 @@ class Membership:
         """Stop using the link to a live neighbour: out of `peers`, no longer a forwarding neighbour (it stays
         in the view, so nothing fails over), and the link retired (UNLINK; closed once both ends sent one)."""
         del self.peers[pid]
+        self.log.debug("%r retired (%s)", link, reason)
         self.view.unlink(pid)
         link.retire(reason)
 
@@ -353,6 +356,7 @@ class Membership:
             self.pubsub.view_changed(failed)
         frozen = frozenset(desired)
         if frozen != self._advertised:
+            self.log.debug("Delaunay neighbours now %s (linked %s)", sorted(frozen), sorted(self.peers))
             self._advertised = frozen
             data = encode_control(Neighbours(tuple(view.infos(frozen))))
             for link in list(self.peers.values()):

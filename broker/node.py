@@ -296,9 +296,13 @@ class Broker(Membership, Routing):
             self._client_request(link, msg)
             return
         current = link.peer_id is not None and self.peers.get(link.peer_id) is link
+        if type(msg) is Unlink:
+            self.log.debug("UNLINK(%s) on %r (current %s, dialling %s)", msg.reason, link, current,
+                           link.peer_id in self._dialing)  # fmt: skip
         match msg:
             case Neighbours(neighbours=ns) if link.role == "broker":
                 if current and link.peer_id is not None:
+                    self.log.debug("%s advertises %s", link.peer_id, sorted(n.id for n in ns))
                     self.view.learn(link.peer_id, ns)
                     self._schedule_reconcile()
             case Leave(neighbours=ns) if link.role == "broker":
@@ -468,6 +472,9 @@ class Broker(Membership, Routing):
             for corr in [k for k, (owner, _) in self._pending.items() if owner is link]:
                 del self._pending[corr]
         pid = link.peer_id
+        if link.role == "broker":
+            current = self.peers.get(pid or "") is link
+            self.log.debug("%r closed: %s %s (current %s)", link, reason.value, detail, current)
         if pid is None or self.peers.get(pid) is not link:
             return
         del self.peers[pid]

@@ -55,6 +55,8 @@ PROMETHEUS_WITHIN = 180.0
 # Spark's start and ~30 small jobs: 1.5-3.5 min at a load average of 5-15, more than 5 min at ~30.
 ANALYSIS_TIMEOUT = 600.0
 POLL = 1.0
+# Lines of each broker's link history shown when the overlay does not converge.
+LINK_HISTORY = 80
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -175,6 +177,8 @@ def project(base_image: str) -> Iterator[Project]:
             "SEDAX_ANALYSIS_IMAGE": images[1],
             # Publish Prometheus on a port the OS picks (compose: "127.0.0.1::9090").
             "PROMETHEUS_PORT": "127.0.0.1:",
+            # Every link's decisions in the brokers' logs: shown if the overlay does not converge.
+            "SEDAX_LOG_LEVEL": "DEBUG",
         }
     )
     p = Project(_compose_command(), name, env, images)
@@ -320,6 +324,9 @@ def _statuses(cid: str) -> dict[str, dict[str, Any]]:
 
 
 def _wait_converged(p: Project, cids: dict[str, str], within: float = CONVERGED_WITHIN) -> None:
+    # The last differences seen: on failure, what each broker concerned logged about the others concerned.
+    differ: dict[str, set[str]] = {}
+
     def probe() -> bool | _NotYet:
         h = _health(cids)
         dead = _stopped(h)
@@ -330,9 +337,25 @@ def _wait_converged(p: Project, cids: dict[str, str], within: float = CONVERGED_
             return _NotYet(f"answered: {sorted(st)}")
         want = delaunay_neighbour_map({s["node"]: s["coord"] for s in st.values()})
         have = {s["node"]: {n["id"] for n in s["neighbours"]} for s in st.values()}
+        differ.clear()
+        differ.update({b: have[b] ^ want[b] for b in want if have.get(b) != want[b]})
         return True if have == want else _NotYet(f"links {have} != Delaunay {want}")
 
-    _wait("links equal to the Delaunay triangulation", within, probe)
+    try:
+        _wait("links equal to the Delaunay triangulation", within, probe)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_link_history(p, differ)}") from None
+
+
+def _link_history(p: Project, differ: dict[str, set[str]]) -> str:
+    """What the brokers whose links differ logged about the brokers concerned (SEDAX_LOG_LEVEL=DEBUG: every
+    link's decisions), the last LINK_HISTORY lines each."""
+    out = []
+    for b, others in sorted(differ.items()):
+        r = p.run("logs", "--no-color", "--no-log-prefix", b, timeout=120)
+        lines = [ln for ln in r.stdout.splitlines() if any(o in ln for o in others)]
+        out.append(f"--- {b} about {sorted(others)}:\n" + "\n".join(lines[-LINK_HISTORY:]))
+    return "\n".join(out)
 
 
 def _prometheus_targets(base: str) -> list[dict[str, Any]]:
