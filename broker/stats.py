@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import msgpack
 
-from overlay.protocol import NodeInfo, encode_message
+from overlay.protocol import NodeInfo, RemoteProtocolError, decode_message, encode_message
 from overlay.pubsub import Ack, Nack
 
 if TYPE_CHECKING:
@@ -68,16 +68,12 @@ class Buckets:
         return out
 
 
-# ACK and NACK frames to a session are recognised by their first bytes (a 5-byte frame header, a one-byte
-# map header, then "op" and its value: encode_message writes "op" first), so only they are decoded.
+# ACK and NACK frames to a session are recognised by their first bytes (a 5-byte frame header, then the
+# message's array header and its op: encode_message writes every field, so the header is the same for every
+# ACK, and for every NACK), so only they are decoded.
 _FRAME_HEAD: Final = 5
-_ACK_TAG: Final = msgpack.packb("op") + msgpack.packb("ack")
-_NACK_TAG: Final = msgpack.packb("op") + msgpack.packb("nack")
-if not (
-    encode_message(Ack("t", "p", 0, 0.0)).startswith(_ACK_TAG, 1)
-    and encode_message(Nack("t", "p", 0, "bad_topic", "x")).startswith(_NACK_TAG, 1)
-):
-    raise ImportError("the ACK/NACK encoding changed: update the tags in broker/stats.py")
+_ACK_TAG: Final = encode_message(Ack("t", "p", 0, 0.0))[: 1 + len(msgpack.packb("ack"))]
+_NACK_TAG: Final = encode_message(Nack("t", "p", 0, "bad_topic", "x"))[: 1 + len(msgpack.packb("nack"))]
 
 
 class AckTimer:
@@ -133,20 +129,18 @@ class AckTimer:
     def frame(self, session: str, frame: bytes) -> None:
         """An encoded frame to a local session that has publishes waiting, when the sender did not have the
         message at hand (an answer from another broker's TOPIC_REPLY): an ACK or NACK is decoded for `answered`."""
-        if frame.startswith(_ACK_TAG, _FRAME_HEAD + 1):
+        if frame.startswith(_ACK_TAG, _FRAME_HEAD):
             acked = True
-        elif frame.startswith(_NACK_TAG, _FRAME_HEAD + 1):
+        elif frame.startswith(_NACK_TAG, _FRAME_HEAD):
             acked = False
         else:
             return
-        # The broker encoded this frame itself; only three fields are needed, so skip the typed decode.
         try:
-            wire = msgpack.unpackb(frame[_FRAME_HEAD:], raw=False)
-            topic, publisher, seq = wire["topic"], wire["publisher"], wire["seq"]
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            msg = decode_message(frame[_FRAME_HEAD:])
+        except RemoteProtocolError:
             return
-        if type(topic) is str and type(publisher) is str and type(seq) is int:
-            self.answered(session, topic, publisher, seq, acked)
+        if isinstance(msg, Ack | Nack):
+            self.answered(session, msg.topic, msg.publisher, msg.seq, acked)
 
     def session_closed(self, session: str) -> None:
         """Forget the clocks of a session that went away."""

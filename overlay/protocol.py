@@ -3,7 +3,9 @@
 A connection carries frames: a 4-byte big-endian length, one byte of frame kind, then the body; the length
 counts the kind byte and the body.  Two kinds exist:
 
-* CONTROL: the body is one msgpack map ``{"op": ..., field: value, ...}`` decoded into a `Message`.
+* CONTROL: the body is one msgpack array ``[op, field, ...]`` (fields in declaration order) decoded into a
+  `Message`; the handshake's messages (MAP_FORM) are maps ``{"op": ..., field: value, ...}``, the form of
+  versions 1 and 2, and either form decodes.
 * ROUTED: a fixed `struct` header (destination x, y as f64, hops u8, hop limit u8, flags u8) and an opaque
   body; hops counts the links crossed before the current one.  A forwarding broker reads the destination and
   bumps the hop count without decoding the body, which is what makes greedy forwarding cheap (Sec. I-A:
@@ -40,11 +42,14 @@ import msgpack
 # after misreading each other's frames.  Bumped whenever a message's fields or meaning change:
 #   1: the first overlay and pub/sub messages;
 #   2: client requests for other brokers travel in TOPIC_REQUEST / TOPIC_REPLY, one per turn (afe1dea), and
-#      REPLICATE may carry records only (its `meta` field).
-PROTOCOL_VERSION: Final = 2
-# The oldest version whose clients and admin tools a broker still admits: their messages (HELLO, PUBLISH,
-# SUBSCRIBE, FETCH, the admin requests...) have not changed since.  Brokers must speak PROTOCOL_VERSION itself.
-OLDEST_CLIENT_VERSION: Final = 1
+#      REPLICATE may carry records only (its `meta` field);
+#   3: every message but the handshake's is a msgpack array `[op, field, ...]`, not a map: decoding a PUBLISH
+#      takes half the time (docs/benchmarks-latency.md, "Eleventh round").
+PROTOCOL_VERSION: Final = 3
+# The oldest version whose clients and admin tools a broker still admits.  Those of versions 1 and 2 read
+# only maps: they are refused at HELLO (version_mismatch, in the map form they read).  Brokers must speak
+# PROTOCOL_VERSION itself.
+OLDEST_CLIENT_VERSION: Final = 3
 
 # One frame must fit in memory before it is processed, so its size is bounded.  1 MiB is far above the largest
 # control message (a STATUS with MAX_LIST_LEN entries is < 100 KiB) and leaves room for publish payloads of
@@ -227,10 +232,14 @@ class _FieldCodec:
 
 _FIELD_CODECS: Final[dict[str, _FieldCodec]] = {}
 _MESSAGE_CODECS: Final[dict[type[Message], tuple[tuple[str, _FieldCodec], ...]]] = {}
-# Per message type, an encoder and a decoder compiled from its fields (as `dataclasses` compiles __init__):
+# Per message type, an encoder and decoders compiled from its fields (as `dataclasses` compiles __init__):
 # one call and no intermediate dicts or sets per message, which is most of a broker's per-message cost.
-_ENCODERS: Final[dict[type[Message], Callable[[Any], dict[str, Any]]]] = {}
-_DECODERS: Final[dict[str, Callable[[dict[str, Any]], Message]]] = {}
+_ENCODERS: Final[dict[type[Message], Callable[[Any], list[Any] | dict[str, Any]]]] = {}
+_DECODERS: Final[dict[str, Callable[[dict[str, Any]], Message]]] = {}  # the map form
+_ARRAY_DECODERS: Final[dict[str, Callable[[list[Any]], Message]]] = {}  # the array form
+# The handshake's messages keep the map form of versions 1 and 2, so that a client or broker of any version
+# reads the REFUSE (version_mismatch) that tells it to upgrade, and an older broker the HELLO it refuses.
+MAP_FORM: Final = frozenset({"hello", "hello_ok", "refuse"})
 
 
 def _field_default(f: Field[Any], env: dict[str, Any], key: str) -> str | None:
@@ -246,26 +255,52 @@ def _field_default(f: Field[Any], env: dict[str, Any], key: str) -> str | None:
 
 
 def _compile(cls: type[Message], codecs: tuple[tuple[str, _FieldCodec], ...]) -> None:
-    env: dict[str, Any] = {"cls": cls, "names": frozenset(name for name, _ in codecs), "bad": _unknown_fields}
-    enc_items = [f"'op': {cls.op!r}"]
+    """The encoder and both decoders of cls.
+
+    Array form (version 3): `[op, field, ...]`, every field in declaration order; a decoder also takes an
+    array that ends before fields with defaults (they get the default).  Map form (versions 1 and 2, and the
+    handshake's messages, MAP_FORM): `{"op": op, field: value, ...}`, fields with defaults optional.
+    """
+    env: dict[str, Any] = {
+        "cls": cls,
+        "names": frozenset(name for name, _ in codecs),
+        "bad": _unknown_fields,
+        "bad_len": _bad_length,
+    }
+    values = []
     dec_args = []
+    arr_args = []
+    required = 0
     defaults = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     for i, (name, codec) in enumerate(codecs):
         env[f"e{i}"] = codec.encode
         env[f"d{i}"] = codec.decode
-        enc_items.append(f"{name!r}: m.{name}" if codec.encode is _ident else f"{name!r}: e{i}(m.{name})")
+        values.append(f"m.{name}" if codec.encode is _ident else f"e{i}(m.{name})")
         default = _field_default(defaults[name], env, f"v{i}")
-        dec_args.append(
-            f"d{i}(w[{name!r}])" if default is None else f"d{i}(w[{name!r}]) if {name!r} in w else {default}"
-        )
+        if default is None:
+            dec_args.append(f"d{i}(w[{name!r}])")
+            arr_args.append(f"d{i}(w[{i + 1}])")
+            required = i + 1
+        else:
+            dec_args.append(f"d{i}(w[{name!r}]) if {name!r} in w else {default}")
+            arr_args.append(f"d{i}(w[{i + 1}]) if n > {i + 1} else {default}")
+    if cls.op in MAP_FORM:
+        items = [f"'op': {cls.op!r}", *(f"{name!r}: {v}" for (name, _), v in zip(codecs, values, strict=True))]
+        enc = f"def enc(m):\n    return {{{', '.join(items)}}}\n"
+    else:
+        enc = f"def enc(m):\n    return [{', '.join([repr(cls.op), *values])}]\n"
+    # Fields with defaults follow the others in a dataclass, so a shorter array lacks only defaulted ones.
     src = (
-        f"def enc(m):\n    return {{{', '.join(enc_items)}}}\n"
-        f"def dec(w):\n    if not w.keys() <= names:\n        bad(cls, w, names)\n"
+        enc + f"def dec(w):\n    if not w.keys() <= names:\n        bad(cls, w, names)\n"
         f"    return cls({', '.join(dec_args)})\n"
+        f"def adec(w):\n    n = len(w)\n    if not {required + 1} <= n <= {len(codecs) + 1}:\n"
+        f"        bad_len(cls, n, {required}, {len(codecs)})\n"
+        f"    return cls({', '.join(arr_args)})\n"
     )
     exec(src, env)  # the source is built from the dataclass's own field names, as `dataclasses` does
     _ENCODERS[cls] = env["enc"]
     _DECODERS[cls.op] = env["dec"]
+    _ARRAY_DECODERS[cls.op] = env["adec"]
 
 
 # A default_factory field's argument when the caller gave none (dataclasses uses a sentinel the same way).
@@ -317,6 +352,11 @@ def fast_init(cls: type[_D]) -> type[_D]:
 
 def _unknown_fields(cls: type[Message], wire: dict[str, Any], names: frozenset[str]) -> NoReturn:
     raise ValueError(f"{cls.op}: unknown fields {sorted(set(wire) - names)}")
+
+
+def _bad_length(cls: type[Message], n: int, required: int, total: int) -> NoReturn:
+    fields = f"{required} to {total}" if required < total else str(total)
+    raise ValueError(f"{cls.op}: {n - 1} fields, expected {fields}")
 
 
 def register_field_type(annotation: str, encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> None:
@@ -872,8 +912,14 @@ def encode_message(msg: Message) -> bytes:
 
 
 def _message_from_wire(wire: Any) -> Message:
+    if type(wire) is list:
+        op = wire[0] if wire else None
+        adec = _ARRAY_DECODERS.get(op) if type(op) is str else None
+        if adec is None:
+            raise ValueError(f"unknown op {op!r}")
+        return adec(wire)
     if type(wire) is not dict:
-        raise TypeError(f"a message is a map, got {type(wire).__name__}")
+        raise TypeError(f"a message is an array or a map, got {type(wire).__name__}")
     op = wire.pop("op", None)
     dec = _DECODERS.get(op) if type(op) is str else None
     if dec is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import FrozenInstanceError, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import ClassVar, Literal
 
 import msgpack
@@ -159,7 +160,16 @@ def _control(obj: object) -> bytes:
 @pytest.mark.parametrize(
     ("obj", "match"),
     [
-        ([1, 2, 3], "a message is a map"),
+        (5, "a message is an array or a map"),
+        ([1, 2, 3], "unknown op 1"),
+        ([], "unknown op None"),
+        (["nope"], "unknown op"),
+        (["ping"], "ping: 0 fields, expected 1"),
+        (["ping", 1, 2], "ping: 2 fields, expected 1"),
+        (["ping", "1"], "expected an integer"),
+        (["ping", -1], "seq must be in"),
+        (["nack", "t", "p", 0, "bad_topic"], "nack: 4 fields, expected 5 to 6"),
+        (["neighbours", [["a", [0.1], "h:1"]]], "two components"),
         ({"op": "nope"}, "unknown op"),
         ({"x": 1}, "unknown op None"),
         ({"op": "ping"}, "missing"),
@@ -264,13 +274,45 @@ def test_random_bytes_only_raise_remote_protocol_error(chunks: list[bytes]) -> N
     st.sampled_from(sorted(op for op, cls in p.MESSAGE_TYPES.items() if cls.__module__ == p.__name__)),
 )
 def test_random_shapes_with_real_ops_only_raise_remote_protocol_error(value: object, op: str) -> None:
+    # The map form (any value as the fields) and the array form (the op, then a list's items as the fields).
     obj = dict(value) if isinstance(value, dict) else {"junk": value}
     obj["op"] = op
-    try:
-        frames = FrameDecoder().feed(_control(obj))
-    except RemoteProtocolError:
-        return
-    assert len(frames) == 1 and isinstance(frames[0], ControlFrame)
+    arr = [op, *value] if isinstance(value, list) else [op, value]
+    for shape in (obj, arr):
+        try:
+            frames = FrameDecoder().feed(_control(shape))
+        except RemoteProtocolError:
+            continue
+        assert len(frames) == 1 and isinstance(frames[0], ControlFrame)
+
+
+def test_every_message_is_an_array_but_the_handshake_which_every_version_reads() -> None:
+    # Version 3: [op, field, ...] in field order; HELLO, HELLO_OK and REFUSE stay maps (what versions 1 and 2
+    # read), so that a peer of any version reads the refusal that names the fix.  Both forms decode, and an
+    # array without its trailing defaulted fields decodes to the defaults.
+    samples = [
+        p.Hello(PROTOCOL_VERSION, "n1", "broker", (0.1, 0.2), "127.0.0.1:4000"),
+        p.HelloOk(PROTOCOL_VERSION, A),
+        p.Refuse("version_mismatch", "upgrade"),
+        p.Ping(7),
+        p.Neighbours((A,)),
+    ]
+    import overlay.pubsub as ps
+
+    samples += [ps.Publish("grid/a", "meter-1", 3, b"230.1"), ps.Ack("grid/a", "meter-1", 3, 1.5)]
+    for msg in samples:
+        wire = msgpack.unpackb(p.encode_message(msg))
+        if msg.op in p.MAP_FORM:
+            assert type(wire) is dict and wire["op"] == msg.op
+            as_array = [msg.op, *(wire[f.name] for f in dataclass_fields(msg))]
+            assert FrameDecoder().feed(_control(as_array)) == [ControlFrame(msg)]
+        else:
+            assert type(wire) is list and wire[0] == msg.op and len(wire) == 1 + len(dataclass_fields(msg))
+            as_map = {"op": msg.op, **{f.name: v for f, v in zip(dataclass_fields(msg), wire[1:], strict=True)}}
+            assert FrameDecoder().feed(_control(as_map)) == [ControlFrame(msg)]
+        assert FrameDecoder().feed(p.encode_control(msg)) == [ControlFrame(msg)]
+    short = ["publish", "grid/a", "meter-1", 3, b"230.1"]  # without base and more
+    assert FrameDecoder().feed(_control(short)) == [ControlFrame(ps.Publish("grid/a", "meter-1", 3, b"230.1"))]
 
 
 def test_batched_topic_frames_round_trip_and_refuse_bad_entries() -> None:
