@@ -516,7 +516,7 @@ class Client:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        await self.aclose(None if et is None else 0)
 
     @property
     def address(self) -> str | None:
@@ -593,14 +593,25 @@ class Client:
         if self._on_event is not None:
             self._on_event(kind, detail)
 
-    async def aclose(self) -> None:
-        """Close the connection, fail what waits, and stop the client's tasks.
+    async def aclose(self, flush_timeout: float | None = None) -> None:
+        """Wait for the publishes in flight to be acknowledged, then close the connection, fail what still waits
+        and stop the client's tasks.
 
-        Publishes not yet acknowledged fail with ClientClosed (the brokers may or may not have stored them); their
-        number is logged in one warning of the "sedax.client" logger.
+        As Kafka's producer does on close(), publishes already sent get up to `flush_timeout` seconds (default: the
+        client's request_timeout; 0: close at once) to be acknowledged; meanwhile they are re-sent as usual, to
+        another broker if the access broker failed.  Those still unacknowledged then fail with ClientClosed (the
+        brokers may or may not have stored them); their number is logged in one warning of the "sedax.client"
+        logger.  `async with` waits the default time on a normal exit, and not at all when its block raised.
         """
         if self._closing:
             return
+        wait = self.request_timeout if flush_timeout is None else flush_timeout
+        if wait > 0 and self.unacknowledged:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self.flush()
+            if self._closing:
+                return  # closed by another task meanwhile
         self._closing = True
         for sub in list(self._subs.values()):
             sub.closed = True
@@ -636,9 +647,10 @@ class Client:
                     unacknowledged += 1
         if unacknowledged:
             log.warning(
-                "closed with %d publish(es) not acknowledged: the brokers may not have stored them "
+                "closed with %d publish(es) not acknowledged within %g s: the brokers may not have stored them "
                 "(await client.flush(), publish() or the futures publish_nowait() returns, before closing)",
                 unacknowledged,
+                wait,
             )
 
     # ---- reading -------------------------------------------------------------------------------------
@@ -1067,7 +1079,9 @@ class Client:
         """Wait until every publish sent so far is acknowledged or failed (bound it with asyncio.timeout)."""
         futs = [p.future for per in self._pending.values() for p in per.values()]
         if futs:
-            await asyncio.gather(*futs, return_exceptions=True)
+            # asyncio.wait, not gather: a time-out around flush() cancels this wait, and gather would cancel
+            # the publishes' own futures with it (their ACKs, still on the way, would be lost to the caller).
+            await asyncio.wait(futs)
 
     @property
     def unacknowledged(self) -> int:

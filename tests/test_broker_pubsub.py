@@ -17,6 +17,7 @@ from conftest import FAST_ARGS
 
 from cli.cluster import LocalCluster
 from client.client import Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
+from client.errors import ClientClosed
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
 from overlay.pubsub import Located
 
@@ -233,7 +234,7 @@ async def main() -> None:
         kept = await pub.publish_nowait("grid/close/unacked", "m1")
         for i in range(2, 5):
             await pub.publish_nowait("grid/close/unacked", f"m{i}")  # dropped, as a careless script does
-        await pub.aclose()
+        await pub.aclose(flush_timeout=0.5)  # no ACK comes within it
     finally:
         os.kill(pid, signal.SIGCONT)
     try:
@@ -243,6 +244,30 @@ async def main() -> None:
 
 asyncio.run(main())
 """
+
+
+async def test_leaving_async_with_waits_for_the_publishes_in_flight(tmp_path: Path) -> None:
+    # publish_nowait, then the end of the `async with` at once: as a Kafka producer's close() does, the close
+    # waits for the acknowledgements, so every future succeeds and the broker holds every message.
+    async with LocalCluster(1, seed=16, resilience=1, state_dir=tmp_path / "c", broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        addr = c.nodes[0].listen
+        async with Client(addr, credentials=c.credentials(), batch_publishes=False) as pub:
+            futs = [await pub.publish_nowait("grid/close/flushed", f"m{i}") for i in range(300)]
+            assert pub.unacknowledged > 0  # the close below has something to wait for
+        assert [f.result().seq for f in futs] == list(range(300))
+        async with Client(addr, credentials=c.credentials()) as reader:
+            assert len(await reader.fetch("grid/close/flushed")) == 300
+        # An `async with` block that raises closes at once: nothing is waited for.
+        with pytest.raises(RuntimeError):
+            async with Client(addr, credentials=c.credentials()) as pub:
+                os.kill(c.nodes[0].pid, signal.SIGSTOP)  # no ACK comes
+                try:
+                    late = await pub.publish_nowait("grid/close/flushed", "late")
+                    raise RuntimeError("the block fails")
+                finally:
+                    os.kill(c.nodes[0].pid, signal.SIGCONT)
+        assert late.done() and isinstance(late.exception(), ClientClosed)
 
 
 async def test_closing_with_publishes_unacknowledged_says_so_in_one_line(tmp_path: Path) -> None:
@@ -265,7 +290,7 @@ async def test_closing_with_publishes_unacknowledged_says_so_in_one_line(tmp_pat
     assert out.decode() == "kept: the client was closed\n"
     assert "never retrieved" not in said, said
     assert said.splitlines() == [
-        "closed with 4 publish(es) not acknowledged: the brokers may not have stored them "
+        "closed with 4 publish(es) not acknowledged within 0.5 s: the brokers may not have stored them "
         "(await client.flush(), publish() or the futures publish_nowait() returns, before closing)"
     ]
 
