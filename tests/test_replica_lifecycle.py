@@ -105,3 +105,31 @@ def test_settle_follows_the_rank_only_in_steady_stages(stage: Stage, rank: int, 
     r.rank = rank
     r.settle()
     assert r.stage is after
+
+
+def test_a_pull_asks_the_silent_holders_again_sooner_once_another_has_answered() -> None:
+    # Right after a failure a pull's answer can be lost on a route through a broker that has not noticed the
+    # failure yet.  With no answer at all the pull is repeated after a quarter of the time-out (1 s here); once
+    # one holder has answered, after ten times its delay (at least 20 ms, at most that quarter); only once.
+    timeout = 1.0
+    silent = Pulling(asked={1: "n2", 2: "n3"}, started=10.0)
+    assert not silent.retry_due(10.24, timeout) and silent.retry_due(10.26, timeout)
+    fast = Pulling(asked={1: "n2", 2: "n3"}, started=10.0)
+    del fast.asked[1]
+    fast.answered(10.001)  # n2 answered in 1 ms: n3 is asked again after 20 ms, not 250
+    assert not fast.retry_due(10.019, timeout) and fast.retry_due(10.021, timeout)
+    slow = Pulling(asked={1: "n2", 2: "n3"}, started=10.0)
+    del slow.asked[1]
+    slow.answered(10.010)  # 10 ms: after 100 ms
+    assert not slow.retry_due(10.099, timeout) and slow.retry_due(10.101, timeout)
+    slower = Pulling(asked={1: "n2", 2: "n3"}, started=10.0)
+    del slower.asked[1]
+    slower.answered(10.050)  # 50 ms: ten times is past the quarter; the quarter holds
+    assert not slower.retry_due(10.249, timeout) and slower.retry_due(10.251, timeout)
+    slower.answered(10.060)  # a second answer does not change the first one's delay
+    assert slower.answered_in == pytest.approx(0.050)
+    slower.retried = True
+    assert not slower.retry_due(11.0, timeout)  # asked again once only
+    slower.asked.clear()
+    slower.retried = False
+    assert not slower.retry_due(11.0, timeout)  # nobody left to ask

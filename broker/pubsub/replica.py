@@ -37,7 +37,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Final
 
-from broker.pubsub.settings import REPLICATION_TIMEOUT
+from broker.pubsub.settings import PULL_RETRY_FACTOR, PULL_RETRY_MIN, REPLICATION_TIMEOUT
 from broker.store import TopicLog
 from overlay.protocol import Coord, LocalProtocolError, Message, NodeInfo
 from overlay.pubsub import Delegation, Record, SubRef, Waiter
@@ -223,12 +223,27 @@ class Pulling:
     started: float = 0.0
     heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
     retried: bool = False  # asked again once (replication.py `tick`)
+    answered_in: float = 0.0  # how long the first holder to answer took (0: none has yet)
     # A serving primary that found another holder had records it lacks (the other side of a healed partition)
     # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).
     push_merged: bool = False
     # ... and the digests of the OFFERs that started it, by offerer: subscribers the offerer hands over with its
     # answer get what it lacked (replication.py `replicate_arrived`).
     offered: dict[str, dict[str, SeqRanges]] = field(default_factory=dict)
+
+    def answered(self, now: float) -> None:
+        """One asked holder answered completely (others may still be asked)."""
+        if not self.answered_in:
+            self.answered_in = max(now - self.started, 1e-9)
+
+    def retry_due(self, now: float, pull_timeout: float) -> bool:
+        """Time to ask the holders that have not answered once more (see PULL_RETRY_FACTOR)."""
+        if self.retried or not self.asked:
+            return False
+        after = pull_timeout / 4
+        if self.answered_in:
+            after = min(after, max(PULL_RETRY_MIN, PULL_RETRY_FACTOR * self.answered_in))
+        return now - self.started > after
 
 
 @dataclass(slots=True)

@@ -493,7 +493,10 @@ class ReplicationRole:
     def pull_progress(self, r: Replica) -> None:
         """Once every asked holder answered (or the pull timed out): serve, place, or forward."""
         pull = r.pull
-        if pull is None or pull.asked:
+        if pull is None:
+            return
+        if pull.asked:
+            pull.answered(self.t.ov.now())  # one of them did: the others are asked again sooner (retry_due)
             return
         dl = self.home.delegate_lists.get(r.name)
         if dl and not same(dl[-1].coord, r.coord) and not r.log.rows and not r.subscribers:
@@ -621,13 +624,15 @@ class ReplicationRole:
                 if now - max(pull.started, pull.heard) > self.t.config.pull_timeout:
                     pull.asked.clear()
                     self.pull_progress(r)
-                elif not pull.retried and now - pull.started > self.t.config.pull_timeout / 4:
-                    # Right after a failure a pull can be routed through a broker that has not yet noticed it and
-                    # be lost there; asking again once the overlay has healed beats waiting out the time-out (the
-                    # requests of the topic wait meanwhile).  A second answer is merged like one that comes after the
-                    # time-out: the merge drops what is already stored.
+                elif pull.retry_due(now, self.t.config.pull_timeout):
+                    # Right after a failure a pull, or its answer, can be routed through a broker that has not yet
+                    # noticed it and be lost there; asking again once the overlay has healed beats waiting out the
+                    # time-out (the topic's requests wait meanwhile).  A second answer is merged like one that comes
+                    # after the time-out: the merge drops what is already stored, and the digest sent with the
+                    # question keeps what this broker has since received out of it.
                     pull.retried = True
                     view = self.t.ov.view()
+                    have = r.log.digest()
                     for corr, nid in pull.asked.items():
                         if (node := view.get(nid)) is not None:
-                            self.t.ov.route(node.coord, Pull(corr, r.name, r.coord, self.t.ov.me))
+                            self.t.ov.route(node.coord, Pull(corr, r.name, r.coord, self.t.ov.me, have))

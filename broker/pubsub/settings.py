@@ -33,6 +33,13 @@ MAX_SUPERSEDED: Final = 64
 # How long a broker that became closest waits for the previous holders to hand a topic over before it
 # serves the topic from what it has.
 PULL_TIMEOUT: Final = 1.0
+# An asked holder that has not answered a pull is asked once more (its answer, or the pull, may have been lost
+# on a route through a broker that had not yet noticed a failure).  Once another holder has answered, after
+# PULL_RETRY_FACTOR times that answer's delay (at least PULL_RETRY_MIN s); before any answer, after a quarter
+# of the pull time-out.  A SIGKILL failover waited ~280 ms for such a lost answer in 1 of ~10 trials
+# (docs/benchmarks-latency.md, "Eleventh round").
+PULL_RETRY_FACTOR: Final = 10.0
+PULL_RETRY_MIN: Final = 0.02
 # After a take-over the new primary re-delivers what it received in this window before the failure: the
 # old primary may have died between replicating and delivering.  Subscribers drop what they already had.
 REDELIVER_WINDOW: Final = 2.0
