@@ -606,6 +606,8 @@ class Client:
         if self._closing:
             return
         wait = self.request_timeout if flush_timeout is None else flush_timeout
+        if not (self.reconnect or self._connected.is_set()):
+            wait = 0  # nothing can acknowledge them on a connection that is gone and will not be made again
         if wait > 0 and self.unacknowledged:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
