@@ -356,7 +356,8 @@ class Membership:
             self.pubsub.view_changed(failed)
         frozen = frozenset(desired)
         if frozen != self._advertised:
-            self.log.debug("Delaunay neighbours now %s (linked %s)", sorted(frozen), sorted(self.peers))
+            if self.log.isEnabledFor(logging.DEBUG):  # (the sorted lists are not built at INFO)
+                self.log.debug("Delaunay neighbours now %s (linked %s)", sorted(frozen), sorted(self.peers))
             self._advertised = frozen
             data = encode_control(Neighbours(tuple(view.infos(frozen))))
             for link in list(self.peers.values()):

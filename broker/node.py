@@ -302,7 +302,8 @@ class Broker(Membership, Routing):
         match msg:
             case Neighbours(neighbours=ns) if link.role == "broker":
                 if current and link.peer_id is not None:
-                    self.log.debug("%s advertises %s", link.peer_id, sorted(n.id for n in ns))
+                    if self.log.isEnabledFor(logging.DEBUG):  # (the sorted list is not built at INFO)
+                        self.log.debug("%s advertises %s", link.peer_id, sorted(n.id for n in ns))
                     self.view.learn(link.peer_id, ns)
                     self._schedule_reconcile()
             case Leave(neighbours=ns) if link.role == "broker":
@@ -472,10 +473,10 @@ class Broker(Membership, Routing):
             for corr in [k for k, (owner, _) in self._pending.items() if owner is link]:
                 del self._pending[corr]
         pid = link.peer_id
+        current = pid is not None and self.peers.get(pid) is link
         if link.role == "broker":
-            current = self.peers.get(pid or "") is link
             self.log.debug("%r closed: %s %s (current %s)", link, reason.value, detail, current)
-        if pid is None or self.peers.get(pid) is not link:
+        if pid is None or not current:
             return
         del self.peers[pid]
         if self._closing:

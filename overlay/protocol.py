@@ -355,8 +355,8 @@ def _unknown_fields(cls: type[Message], wire: dict[str, Any], names: frozenset[s
 
 
 def _bad_length(cls: type[Message], n: int, required: int, total: int) -> NoReturn:
-    fields = f"{required} to {total}" if required < total else str(total)
-    raise ValueError(f"{cls.op}: {n - 1} fields, expected {fields}")
+    want = f"{required} to {total}" if required < total else str(total)
+    raise ValueError(f"{cls.op}: {n - 1} fields, expected {want}")
 
 
 def register_field_type(annotation: str, encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> None:
