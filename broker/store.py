@@ -26,7 +26,7 @@ from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, StorageFull, TopicMeta
 from broker.storage.disklog import sync_error
 from overlay.pubsub import Record, record_size
-from overlay.seqset import Digest, SeqRanges, digest_of, lacks
+from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks
 
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
 # are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
@@ -93,6 +93,9 @@ class TopicLog:
     # publisher -> every seq stored (expired ones too): what a merge skips.  last_seq alone would refuse the
     # stretch a replica missed once it holds anything newer, and that stretch is what a re-sync brings.
     held: dict[str, SeqRanges] = field(default_factory=dict)
+    # publisher -> the seqs of `held` that retention dropped: held is exactly the rows' seqs plus these, so
+    # what a peer lacks of the rows can be counted from ranges alone (missing_from).
+    expired: dict[str, SeqRanges] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # publisher -> when it last published
     subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     # After the last message expired the topic is still known (subscribers, dedup state) but weighs nothing.
@@ -190,6 +193,8 @@ class TopicLog:
         for pub, seq in lost:
             if (h := self.held.get(pub)) is not None:
                 h.discard(seq)
+            if (x := self.expired.get(pub)) is not None:
+                x.discard(seq)  # expired before its sync failed: it leaves held, so it leaves expired too
         kept = deque(r for r in self.rows if (r[1], r[2]) not in lost)
         self.size -= sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
         self.rows = kept
@@ -241,20 +246,26 @@ class TopicLog:
         """Drop messages older than max_age and the oldest beyond max_bytes; returns the bytes freed."""
         freed = 0
         r = self.retention
+        expired = self.expired
         while self.rows and (
             (r.max_age is not None and self.rows[0][0] < now - r.max_age)
             or (r.max_bytes is not None and self.size > r.max_bytes)
         ):
-            _, pub, _, payload = self.rows.popleft()
+            _, pub, seq, payload = self.rows.popleft()
             n = record_size(pub, payload)
             self.size -= n
             freed += n
+            x = expired.get(pub)
+            if x is None:
+                x = expired[pub] = SeqRanges()
+            x.add(seq)  # oldest first, so almost always the next of the last range
         if len(self.last_seen) > 64:
             stale = [p for p, t in self.last_seen.items() if t < now - PUBLISHER_IDLE_FORGET]
             for p in stale:
                 del self.last_seen[p]
                 self.last_seq.pop(p, None)
                 self.held.pop(p, None)
+                self.expired.pop(p, None)
         if freed and self.journal is not None:
             self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
         return freed
@@ -276,8 +287,29 @@ class TopicLog:
         return digest_of(self.held)
 
     def missing_from(self, theirs: Mapping[str, SeqRanges]) -> list[StoredMessage]:
-        """The stored messages a replica whose digest is `theirs` lacks, oldest first."""
-        return [_as_record(m) for m in self.rows if lacks(theirs, m[1], m[2])]
+        """The stored messages a replica whose digest is `theirs` lacks, oldest first.
+
+        They are counted from the ranges first (held minus expired is what the rows hold), then found walking
+        back from the newest row, stopping at the last one.  What a copy lacks at an anti-entropy round is a
+        batch or two in flight, or nothing but what retention dropped here: a scan of every row instead
+        blocked the primary's event loop for ~75 ms per 300,000 rows retained, at every round.
+        """
+        want = 0
+        for pub, mine in self.held.items():
+            other = theirs.get(pub)
+            want += count_outside(mine, other)
+            if (gone := self.expired.get(pub)) is not None:
+                want -= count_outside(gone, other)
+        if want <= 0:
+            return []
+        found: list[StoredMessage] = []
+        for m in reversed(self.rows):
+            if lacks(theirs, m[1], m[2]):
+                found.append(_as_record(m))
+                if len(found) == want:
+                    break
+        found.reverse()
+        return found
 
     @property
     def last_ts(self) -> float | None:
@@ -289,6 +321,7 @@ class TopicLog:
         self.rows.clear()
         self.size = 0
         self.held.clear()
+        self.expired.clear()
         if self.journal is not None:
             self._staged.clear()
             self._staged_prev.clear()

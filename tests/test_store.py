@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from broker.store import Retention, StoredMessage, TopicNotFound, TopicStore
 from overlay.pubsub import MESSAGE_OVERHEAD
+from overlay.seqset import SeqRanges, count_outside, lacks
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
 
 
@@ -88,6 +91,55 @@ def test_since_and_merge() -> None:
     assert [m.seq for m in other.records()] == [0, 1, 2, 3, 4, 5]
     assert other.size == log.size
     assert other.merge(log.records(), now=9.0) == []
+
+
+def test_count_outside_is_the_set_difference() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        a = {rng.randrange(60) for _ in range(rng.randrange(40))}
+        b = {rng.randrange(60) for _ in range(rng.randrange(40))}
+        ra, rb = SeqRanges((x, x) for x in a), SeqRanges((x, x) for x in b)
+        assert count_outside(ra, rb) == len(a - b)
+        assert count_outside(ra, None) == len(a)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
+    # missing_from counts what the peer lacks from the ranges (held minus expired) and stops walking back from the
+    # newest row once it found that many: it must return what a scan of every row returns, after gaps, merges
+    # of older stretches, expiry, a cleared log and forgotten publishers alike.
+    rng = random.Random(seed)
+    one = 10 + 2 + MESSAGE_OVERHEAD
+    log = TopicStore(Retention(max_age=None, max_bytes=rng.choice([40, 120, 400]) * one)).ensure("t")
+    pubs = ["p0", "p1", "p2", "p3"]
+    next_seq = dict.fromkeys(pubs, 0)
+    skipped: list[tuple[str, int, float]] = []
+    ts = 0.0
+    for step in range(1500):
+        ts += 1.0
+        pub = rng.choice(pubs)
+        if skipped and rng.random() < 0.1:  # a stretch missed earlier, merged later (older timestamp)
+            p, seq, old_ts = skipped.pop(rng.randrange(len(skipped)))
+            log.merge([StoredMessage(old_ts, p, seq, b"y" * 10)], now=ts)
+        elif rng.random() < 0.1:  # a gap: this seq reaches us only later, by a merge
+            skipped.append((pub, next_seq[pub], ts))
+            next_seq[pub] += 1
+        else:
+            log.append(StoredMessage(ts, pub, next_seq[pub], b"x" * 10), now=ts)
+            next_seq[pub] += 1
+        if step == 700 and seed % 2:
+            log.clear()
+        if step % 25 == 0:
+            theirs: dict[str, SeqRanges] = {}
+            for p in pubs:
+                if rng.random() < 0.8:  # the peer holds some stretches of p's numbers, or none of them
+                    r = theirs[p] = SeqRanges()
+                    for _ in range(rng.randrange(4)):
+                        lo = rng.randrange(next_seq[p] + 1)
+                        r.add_range(lo, lo + rng.randrange(next_seq[p] + 1))
+            everything = [m for m in log.records() if lacks(theirs, m.publisher, m.seq)]
+            assert log.missing_from(theirs) == everything
+    assert log.expired, "the retention dropped nothing: the test did not exercise expired stretches"
 
 
 def test_stored_messages_cost_the_garbage_collector_nothing() -> None:
