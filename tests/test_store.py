@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from broker.store import Retention, StoredMessage, TopicNotFound, TopicStore
-from overlay.pubsub import MESSAGE_OVERHEAD
+from overlay.pubsub import MESSAGE_OVERHEAD, record_size
 from overlay.seqset import SeqRanges, count_outside, lacks
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
 
@@ -137,6 +138,9 @@ def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
                     for _ in range(rng.randrange(4)):
                         lo = rng.randrange(next_seq[p] + 1)
                         r.add_range(lo, lo + rng.randrange(next_seq[p] + 1))
+            rows = list(log.rows)  # merges of older stretches keep the log in timestamp order, and its size
+            assert all(a[0] <= b[0] for a, b in itertools.pairwise(rows))
+            assert log.size == sum(record_size(r[1], r[3]) for r in rows)
             everything = [m for m in log.records() if lacks(theirs, m.publisher, m.seq)]
             assert log.missing_from(theirs) == everything
     assert log.expired, "the retention dropped nothing: the test did not exercise expired stretches"
