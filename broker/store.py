@@ -97,6 +97,10 @@ class TopicLog:
     # what a peer lacks of the rows can be counted from ranges alone (missing_from).
     expired: dict[str, SeqRanges] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # publisher -> when it last published
+    # The earliest moment a publisher can have been idle for PUBLISHER_IDLE_FORGET (expire): the oldest last_seen
+    # at the last look, plus that.  last_seen only moves forward, so none goes stale sooner.  Looking at every
+    # publisher on every append cost 27 µs a message on a topic of 1,000 publishers (1.8 µs with 30).
+    _forget_at: float = 0.0
     subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     # After the last message expired the topic is still known (subscribers, dedup state) but weighs nothing.
     journal: DiskLog | None = None  # the disk log, with a data directory
@@ -259,13 +263,14 @@ class TopicLog:
             if x is None:
                 x = expired[pub] = SeqRanges()
             x.add(seq)  # oldest first, so almost always the next of the last range
-        if len(self.last_seen) > 64:
+        if len(self.last_seen) > 64 and now >= self._forget_at:
             stale = [p for p, t in self.last_seen.items() if t < now - PUBLISHER_IDLE_FORGET]
             for p in stale:
                 del self.last_seen[p]
                 self.last_seq.pop(p, None)
                 self.held.pop(p, None)
                 self.expired.pop(p, None)
+            self._forget_at = min(self.last_seen.values(), default=now) + PUBLISHER_IDLE_FORGET
         if freed and self.journal is not None:
             self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
         return freed

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from broker.store import Retention, StoredMessage, TopicNotFound, TopicStore
+from broker.store import PUBLISHER_IDLE_FORGET, Retention, StoredMessage, TopicNotFound, TopicStore
 from overlay.pubsub import MESSAGE_OVERHEAD, record_size
 from overlay.seqset import SeqRanges, count_outside, lacks
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
@@ -144,6 +144,24 @@ def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
             everything = [m for m in log.records() if lacks(theirs, m.publisher, m.seq)]
             assert log.missing_from(theirs) == everything
     assert log.expired, "the retention dropped nothing: the test did not exercise expired stretches"
+
+
+def test_idle_publishers_are_forgotten_after_a_day_and_only_then() -> None:
+    # Beyond 64 publishers, one idle for PUBLISHER_IDLE_FORGET loses its dedup state (expire); the look at every
+    # publisher happens once the oldest can have gone idle, not on every append.
+    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    for i in range(100):
+        log.append(msg(float(i), 0, pub=f"dev{i}"), now=float(i))
+    day = PUBLISHER_IDLE_FORGET
+    log.append(msg(day + 50.5, 1, pub="dev99"), now=day + 50.5)  # dev0..dev50 idle for a day by now
+    assert sorted(log.last_seen, key=lambda p: int(p[3:])) == [f"dev{i}" for i in range(51, 100)]
+    assert "dev0" not in log.held and "dev0" not in log.last_seq
+    log.append(msg(day + 51.0, 2, pub="dev99"), now=day + 51.0)
+    assert len(log.last_seen) == 49  # 49 publishers, under the 64 the rule keeps in any case
+    for i in range(100, 120):
+        log.append(msg(day + i, 0, pub=f"dev{i}"), now=day + i)
+    log.append(msg(2 * day + 99.5, 3, pub="dev99"), now=2 * day + 99.5)  # dev51..dev98 idle for a day now
+    assert "dev98" not in log.last_seen and "dev99" in log.last_seen and "dev100" in log.last_seen
 
 
 def test_stored_messages_cost_the_garbage_collector_nothing() -> None:
