@@ -7,6 +7,8 @@ Scenarios (each for SeDAX and, as the reference, for one Mosquitto broker under 
 
 * fanin50: 50 publishers x 50 Hz (2,500 msg/s) over 30 topics;
 * fanin1000: 1,000 publishers x 10 Hz (10,000 msg/s) over 30 topics;
+* fanin1000one (not run by default): the same 1,000 publishers into one topic, with one subscriber (a feeder's
+  devices on the feeder's topic: what a primary does per publisher of a topic shows here);
 * fanout100: 1 publisher at 100 Hz to 100 subscribers of one topic (10,000 deliveries/s).
 
 SeDAX: nine brokers at random coordinates (`LocalCluster(9, seed=1)`, resilience 2, plain TCP); publisher i is
@@ -69,6 +71,7 @@ class Scenario:
 SCENARIOS: Final = {
     "fanin50": Scenario("50 publishers x 50 Hz, 30 topics", 50, 50.0, TOPICS, 3),
     "fanin1000": Scenario("1,000 publishers x 10 Hz, 30 topics", 1000, 10.0, TOPICS, 3),
+    "fanin1000one": Scenario("1,000 publishers x 10 Hz, 1 topic", 1000, 10.0, 1, 1),
     "fanout100": Scenario("1 publisher x 100 Hz -> 100 subscribers", 1, 100.0, 1, 100, fanout=True),
 }
 
