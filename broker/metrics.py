@@ -60,7 +60,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "acked": ("sedax_acked_messages", "Messages this broker acknowledged to their publishers as primary."),
     "duplicates": ("sedax_duplicate_publishes", "Re-sent publishes this broker had stored already."),
     "takeovers": ("sedax_takeovers", "Topics this broker took over as the new primary after a failure or leave."),
-    "handovers": ("sedax_handovers", "Topics this broker handed to a new closest broker (answered a PULL)."),
+    "handovers": (
+        "sedax_handovers",
+        "PULLs of a topic this broker answered (a new closest broker, a take-over, an offer's gap).",
+    ),
     "replicated_batches": ("sedax_replicated_batches", "Replication batches sent to secondaries."),
     "replicated_pipelined": (
         "sedax_replicated_pipelined_batches",

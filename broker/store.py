@@ -26,11 +26,13 @@ from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, StorageFull, TopicMeta
 from broker.storage.disklog import sync_error
 from overlay.pubsub import Record, record_size
-from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks
+from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks, ranges_minus
 
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
 # are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
 PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
+# How soon a silent publisher whose records are still kept is looked at again (TopicLog._forget_idle).
+PUBLISHER_FORGET_RECHECK: Final = 60.0
 
 
 class StoreError(Exception):
@@ -264,16 +266,30 @@ class TopicLog:
                 x = expired[pub] = SeqRanges()
             x.add(seq)  # oldest first, so almost always the next of the last range
         if len(self.last_seen) > 64 and now >= self._forget_at:
-            stale = [p for p, t in self.last_seen.items() if t < now - PUBLISHER_IDLE_FORGET]
-            for p in stale:
+            self._forget_idle(now)
+        if freed and self.journal is not None:
+            self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
+        return freed
+
+    def _forget_idle(self, now: float) -> None:
+        """Forget the dedup state of the publishers silent for PUBLISHER_IDLE_FORGET whose records are all gone.
+
+        One whose records are still kept (a retention longer than a day) keeps its numbers: without them a
+        merge would store those records a second time, and `missing_from` would not count them.
+        """
+        cutoff = now - PUBLISHER_IDLE_FORGET
+        next_at = now + PUBLISHER_IDLE_FORGET  # no publisher seen from now on goes stale sooner
+        for p, t in list(self.last_seen.items()):
+            if t >= cutoff:
+                next_at = min(next_at, t + PUBLISHER_IDLE_FORGET)
+            elif (h := self.held.get(p)) is not None and count_outside(h, self.expired.get(p)):
+                next_at = min(next_at, now + PUBLISHER_FORGET_RECHECK)
+            else:
                 del self.last_seen[p]
                 self.last_seq.pop(p, None)
                 self.held.pop(p, None)
                 self.expired.pop(p, None)
-            self._forget_at = min(self.last_seen.values(), default=now) + PUBLISHER_IDLE_FORGET
-        if freed and self.journal is not None:
-            self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
-        return freed
+        self._forget_at = next_at
 
     def since(self, ts: float, limit: int | None = None) -> list[StoredMessage]:
         """Stored messages with timestamp > ts, oldest first, at most limit of them."""
@@ -290,6 +306,20 @@ class TopicLog:
     def digest(self) -> Digest:
         """Per publisher, the stretches of sequence numbers stored here (what a re-sync compares)."""
         return digest_of(self.held)
+
+    def offerable(self) -> Digest:
+        """What an OFFER names: the stretches of the rows kept here, without what retention dropped.
+
+        A copy made after a failure holds only what was kept then, while `held` (and `digest`) still names
+        what retention dropped; offered that, the copy pulled at every anti-entropy round, for nothing.
+        """
+        expired = self.expired
+        out: Digest = {}
+        for pub, mine in self.held.items():
+            kept = ranges_minus(mine, expired[pub]) if pub in expired else mine.ranges()
+            if kept:
+                out[pub] = kept
+        return out
 
     def missing_from(self, theirs: Mapping[str, SeqRanges]) -> list[StoredMessage]:
         """The stored messages a replica whose digest is `theirs` lacks, oldest first.

@@ -125,6 +125,22 @@ def count_outside(ours: SeqRanges, theirs: SeqRanges | None) -> int:
     return total
 
 
+def ranges_minus(ours: SeqRanges, theirs: SeqRanges) -> tuple[tuple[int, int], ...]:
+    """The ranges of the numbers of ours that theirs lacks."""
+    out: list[tuple[int, int]] = []
+    los, his = theirs._los, theirs._his
+    for lo, hi in ours:
+        i = bisect.bisect_left(his, lo)  # the first of their ranges that ends at or after lo
+        while i < len(los) and los[i] <= hi:
+            if los[i] > lo:
+                out.append((lo, los[i] - 1))
+            lo = his[i] + 1
+            i += 1
+        if lo <= hi:
+            out.append((lo, hi))
+    return tuple(out)
+
+
 def covers(theirs: Mapping[str, SeqRanges], ours: Mapping[str, SeqRanges]) -> bool:
     """True if `theirs` holds every number `ours` holds."""
     for pub, mine in ours.items():

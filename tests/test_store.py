@@ -9,7 +9,7 @@ import pytest
 
 from broker.store import PUBLISHER_IDLE_FORGET, Retention, StoredMessage, TopicNotFound, TopicStore
 from overlay.pubsub import MESSAGE_OVERHEAD, record_size
-from overlay.seqset import SeqRanges, count_outside, lacks
+from overlay.seqset import SeqRanges, count_outside, lacks, ranges_minus
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
 
 
@@ -94,7 +94,7 @@ def test_since_and_merge() -> None:
     assert other.merge(log.records(), now=9.0) == []
 
 
-def test_count_outside_is_the_set_difference() -> None:
+def test_count_outside_and_ranges_minus_are_the_set_difference() -> None:
     rng = random.Random(7)
     for _ in range(300):
         a = {rng.randrange(60) for _ in range(rng.randrange(40))}
@@ -102,6 +102,7 @@ def test_count_outside_is_the_set_difference() -> None:
         ra, rb = SeqRanges((x, x) for x in a), SeqRanges((x, x) for x in b)
         assert count_outside(ra, rb) == len(a - b)
         assert count_outside(ra, None) == len(a)
+        assert SeqRanges(ranges_minus(ra, rb)) == SeqRanges((x, x) for x in a - b)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -141,6 +142,10 @@ def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
             rows = list(log.rows)  # merges of older stretches keep the log in timestamp order, and its size
             assert all(a[0] <= b[0] for a, b in itertools.pairwise(rows))
             assert log.size == sum(record_size(r[1], r[3]) for r in rows)
+            kept: dict[str, SeqRanges] = {}
+            for row in rows:
+                kept.setdefault(row[1], SeqRanges()).add_range(row[2], row[2])
+            assert log.offerable() == {p: k.ranges() for p, k in kept.items()}  # what an OFFER names: the rows
             everything = [m for m in log.records() if lacks(theirs, m.publisher, m.seq)]
             assert log.missing_from(theirs) == everything
     assert log.expired, "the retention dropped nothing: the test did not exercise expired stretches"
@@ -149,7 +154,7 @@ def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
 def test_idle_publishers_are_forgotten_after_a_day_and_only_then() -> None:
     # Beyond 64 publishers, one idle for PUBLISHER_IDLE_FORGET loses its dedup state (expire); the look at every
     # publisher happens once the oldest can have gone idle, not on every append.
-    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    log = TopicStore(Retention(max_age=3600.0, max_bytes=None)).ensure("t")
     for i in range(100):
         log.append(msg(float(i), 0, pub=f"dev{i}"), now=float(i))
     day = PUBLISHER_IDLE_FORGET
@@ -162,6 +167,25 @@ def test_idle_publishers_are_forgotten_after_a_day_and_only_then() -> None:
         log.append(msg(day + i, 0, pub=f"dev{i}"), now=day + i)
     log.append(msg(2 * day + 99.5, 3, pub="dev99"), now=2 * day + 99.5)  # dev51..dev98 idle for a day now
     assert "dev98" not in log.last_seen and "dev99" in log.last_seen and "dev100" in log.last_seen
+
+
+def test_a_silent_publisher_whose_records_are_kept_keeps_its_numbers() -> None:
+    # Kept longer than a day (retention by bytes only): forgetting the publisher's numbers would let a merge of
+    # the same records from another replica store them twice.  Once they are gone, it is forgotten.
+    one = 10 + 4 + MESSAGE_OVERHEAD
+    log = TopicStore(Retention(max_age=None, max_bytes=80 * one)).ensure("t")
+    log.append(msg(0.0, 0, pub="old0"), now=0.0)
+    for i in range(70):
+        log.append(msg(1.0 + i, 0, pub=f"dev{i:02}"), now=1.0 + i)
+    day = PUBLISHER_IDLE_FORGET
+    log.append(msg(day + 30.0, 1, pub="dev69"), now=day + 30.0)
+    assert "old0" in log.last_seen and "dev00" in log.last_seen  # silent a day, but their records are kept
+    assert log.merge([msg(0.0, 0, pub="old0")], now=day + 31.0) == []  # not stored twice
+    for i in range(10):  # push the oldest records out, old0's and dev00's among them
+        log.append(msg(day + 40.0 + i, 2 + i, pub="dev69"), now=day + 40.0 + i)
+    log.append(msg(day + 120.0, 12, pub="dev69"), now=day + 120.0)  # a look again, PUBLISHER_FORGET_RECHECK on
+    assert "old0" not in log.last_seen and "old0" not in log.held
+    assert "dev00" not in log.last_seen and "dev69" in log.last_seen
 
 
 def test_stored_messages_cost_the_garbage_collector_nothing() -> None:

@@ -427,7 +427,7 @@ class ReplicationRole:
         if track:
             r.offers.clear()
             r.offered_at = self.t.ov.now()
-        have = r.log.digest()
+        have = r.log.offerable()
         me = self.t.ov.me
         self.t.counters["offers"] += len(targets)
         for n in targets:
