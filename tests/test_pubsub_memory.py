@@ -15,12 +15,14 @@ import pytest
 from broker.acl import Acl, parse_acl
 from broker.pubsub import PubSub, PubSubConfig
 from broker.pubsub.core import chunks, frame_chunks
+from broker.store import Retention
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo, decode_message, encode_message
 from overlay.pubsub import (
     MAX_BATCH,
     MAX_BATCH_BYTES,
     MAX_PAYLOAD_SIZE,
+    MESSAGE_OVERHEAD,
     Ack,
     Deliver,
     Failed,
@@ -29,7 +31,9 @@ from overlay.pubsub import (
     Locate,
     Located,
     Nack,
+    Offer,
     Publish,
+    Pull,
     Record,
     Subscribe,
     Subscribed,
@@ -39,8 +43,11 @@ from overlay.pubsub import (
 
 
 class Net:
-    def __init__(self, coords: list[Coord], resilience: int, acl: Acl | None = None) -> None:
+    def __init__(
+        self, coords: list[Coord], resilience: int, acl: Acl | None = None, retention: Retention | None = None
+    ) -> None:
         self.clock = 1000.0
+        self.retention = retention if retention is not None else Retention()
         self.queue: deque[tuple[Coord, bytes]] = deque()
         self.sent: list[tuple[str, Message]] = []  # (sender, message) of every routed message, in order
         self.acl = acl
@@ -110,7 +117,7 @@ class Node:
         self._me = me
         self.alive = True
         self.inbox: dict[str, list[Message]] = {}
-        self.ps = PubSub(self, PubSubConfig(resilience=resilience, acl=net.acl))
+        self.ps = PubSub(self, PubSubConfig(resilience=resilience, acl=net.acl, retention=net.retention))
 
     @property
     def me(self) -> NodeInfo:
@@ -569,6 +576,33 @@ def test_anti_entropy_fills_a_stretch_the_secondary_missed() -> None:
         pub.request("p", Publish(topic, "P", i, b"x", i))
     net.tick(6.0)
     assert sorted(r[2] for r in log.rows) == list(range(12))
+
+
+def test_a_copy_lacking_only_what_retention_dropped_is_not_asked_to_pull_it() -> None:
+    # A secondary made after a failure receives what the primary keeps, never what the primary's retention
+    # dropped.  The anti-entropy offer names what the primary keeps, so the copy, which has all of that, just
+    # confirms: offered the whole history it pulled at every round, and the primary answered with nothing.
+    one = 10 + 1 + MESSAGE_OVERHEAD
+    net = Net(grid(8, seed=9), resilience=2, retention=Retention(max_age=None, max_bytes=20 * one))
+    topic = "grid/retained/voltage"
+    loc = locate(net, topic)
+    assert loc.secondary is not None
+    pub = net.nodes[next(nid for nid in net.nodes if nid not in (loc.primary.id, loc.secondary.id))]
+    for i in range(50):
+        pub.request("p", Publish(topic, "P", i, b"x" * 10, i))  # the primary keeps the last 20
+    net.kill(loc.secondary.id)
+    new = locate(net, topic).secondary
+    assert new is not None and new.id != loc.secondary.id
+    copy = net.nodes[new.id].ps.store.get(topic)
+    assert sorted(r[2] for r in copy.rows) == list(range(30, 50))  # back-filled with what is kept
+    net.sent.clear()
+    for rnd in range(3):  # three anti-entropy rounds, each after new records
+        pub.request("p", Publish(topic, "P", 50 + rnd, b"x" * 10, 50 + rnd))
+        net.tick(6.0)
+    offers = [m for s, m in net.sent if s == loc.primary.id and isinstance(m, Offer)]
+    pulls = [m for s, m in net.sent if s == new.id and isinstance(m, Pull)]
+    assert len(offers) == 3 and pulls == []
+    assert sorted(r[2] for r in copy.rows) == list(range(33, 53))
 
 
 def test_an_operator_sees_a_retiring_replica_until_its_records_are_confirmed() -> None:

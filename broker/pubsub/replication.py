@@ -601,7 +601,9 @@ class ReplicationRole:
                 else:
                     view = self.t.ov.view()
                     self.offer(r, [view[nid] for nid in r.offers.values() if nid in view])
-            if anti_entropy and r.unchecked and r.stage is Stage.SERVING and not r.window:
+            # Not while a batch is in flight or stored this turn and not yet sent (`outbox`): the offer would
+            # reach the secondary before the batch, which would then pull what is already on its way.
+            if anti_entropy and r.unchecked and r.stage is Stage.SERVING and not r.window and not r.outbox:
                 r.unchecked = False
                 sec = self.t.secondary(r)
                 if sec is not None and r.replica == sec.id:
