@@ -56,6 +56,7 @@ class Raw(asyncio.Protocol):
     def __init__(self) -> None:
         self.decoder = FrameDecoder()
         self.acked: dict[str, int] = {}  # publisher -> highest seq acknowledged (ACKs are cumulative)
+        self.acked_count = 0  # messages acknowledged, all publishers together
         self.delivered = 0
         self.changed = asyncio.Event()
         self.first: list[object] = []
@@ -69,8 +70,10 @@ class Raw(asyncio.Protocol):
                 continue
             m = f.message
             if isinstance(m, Ack):
-                if m.seq > self.acked.get(m.publisher, -1):
+                last = self.acked.get(m.publisher, -1)
+                if m.seq > last:
                     self.acked[m.publisher] = m.seq
+                    self.acked_count += m.seq - last
             elif isinstance(m, Deliver):
                 self.delivered += len(m.records)
             else:
@@ -137,8 +140,9 @@ async def run(
         ]
 
         def acked(upto: int) -> bool:  # messages 0..upto-1 acknowledged
-            return all(pub.acked.get(f"bench-publisher-{k}", -1) >= (upto - 1 - k) // publishers
-                       for k in range(min(publishers, upto)))  # fmt: skip
+            # A count, not a look at every publisher: with --publishers 1000 that look was most of the CPU
+            # this benchmark charged to the brokers.  Only 0..upto-1 were sent, and ACKs are cumulative.
+            return pub.acked_count >= upto
 
         async def send(lo: int, hi: int) -> None:
             for i in range(lo, hi, window):
