@@ -111,20 +111,6 @@ def lacks(theirs: Mapping[str, SeqRanges], publisher: str, seq: int) -> bool:
     return r is None or seq not in r
 
 
-def count_outside(ours: SeqRanges, theirs: SeqRanges | None) -> int:
-    """How many numbers of ours theirs lacks (the size of ours minus theirs), from the ranges alone."""
-    total = len(ours)
-    if theirs is None or not total:
-        return total
-    los, his = theirs._los, theirs._his
-    for lo, hi in ours:
-        i = bisect.bisect_left(his, lo)  # the first of their ranges that ends at or after lo
-        while i < len(los) and los[i] <= hi:
-            total -= min(hi, his[i]) - max(lo, los[i]) + 1
-            i += 1
-    return total
-
-
 def ranges_minus(ours: SeqRanges, theirs: SeqRanges) -> tuple[tuple[int, int], ...]:
     """The ranges of the numbers of ours that theirs lacks."""
     out: list[tuple[int, int]] = []
@@ -139,6 +125,13 @@ def ranges_minus(ours: SeqRanges, theirs: SeqRanges) -> tuple[tuple[int, int], .
         if lo <= hi:
             out.append((lo, hi))
     return tuple(out)
+
+
+def count_outside(ours: SeqRanges, theirs: SeqRanges | None) -> int:
+    """How many numbers of ours theirs lacks (the size of ours minus theirs), from the ranges alone."""
+    if theirs is None:
+        return len(ours)
+    return sum(hi - lo + 1 for lo, hi in ranges_minus(ours, theirs))
 
 
 def covers(theirs: Mapping[str, SeqRanges], ours: Mapping[str, SeqRanges]) -> bool:
