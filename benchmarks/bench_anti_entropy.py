@@ -18,6 +18,11 @@ secondary is back-filled with what is retained, while the primary's digest still
 
 Reported per trial: p50/p99/p99.9/max of publish -> deliver, how far the publisher fell behind its schedule, and
 the primary's pull answers (`handovers`) during the steady window.
+
+With `--kill-during secondary|primary` step 3 moves into step 4: the holder is killed a quarter of the way
+through the steady phase, with the device and the subscriber connected to every broker (the primary first).
+The longest the device waited is then the topic's failover with a long history behind it (bench_failover.py
+fails over topics of 5,000 messages).
 """
 
 from __future__ import annotations
@@ -89,9 +94,13 @@ async def trial(args: argparse.Namespace, workdir: Path, k: int) -> str:
                 await c.publish_nowait(TOPIC, body)
             await c.flush()
         fill_s = time.perf_counter() - t0
-        await cluster.kill(by_id[loc.secondary.id].index)
-        live = [n.listen for n in cluster.nodes if n.alive]
-        backfill_s = await wait_caught_up(live, within=120.0)
+        victim = by_id[(loc.primary if args.kill_during == "primary" else loc.secondary).id]
+        backfill = "during the run"
+        if args.kill_during == "no":
+            await cluster.kill(victim.index)
+            live = [n.listen for n in cluster.nodes if n.alive]
+            backfill = f"{await wait_caught_up(live, within=120.0):.1f} s"
+        access = [primary.listen] + [n.listen for n in cluster.nodes if n is not primary]
 
         lat: list[float] = []
         perf = time.perf_counter
@@ -103,13 +112,15 @@ async def trial(args: argparse.Namespace, workdir: Path, k: int) -> str:
             if len(lat) >= n:
                 all_in.set()
 
-        sub = Client([primary.listen], client_id=f"ae-sub-{os.getpid()}-{k}")
-        pub = Client([primary.listen], client_id=f"ae-pub-{os.getpid()}-{k}", batch_publishes=False)
+        sub = Client(access, client_id=f"ae-sub-{os.getpid()}-{k}")
+        pub = Client(access, client_id=f"ae-pub-{os.getpid()}-{k}", batch_publishes=False)
         async with sub, pub:
             await sub.subscribe(TOPIC, on_message=on_message)
             pulls0 = await counter(primary.listen, "handovers")
             start, behind = perf(), 0.0
             for i in range(n):
+                if i == n // 4 and args.kill_during != "no":
+                    await cluster.kill(victim.index)
                 due = start + i / args.rate
                 await asyncio.sleep(max(0.0, due - perf()))
                 t = perf()
@@ -117,11 +128,11 @@ async def trial(args: argparse.Namespace, workdir: Path, k: int) -> str:
                 await pub.publish(TOPIC, _HEAD.pack(t).ljust(PAYLOAD, b"x"))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(all_in.wait(), 10.0)  # what did not come by then is reported missing
-            pulls = await counter(primary.listen, "handovers") - pulls0
+            pulls = "-" if args.kill_during == "primary" else await counter(primary.listen, "handovers") - pulls0
         lat.sort()
         ms = [x * 1e3 for x in lat]
         return (
-            f"| {k + 1} | {args.fill:,} in {fill_s:.1f} s | {backfill_s:.1f} s | {len(lat):,} / {n:,} | "
+            f"| {k + 1} | {args.fill:,} in {fill_s:.1f} s | {backfill} | {len(lat):,} / {n:,} | "
             f"{pct(ms, 0.5):.2f} | {pct(ms, 0.99):.2f} | {pct(ms, 0.999):.2f} | {ms[-1] if ms else float('nan'):.1f} | "
             f"{behind * 1e3:.0f} | {pulls} |"
         )
@@ -150,6 +161,10 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=500.0, help="messages a second in the steady phase (default 500)")
     p.add_argument("--trials", type=int, default=1, help="trials, each on a new cluster (default 1)")
     p.add_argument("--seed", type=int, default=1, help="the brokers' coordinates (default 1)")
+    p.add_argument(
+        "--kill-during", choices=("no", "secondary", "primary"), default="no",
+        help="kill this holder during the steady phase instead of before it (default: the secondary, before)",
+    )  # fmt: skip
     args = p.parse_args()
     import uvloop
 
