@@ -111,8 +111,8 @@ def lacks(theirs: Mapping[str, SeqRanges], publisher: str, seq: int) -> bool:
     return r is None or seq not in r
 
 
-def ranges_minus(ours: SeqRanges, theirs: SeqRanges) -> tuple[tuple[int, int], ...]:
-    """The ranges of the numbers of ours that theirs lacks."""
+def ranges_minus(ours: Iterable[tuple[int, int]], theirs: SeqRanges) -> tuple[tuple[int, int], ...]:
+    """The ranges of the numbers of ours (sorted, disjoint ranges) that theirs lacks."""
     out: list[tuple[int, int]] = []
     los, his = theirs._los, theirs._his
     for lo, hi in ours:
@@ -127,11 +127,9 @@ def ranges_minus(ours: SeqRanges, theirs: SeqRanges) -> tuple[tuple[int, int], .
     return tuple(out)
 
 
-def count_outside(ours: SeqRanges, theirs: SeqRanges | None) -> int:
-    """How many numbers of ours theirs lacks (the size of ours minus theirs), from the ranges alone."""
-    if theirs is None:
-        return len(ours)
-    return sum(hi - lo + 1 for lo, hi in ranges_minus(ours, theirs))
+def count_outside(ours: Iterable[tuple[int, int]], theirs: SeqRanges | None) -> int:
+    """How many numbers of ours (sorted, disjoint ranges) theirs lacks, from the ranges alone."""
+    return sum(hi - lo + 1 for lo, hi in (ours if theirs is None else ranges_minus(ours, theirs)))
 
 
 def covers(theirs: Mapping[str, SeqRanges], ours: Mapping[str, SeqRanges]) -> bool:
