@@ -151,6 +151,20 @@ def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
     assert log.expired, "the retention dropped nothing: the test did not exercise expired stretches"
 
 
+def test_a_cleared_log_that_gets_its_expired_records_back_offers_them() -> None:
+    # clear() forgets what expired along with what was held: records that come back by a merge (another replica
+    # still had them) are kept, offered and found again, not taken for expired ones.
+    one = 10 + 1 + MESSAGE_OVERHEAD
+    log = TopicStore(Retention(max_age=None, max_bytes=3 * one)).ensure("t")
+    for i in range(6):
+        log.append(msg(float(i), i), now=float(i))
+    assert [m.seq for m in log.records()] == [3, 4, 5] and log.offerable() == {"p": ((3, 5),)}
+    log.clear()
+    assert log.merge([msg(0.0, 0), msg(1.0, 1)], now=9.0) != []
+    assert log.offerable() == {"p": ((0, 1),)}
+    assert [m.seq for m in log.missing_from({})] == [0, 1]
+
+
 def test_idle_publishers_are_forgotten_after_a_day_and_only_then() -> None:
     # Beyond 64 publishers, one idle for PUBLISHER_IDLE_FORGET loses its dedup state (expire); the look at every
     # publisher happens once the oldest can have gone idle, not on every append.
