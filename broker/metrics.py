@@ -38,7 +38,7 @@ log = logging.getLogger("sedax.metrics")
 # ------------------------------------------------------------------------------------------- collector
 
 # Replica states always exported (broker/pubsub/replica.py OPERATOR_STATE), 0 when none is in them.
-REPLICA_STATES: Final = ("caught_up", "recovering", "syncing", "retiring")
+REPLICA_STATES: Final = ("caught_up", "backfilling", "recovering", "syncing", "retiring")
 # Counter keys (Observed.counter_values) with their exported names (without `_total`) and help texts.
 COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "forwarded": ("sedax_forwarded_messages", "Routed messages this broker passed on toward their destination."),
@@ -154,7 +154,8 @@ class BrokerCollector:
             pending += waiting
         replicas = GaugeMetricFamily(
             "sedax_topic_replicas",
-            "Topic replicas held, by state with the other holders (caught_up, recovering, syncing, retiring, ...).",
+            "Topic replicas held, by state with the other holders "
+            "(caught_up, backfilling, recovering, syncing, retiring, ...).",
             labels=["state"],
         )
         for state, n in states.items():

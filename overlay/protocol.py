@@ -794,9 +794,10 @@ class StatusReq(Message):
 class TopicHeld:
     """A topic a broker holds, its role there (primary, delegate, secondary, tertiary, home) and its bytes.
 
-    `state` is where the replica stands with the other holders (docs/storage.md): caught_up, recovering (read
-    back from disk, not yet compared), syncing (pulling what it lacks before it serves), retiring (handing its
-    records on before it lets go), moving (a delegation hand-over), placing (Alg. 1 choosing a coordinate).
+    `state` is where the replica stands with the other holders (docs/storage.md): caught_up, backfilling (giving
+    the next holder the history: the secondary, or at level 3 the tertiary), recovering (read back from disk, not
+    yet compared), syncing (pulling what it lacks before it serves), retiring (handing its records on before it
+    lets go), moving (a delegation hand-over), placing (Alg. 1 choosing a coordinate).
     `behind` is the bytes not yet confirmed between it and the other holders (a primary: stored, not yet
     confirmed by the secondary; a retiring copy: what it still offers), `pending` the pulls or offers under way.
     """

@@ -63,13 +63,16 @@ class LoadRole:
         out = {}
         for r in self.t.replicas.values():
             state = OPERATOR_STATE[r.stage]
+            if r.backfilling is not None and r.stage in (Stage.SERVING, Stage.HOLDING):
+                state = "backfilling"  # the next holder is being given the history (replication.py `backfill`)
             if r.stage is Stage.RETIRING:
                 behind = r.log.size
             elif r.rank == 1:
                 behind = sum(len(x.payload) for x in r.undelivered)
             else:
                 behind = 0
-            out[r.name] = (state, behind, (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers))
+            pending = (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers) + (r.backfilling is not None)
+            out[r.name] = (state, behind, pending)
         return out
 
     def topic_coord(self, topic: str) -> Coord | None:

@@ -198,7 +198,7 @@ class MoveRole:
     def staged_ready(self, r: Replica) -> None:
         """New primary: the replica caught up with the hand-over, so the old primary may let go."""
         st = r.staged
-        if st is None or st.confirmed or r.backfill:
+        if st is None or st.confirmed or r.copying:
             return
         st.confirmed = True
         self.t.ov.route(st.origin.coord, Replicated(st.corr, r.name, self.t.ov.me.id))

@@ -206,13 +206,22 @@ class Batch:
     target: str  # the secondary's node id
     sent_at: float
     upto: float  # every record stored up to this timestamp is in this batch or an earlier one
-    whole: bool  # the whole history (a back-fill) or every record not yet confirmed (a re-send)
-    backfill: bool  # the whole history: once confirmed, the target is the replica
+    whole: bool  # every record not yet confirmed (the first batch to a new secondary, a re-send)
     confirmed: bool = False
     # A re-send after a time-out carries this batch's records again: it no longer times out nor takes a
     # window slot, but its confirmation still counts (under load a reply can be slower than the time-out).
     superseded: bool = False
     meta_version: int = -1  # the Replica.meta_version it carried (-1: records only)
+
+
+@dataclass(slots=True)
+class Backfill:
+    """The history a primary copies to a new secondary (replication.py `backfill`): an OFFER of everything it
+    keeps, which the secondary answers with a PULL for what it lacks; confirmed once that is on its disk."""
+
+    corr: int  # the OFFER's (its PULL and the last chunk of the answer carry it too)
+    target: str  # the secondary's node id
+    at: float  # when it was offered, or the answer last made progress (the time-out counts from here)
 
 
 @dataclass(slots=True)
@@ -281,8 +290,14 @@ class Replica:
     stage: Stage = Stage.HOLDING
     subscribers: dict[tuple[str, str], SubRef] = field(default_factory=dict)
     rank: int = 0  # 1 primary, 2 secondary, 3 tertiary, 0 none
-    replica: str | None = None  # the secondary that holds everything up to the last confirmed batch
-    backfill: bool = True  # the next batch to the secondary must carry the whole history
+    # The next holder that has the history (the back-fill was confirmed) and everything up to the last confirmed
+    # batch: a primary's secondary; at level 3, a secondary's tertiary.
+    replica: str | None = None
+    # The secondary is to be given the whole history (a new secondary, a merged history): the next flush offers
+    # it (`backfilling` while that is under way).  Publishes are acknowledged meanwhile on the strength of the
+    # batches, the first of which to a new secondary carries every record not yet confirmed.
+    backfill: bool = True
+    backfilling: Backfill | None = None
     last_ts: float = 0.0
     outbox: list[Record] = field(default_factory=list)  # stored, not yet sent to the secondary
     waiting: list[Waiting] = field(default_factory=list)  # stored, not yet acknowledged to the publisher
@@ -340,6 +355,11 @@ class Replica:
     def waits(self) -> bool:
         """Requests for the topic are held (a pull, a placement or a move is under way)."""
         return self.stage in WAITING
+
+    @property
+    def copying(self) -> bool:
+        """At a primary: the secondary does not hold the whole history yet (a back-fill is due or under way)."""
+        return self.backfill or self.backfilling is not None
 
     def meta(self) -> tuple[tuple[SubRef, ...], tuple[Delegation, ...], dict[str, int]]:
         """What a copy needs besides the records (REPLICATE's subscribers, delegates and last_seq), as sent."""

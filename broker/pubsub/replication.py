@@ -23,16 +23,17 @@ that changed, and sends what the copy lacks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
-from broker.pubsub.replica import PULLING, Batch, Pulling, Replica, Stage, Transition
-from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW
+from broker.pubsub.replica import PULLING, Backfill, Batch, Pulling, Replica, Stage, Transition
+from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW, SYNC_WINDOW
 from broker.storage import StorageError
+from broker.store import Missing
 from overlay.protocol import NodeInfo
-from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe
+from overlay.pubsub import MAX_BATCH, Offer, Publish, Pull, Replicate, Replicated, SubRef, Subscribe
 from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
@@ -55,6 +56,19 @@ class _Chained:
     held_there: bool = False  # the tertiary confirmed it
 
 
+@dataclass(slots=True)
+class _Answer:
+    """A long answer to a PULL (`_send_sync`), SYNC_WINDOW chunks in flight: the asker confirms each chunk once
+    it is on its disk, and the next one leaves then; the last chunk carries the pull's corr."""
+
+    topic: str
+    to: NodeInfo
+    corr: int  # the pull's
+    rest: Missing
+    heard: float  # when it was asked, or the asker last confirmed a chunk
+    inflight: set[int] = field(default_factory=set)  # corrs of the chunks sent and not yet confirmed
+
+
 class ReplicationRole:
     """Replication, pulls and take-overs (see the module docstring)."""
 
@@ -67,6 +81,9 @@ class ReplicationRole:
         self._chained: dict[int, _Chained] = {}
         # OFFER corr -> offerer, where this broker answered the offer with the pull of its own sync.
         self._offer_pulls: dict[int, str] = {}
+        # Long answers to pulls under way: by (topic, asker), and by the corr of each chunk in flight.
+        self._answers: dict[tuple[str, str], _Answer] = {}
+        self._answer_chunks: dict[int, _Answer] = {}
         # Wired by the engine.
         self.holder: HolderRole
         self.moves: MoveRole
@@ -87,6 +104,7 @@ class ReplicationRole:
             r.meta_dirty = False
             r.meta_confirmed = False
             r.backfill = False
+            r.backfilling = None
             r.window.clear()
             r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
             self.holder.commit(r, r.last_ts)
@@ -94,61 +112,113 @@ class ReplicationRole:
             return
         if any(b.target != sec.id for b in r.window):
             # The secondary changed under batches in flight (view_changed normally saw it first): they no longer
-            # count; what they carried goes to the new one with the history.
+            # count; what they carried goes to the new one in the next batch, which carries every record not
+            # yet confirmed.
             r.window.clear()
             r.outbox = list(r.undelivered)
             r.meta_dirty = True
-        if r.replica != sec.id:
+        if self._new_next(r, sec):
             r.replica = None
             r.backfill = True  # a new secondary gets the whole history (module docstring)
-            r.meta_confirmed = False  # (and the meta goes along until the back-fill is confirmed)
+            r.meta_confirmed = False  # (and the meta goes along until a batch that carried it is confirmed)
+        self._send_batch(r, sec)
+        if r.backfill:
+            self.backfill(r, sec)
+
+    def _send_batch(self, r: Replica, sec: NodeInfo) -> None:
+        """The records stored since the last batch (and the meta, until confirmed), if the window has room."""
         live = [b for b in r.window if not b.superseded]
         if len(live) >= REPLICATION_WINDOW:
             return  # the outbox waits for a confirmation and then leaves as one batch
-        # A back-fill sends the whole history (the secondary merges it with what it has), else what is new; one
-        # back-fill in flight is enough, the batches behind it carry only what is new.
-        full = r.backfill and not any(b.backfill for b in live)
-        if not r.outbox and not r.meta_dirty and not full:
+        if not r.outbox and not r.meta_dirty:
             return
-        # With nothing else in flight, the outbox after a re-send holds every record not yet confirmed, so this
-        # batch alone proves them held (`Batch.whole`).
-        whole = full or (not live and len(r.outbox) == len(r.undelivered))
+        # With nothing else in flight, the outbox after a re-send or a change of secondary holds every record not
+        # yet confirmed, so this batch alone proves them held (`Batch.whole`).
+        whole = not live and len(r.outbox) == len(r.undelivered)
         r.unchecked = True  # the next anti-entropy round compares digests with the secondary
-        records = r.log.records() if full else list(r.outbox)
-        batches = chunks(records)
+        batches = chunks(r.outbox)
         if r.meta_dirty:
             r.meta_version += 1
             r.meta_confirmed = False
-        # The subscribers, delegates and publisher table go along until the secondary confirmed them (and with
-        # every back-fill); after that a batch is its records alone.
-        meta = full or not r.meta_confirmed
+        # The subscribers, delegates and publisher table go along until the secondary confirmed them; after that
+        # a batch is its records alone.
+        meta = not r.meta_confirmed
         subs, dl, last_seq = r.meta() if meta else ((), (), {})
         corr = 0
-        for i, batch in enumerate(batches):
+        for batch in batches:
             corr = self.t.next_corr()
             self.t.ov.route(
                 sec.coord,
-                Replicate(
-                    corr, r.name, r.coord, self.t.ov.me, tuple(batch), subs, dl, full and i == 0, last_seq, meta=meta
-                ),
+                Replicate(corr, r.name, r.coord, self.t.ov.me, tuple(batch), subs, dl, False, last_seq, meta=meta),
             )
         upto = r.waiting[-1].record.ts if r.waiting else r.last_ts
         if len(batches) > 1:
-            # A long history takes a while to copy: no re-send of all of it before it could have arrived.
+            # A long re-send takes a while to copy: no re-send of all of it before it could have arrived.
             r.rto = max(r.rto, self.t.config.replication_timeout * len(batches))
         if live:
             self.t.counters["replicated_pipelined"] += 1
         if whole and len(r.window) > MAX_SUPERSEDED:
             r.window.clear()  # re-sends that stayed unconfirmed: this batch carries everything they did
-        r.window.append(
-            Batch(corr, sec.id, self.t.ov.now(), upto, whole, full, meta_version=r.meta_version if meta else -1)
-        )
+        r.window.append(Batch(corr, sec.id, self.t.ov.now(), upto, whole, meta_version=r.meta_version if meta else -1))
         r.outbox.clear()
         r.meta_dirty = False
         self.t.counters["replicated_batches"] += 1
 
+    def backfill(self, r: Replica, sec: NodeInfo) -> None:
+        """Give the next holder (the secondary; at level 3 the secondary's tertiary) the whole history: OFFER it
+        everything kept here; it pulls what it lacks (a broker that restarted with its disk, only its gap) and
+        confirms once that is on its disk.
+
+        The history does not gate the acknowledgements: they count on the batches, the first of which to a new
+        secondary carries every record not yet confirmed, so an acknowledged message is on both brokers however
+        far the back-fill has got.  What was acknowledged before the change is on this broker alone until the
+        back-fill is confirmed, as it was while a back-fill sent as one batch was in flight; an operator waits
+        for `caught_up` (docs/storage.md).  The answer streams a few chunks at a time (`_Answer`), so neither
+        this broker's event loop nor the batches behind it on the link wait for a long history: publishes were
+        not acknowledged for ~1 s when a new secondary got 300,000 records as one batch."""
+        r.backfill = False
+        corr = self.t.next_corr()
+        r.backfilling = Backfill(corr, sec.id, self.t.ov.now())
+        self.t.counters["offers"] += 1
+        self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, r.log.offerable(), False))
+
+    def _backfilled(self, r: Replica, node: str) -> None:
+        """The next holder confirmed the back-fill: it holds the history offered, and the batches hold the rest."""
+        r.backfilling = None
+        nxt = self.next_holder(r)
+        if r.rank == 2:
+            if nxt is not None and nxt.id == node and not r.backfill:
+                r.replica = node
+            self._copy_down(r)  # what the secondary was given since goes to the tertiary too
+            return
+        if nxt is None or nxt.id != node or r.rank != 1:
+            return  # the holders changed meanwhile: flush or tick starts the next one's back-fill
+        if not r.backfill:
+            r.replica = node  # (unless a merge since asked for another back-fill, which flush sends)
+        self.moves.staged_ready(r)
+        self.flush(r)
+
+    def _new_next(self, r: Replica, nxt: NodeInfo) -> bool:
+        """nxt (r's next holder) neither holds r's history (`Replica.replica`) nor is being back-filled with it."""
+        return r.replica != nxt.id and (r.backfilling is None or r.backfilling.target != nxt.id)
+
+    def next_holder(self, r: Replica) -> NodeInfo | None:
+        """The holder r copies its history to: the primary's secondary; at level 3, the secondary's tertiary."""
+        if r.rank == 1:
+            return self.t.secondary(r)
+        if r.rank == 2 and self.t.config.resilience >= 3:
+            ranked = self.t.ranked(r.coord)
+            return ranked[2] if len(ranked) > 2 else None
+        return None
+
     def replicated_arrived(self, m: Replicated) -> None:
         """REPLICATED: a copy, a pull answer or a hand-over was confirmed."""
+        answer = self._answer_chunks.get(m.corr)
+        if answer is not None and answer.to.id == m.node:
+            del self._answer_chunks[m.corr]
+            answer.inflight.discard(m.corr)
+            self._pump(answer)
+            return
         chained = self._chained.get(m.corr)
         if chained is not None:
             if chained.tertiary == m.node and chained.topic == m.topic:
@@ -172,6 +242,10 @@ class ReplicationRole:
         if r.stage is Stage.HANDING_OVER:
             self.moves.handover_confirmed(r, m.corr)
             return  # replica confirmations wait: an aborted move re-copies everything to the secondary
+        if (bf := r.backfilling) is not None and bf.corr == m.corr:
+            if bf.target == m.node:
+                self._backfilled(r, m.node)
+            return
         batch = next((b for b in r.window if b.corr == m.corr), None)
         if batch is None or batch.target != m.node:
             return  # not ours, or from a node we no longer replicate to
@@ -187,9 +261,6 @@ class ReplicationRole:
         done, r.window = r.window[: frontier + 1], r.window[frontier + 1 :]
         if not r.meta_confirmed and any(b.confirmed and b.meta_version == r.meta_version for b in done):
             r.meta_confirmed = True  # the next batches carry records only
-        if any(b.backfill and b.confirmed for b in done):
-            r.replica = batch.target
-            r.backfill = False
         r.rto = self.t.config.replication_timeout
         self.holder.commit(r, done[-1].upto)
         self.moves.staged_ready(r)
@@ -197,6 +268,12 @@ class ReplicationRole:
 
     def replicate_arrived(self, m: Replicate) -> None:
         """REPLICATE: the primary's copy, an answer to our pull, or a hand-over (moves.py)."""
+        self._take(m)
+        r = self.t.replicas.get(m.topic)
+        if r is not None and r.backfill and r.rank == 2:
+            self._copy_down(r)
+
+    def _take(self, m: Replicate) -> None:
         now = self.t.ov.now()
         if m.handover:
             self.moves.handover_arrived(m, now)
@@ -225,6 +302,8 @@ class ReplicationRole:
         new = r.log.merge(m.records, now)
         if new:
             r.unchecked = True
+            if m.sync and r.rank == 2:
+                r.backfill = True  # level 3: the tertiary gets what a back-fill or a repair brought (`tick`)
             if pull is not None and pull.push_merged and r.rank == 1:
                 self.holder.merged(r, new)
         for pub, seq in m.last_seq.items():  # (merge took the records' own; this adds what only the table has)
@@ -330,9 +409,7 @@ class ReplicationRole:
         if r is None or (not r.log.rows and not r.subscribers and not r.log.last_seq):
             self.t.ov.route(p.origin.coord, Replicated(p.corr, p.topic, me.id))
             return
-        self._send_sync(
-            r, p.origin, p.corr, r.log.records() if p.have is None else r.log.missing_from(ranges_of(p.have))
-        )
+        self._send_sync(r, p.origin, p.corr, {} if p.have is None else ranges_of(p.have))
         self.t.counters["handovers"] += 1
 
     def _catch_up_newcomers(self, r: Replica, newcomers: list[SubRef], theirs: dict[str, SeqRanges]) -> None:
@@ -345,18 +422,66 @@ class ReplicationRole:
         recs = [x for x in r.log.missing_from(theirs) if (x.publisher, x.seq) not in waiting]
         self.t.deliver_to(newcomers, r.name, recs)
 
-    def _send_sync(self, r: Replica, to: NodeInfo, corr: int, records: list[Record]) -> None:
-        """Records another holder lacks, with the subscribers and dedup state (the last frame carries corr)."""
-        me = self.t.ov.me
-        self.t.counters["synced_records"] += len(records)
-        batches = chunks(records)
+    def _send_sync(self, r: Replica, to: NodeInfo, corr: int, theirs: Mapping[str, SeqRanges]) -> None:
+        """The records another holder lacks (its digest: `theirs`), with the subscribers and dedup state; the last
+        frame carries corr.  A short answer (a gap, an anti-entropy round) leaves at once; a long one (a new
+        holder's whole history) as the asker confirms its chunks (`_Answer`)."""
+        if r.log.lacking(theirs) <= SYNC_WINDOW * MAX_BATCH:
+            records = r.log.missing_from(theirs)
+            self.t.counters["synced_records"] += len(records)
+            batches = chunks(records)
+            subs, dl, last_seq = r.meta()
+            for i, batch in enumerate(batches):
+                last = i == len(batches) - 1
+                self.t.ov.route(
+                    to.coord,
+                    Replicate(
+                        corr if last else 0, r.name, r.coord, self.t.ov.me, tuple(batch), subs, dl, False, last_seq,
+                        sync=True,
+                    ),
+                )  # fmt: skip
+            return
+        answer = _Answer(r.name, to, corr, r.log.missing_stream(theirs), self.t.ov.now())
+        if (old := self._answers.get((r.name, to.id))) is not None:
+            self._drop_answer(old)  # asked again (a retry, a repeated offer): this answer starts from its digest
+        self._answers[(r.name, to.id)] = answer
+        self._pump(answer)
+
+    def _pump(self, a: _Answer) -> None:
+        """Send an answer's next chunks while fewer than SYNC_WINDOW are unconfirmed; the last one ends it."""
+        r = self.t.replicas.get(a.topic)
+        if r is None:
+            self._drop_answer(a)  # the topic was dropped here: the asker's pull times out and asks whoever holds it
+            return
+        a.heard = self.t.ov.now()
+        if (bf := r.backfilling) is not None and bf.corr == a.corr:
+            bf.at = a.heard  # the back-fill this answers is making progress: no time-out
         subs, dl, last_seq = r.meta()
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            self.t.ov.route(
-                to.coord,
-                Replicate(corr if last else 0, r.name, r.coord, me, tuple(batch), subs, dl, False, last_seq, sync=True),
-            )
+        me = self.t.ov.me
+        while len(a.inflight) < SYNC_WINDOW and a.corr:
+            records = a.rest.take(MAX_BATCH)
+            self.t.counters["synced_records"] += len(records)
+            batches = chunks(records)
+            for i, batch in enumerate(batches):
+                if a.rest.done and i == len(batches) - 1:
+                    corr, a.corr = a.corr, 0  # the last chunk: the answer is complete once it is sent
+                    del self._answers[(a.topic, a.to.id)]
+                else:
+                    corr = self.t.next_corr()
+                    a.inflight.add(corr)
+                    self._answer_chunks[corr] = a
+                self.t.ov.route(
+                    a.to.coord,
+                    Replicate(corr, r.name, r.coord, me, tuple(batch), subs, dl, False, last_seq, sync=True),
+                )
+
+    def _drop_answer(self, a: _Answer) -> None:
+        if self._answers.get((a.topic, a.to.id)) is a:
+            del self._answers[(a.topic, a.to.id)]
+        for corr in a.inflight:
+            self._answer_chunks.pop(corr, None)
+        a.inflight.clear()
+        a.corr = 0
 
     def _chain(self, r: Replica, m: Replicate) -> bool:
         """Level 3: the secondary passes each batch of the primary on to the tertiary and confirms the batch
@@ -385,6 +510,10 @@ class ReplicationRole:
 
             r.log.when_durable(on_disk)
         meta, subs, dl, last_seq = m.meta, m.subscribers, m.delegates, m.last_seq
+        if self._new_next(r, tertiary):
+            # A tertiary new to this broker is given the history (`replicate_arrived`): the batches passed on
+            # carry only what is new.
+            r.backfill = True
         if not meta and r.meta_chained_to != tertiary.id:
             # A tertiary that has not had them from this broker gets this broker's (which are the primary's: a
             # records-only batch comes only after this broker confirmed them).
@@ -558,7 +687,7 @@ class ReplicationRole:
                 if old != 1 and r.stage is not Stage.PLACING:
                     self.take_over(r)
                 sec = self.t.secondary(r)
-                if sec is not None and r.replica != sec.id:
+                if sec is not None and self._new_next(r, sec):
                     # A new secondary gets the whole history, after a failure too (module docstring).
                     r.backfill = True
                     r.replica = None
@@ -582,6 +711,9 @@ class ReplicationRole:
                     # What only this former primary holds (the other side of a healed partition, the last
                     # batches it stored) goes to the new one.
                     self.offer(r, self.t.holders(r.coord)[:1], track=False)
+                if (nxt := self.next_holder(r)) is not None and self._new_next(r, nxt):
+                    r.backfill = True  # level 3: a new tertiary gets the history from the secondary
+                    self._copy_down(r)
                 queued, r.queued = r.queued, []
                 for access, session, req in queued:
                     self.holder.handle_request(access, session, req)
@@ -589,11 +721,33 @@ class ReplicationRole:
                 self.retire(r)
 
     # ---- time ------------------------------------------------------------------------------------------
+    def _tick_backfill(self, r: Replica, now: float) -> None:
+        """A back-fill not confirmed (nor its answer making progress) within the offer time-out is offered again,
+        from what the next holder has by then; a level-3 secondary back-fills its tertiary from here."""
+        bf = r.backfilling
+        if bf is not None and now - bf.at > self.t.config.offer_timeout:
+            r.backfilling = None
+            r.backfill = True
+            if r.rank == 1:
+                self.flush(r)
+                return
+        self._copy_down(r)
+
+    def _copy_down(self, r: Replica) -> None:
+        """Level 3: a secondary gives its tertiary the history when the tertiary is new to it or a back-fill or
+        repair brought it records (one back-fill at a time; what arrives meanwhile goes with the next)."""
+        idle = r.backfill and r.backfilling is None and r.rank == 2 and r.stage is Stage.HOLDING
+        if idle and (nxt := self.next_holder(r)) is not None:
+            self.backfill(r, nxt)
+
     def tick(self, now: float) -> None:
         """Re-send unconfirmed batches, finish or repeat pulls that are slow, repeat offers, anti-entropy."""
         anti_entropy = now - self._last_anti_entropy >= self.t.config.anti_entropy_interval
         if anti_entropy:
             self._last_anti_entropy = now
+        for a in list(self._answers.values()):
+            if now - a.heard > self.t.config.offer_timeout:
+                self._drop_answer(a)  # the asker went quiet: it asks again (or its pull timed out)
         for r in list(self.t.replicas.values()):
             if r.offers and now - r.offered_at > self.t.config.offer_timeout:
                 if r.stage is Stage.RETIRING:
@@ -608,16 +762,17 @@ class ReplicationRole:
                 sec = self.t.secondary(r)
                 if sec is not None and r.replica == sec.id:
                     self.offer(r, [sec], track=False)
+            self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
             if live and now - live[0].sent_at > r.rto:
                 # The oldest unconfirmed batch (or one before it) was lost or the replica is slow: go back to it.
                 log.warning("replica %s of %s did not confirm within %.1f s; re-sending", live[0].target, r.name, r.rto)
-                r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long back-fill keeps its longer time-out
+                r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long re-send keeps its longer time-out
                 self.t.counters["replication_resends"] += 1
                 for b in live:
                     b.superseded = True
-                # Re-send everything not yet confirmed in one whole batch (a pending back-fill stays a back-fill);
-                # the replica merges, so what it already had is not duplicated.
+                # Re-send everything not yet confirmed in one whole batch; the replica merges, so what it already
+                # had is not duplicated.
                 r.outbox = list(r.undelivered)
                 r.meta_dirty = True
                 self.flush(r)
