@@ -572,8 +572,9 @@ class Replicate(Message):
     """Primary -> replica: new records, and the topic's subscriber list, delegates and publisher table; answered
     by REPLICATED.
 
-    `full` marks a complete copy (a new replica being pre-populated, Sec. IV-B level 3, or a hand-over):
-    the replica replaces what it had.  `coord` is C(t), `delegates` the delegate list (Sec. III-A).
+    `full` marks the first frame of a hand-over's complete copy: the receiver forgets the publishes and deliveries
+    a stale copy of it waited for (the records merge as a set union).  A new secondary's history travels as the
+    answer to an OFFER.  `coord` is C(t), `delegates` the delegate list (Sec. III-A).
     `meta` False: the batch carries records only (`subscribers`, `delegates` and `last_seq` are empty and mean
     "unchanged"), because the replica confirmed the current ones already; the publisher table follows from the
     records.  A copy that never received them from its primary confirms no such batch (the re-send has them).

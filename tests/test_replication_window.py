@@ -16,13 +16,13 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, delivered, grid, locate
 
-from broker.pubsub.settings import REPLICATION_WINDOW, SYNC_WINDOW
+from broker.pubsub.settings import REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client, PublishAck
 from overlay.geometry import Coord, closest
 from overlay.protocol import Message, decode_message
-from overlay.pubsub import MAX_BATCH, Ack, Fetch, Fetched, Publish, Pull, Replicate, Replicated, Subscribe
+from overlay.pubsub import Ack, Fetch, Fetched, Publish, Pull, Replicate, Replicated, Subscribe
 
 TOPIC = "grid/window/voltage"
 
@@ -317,7 +317,7 @@ def test_a_new_secondary_gets_the_history_while_publishes_are_acknowledged() -> 
 def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     # A history longer than SYNC_WINDOW chunks is answered as the asker confirms its chunks: never more than
     # SYNC_WINDOW unconfirmed, the last one carrying the pull's corr.
-    n = SYNC_WINDOW * MAX_BATCH * 2 + 7
+    n = SYNC_WINDOW * SYNC_CHUNK * 2 + 7
     net, primary, secondary, _ = _setup_history(2, n)
     start = len(net.sent)
     net.kill(secondary)
@@ -336,7 +336,7 @@ def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
         elif sender == new.id and isinstance(m, Replicated):
             inflight.discard(m.corr)
         most = max(most, len(inflight))
-    assert chunks_sent >= n // MAX_BATCH
+    assert chunks_sent >= n // SYNC_CHUNK
     assert most == SYNC_WINDOW
     assert _rows(net, new.id) == list(range(n))
     assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)

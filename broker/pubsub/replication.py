@@ -3,21 +3,24 @@
 The primary sends what it stored in a turn to the secondary (REPLICATE), acknowledges once the secondary
 confirmed it (REPLICATED) and re-sends on a time-out.  Up to REPLICATION_WINDOW batches per topic are in
 flight at once; they count in order (a confirmation counts once every earlier batch is confirmed too), so an
-acknowledgement still means the secondary holds the message and everything stored before it.  When the
+acknowledgement means the secondary holds the message and every message not yet acknowledged before it (and,
+once its back-fill is confirmed, the whole history: `backfill`).  When the
 overlay changes, every broker re-ranks itself for the topics it holds (`view_changed`): a secondary that
 became closest takes over (TAKING_OVER: it merges what the other holders have, then re-delivers the last
 moments, which subscribers de-duplicate by (publisher, seq)); a broker that became closest without holding the
 topic pulls it first (SYNCING, Sec. III-C).
 
-Data follows membership (docs/storage.md): a new secondary always receives the whole history, after a join
-or a failure alike, so that every acknowledged message survives any later single change (the paper's level 2
-copies history only at level 3, Sec. IV-B; a cluster that restarts its brokers one by one spends a "failure"
-at every step).  A broker that the view ranks out of a topic's holders does not drop it at once: it RETIRES,
-offering its records (OFFER: a digest of what it holds) to the topic's holders now, which pull what they lack,
-and drops the topic once each confirmed.  A primary that was demoted offers to the new primary, so what only
-it had (a partition's other side) is merged.  Pulls carry the asker's digest, so a restarted broker fetches
-only what it missed.  Anti-entropy: a primary compares digests with its secondary now and then for the topics
-that changed, and sends what the copy lacks.
+Data follows membership (docs/storage.md): a new secondary always receives the whole history, after a join or a
+failure alike, so that every acknowledged message survives any later single change (the paper's level 2 copies
+history only at level 3, Sec. IV-B; a cluster that restarts its brokers one by one spends a "failure" at every
+step). The history is a back-fill beside the batches, not ahead of them (`backfill`): the first batch to a new
+secondary carries every record not yet confirmed, so acknowledgements go on while the history streams; at level
+3 the secondary back-fills a new tertiary the same way. A broker that the view ranks out of a topic's holders
+does not drop it at once: it RETIRES, offering its records (OFFER: a digest of what it holds) to the topic's
+holders now, which pull what they lack, and drops the topic once each confirmed. A primary that was demoted
+offers to the new primary, so what only it had (a partition's other side) is merged. Pulls carry the asker's
+digest, so a restarted broker fetches only what it missed. Anti-entropy: a primary compares digests with its
+secondary now and then for the topics that changed, and sends what the copy lacks.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import PULLING, Backfill, Batch, Pulling, Replica, Stage, Transition
-from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW, SYNC_WINDOW
+from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
 from broker.storage import StorageError
 from broker.store import Missing
 from overlay.protocol import NodeInfo
-from overlay.pubsub import MAX_BATCH, Offer, Publish, Pull, Replicate, Replicated, SubRef, Subscribe
+from overlay.pubsub import Offer, Publish, Pull, Replicate, Replicated, SubRef, Subscribe
 from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
@@ -67,6 +70,7 @@ class _Answer:
     rest: Missing
     heard: float  # when it was asked, or the asker last confirmed a chunk
     inflight: set[int] = field(default_factory=set)  # corrs of the chunks sent and not yet confirmed
+    meta_sent: bool = False  # the first chunk went (with the meta)
 
 
 class ReplicationRole:
@@ -426,7 +430,7 @@ class ReplicationRole:
         """The records another holder lacks (its digest: `theirs`), with the subscribers and dedup state; the last
         frame carries corr.  A short answer (a gap, an anti-entropy round) leaves at once; a long one (a new
         holder's whole history) as the asker confirms its chunks (`_Answer`)."""
-        if r.log.lacking(theirs) <= SYNC_WINDOW * MAX_BATCH:
+        if r.log.lacking(theirs) <= SYNC_WINDOW * SYNC_CHUNK:
             records = r.log.missing_from(theirs)
             self.t.counters["synced_records"] += len(records)
             batches = chunks(records)
@@ -456,15 +460,20 @@ class ReplicationRole:
         a.heard = self.t.ov.now()
         if (bf := r.backfilling) is not None and bf.corr == a.corr:
             bf.at = a.heard  # the back-fill this answers is making progress: no time-out
-        subs, dl, last_seq = r.meta()
         me = self.t.ov.me
         while len(a.inflight) < SYNC_WINDOW and a.corr:
-            records = a.rest.take(MAX_BATCH)
+            records = a.rest.take(SYNC_CHUNK)
             self.t.counters["synced_records"] += len(records)
             batches = chunks(records)
             for i, batch in enumerate(batches):
-                if a.rest.done and i == len(batches) - 1:
-                    corr, a.corr = a.corr, 0  # the last chunk: the answer is complete once it is sent
+                last = a.rest.done and i == len(batches) - 1
+                # The subscribers, delegates and publisher table go with the first chunk (a copy that never had
+                # them confirms nothing without them) and the last (as they are by then), not with each.
+                meta = last or not a.meta_sent
+                subs, dl, last_seq = r.meta() if meta else ((), (), {})
+                a.meta_sent = True
+                if last:
+                    corr, a.corr = a.corr, 0  # the answer is complete once its last chunk is sent
                     del self._answers[(a.topic, a.to.id)]
                 else:
                     corr = self.t.next_corr()
@@ -472,7 +481,7 @@ class ReplicationRole:
                     self._answer_chunks[corr] = a
                 self.t.ov.route(
                     a.to.coord,
-                    Replicate(corr, r.name, r.coord, me, tuple(batch), subs, dl, False, last_seq, sync=True),
+                    Replicate(corr, r.name, r.coord, me, tuple(batch), subs, dl, False, last_seq, sync=True, meta=meta),
                 )
 
     def _drop_answer(self, a: _Answer) -> None:

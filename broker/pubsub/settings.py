@@ -58,11 +58,15 @@ OFFER_TIMEOUT: Final = 2.0
 # A primary compares digests with its copies this often, for the topics that stored something since the last
 # comparison (anti-entropy: a stretch a copy missed is sent again; an idle topic costs nothing).
 ANTI_ENTROPY_INTERVAL: Final = 5.0
-# Chunks of a long answer to a pull (a new holder's history) in flight at once (replication.py `_Answer`): the
-# next leaves when the asker confirmed one.  Sent all at once, 300,000 records stalled the answering broker's
-# event loop ~0.4 s and queued 36 MB ahead of the topic's next batches on the link; with a few in flight the
-# batches interleave.  Answers of at most this many chunks' records (MAX_BATCH each) leave at once.
-SYNC_WINDOW: Final = 4
+# A long answer to a pull (a new holder's history) goes SYNC_WINDOW chunks of SYNC_CHUNK records at a time
+# (replication.py `_Answer`): the next leaves when the asker confirmed one.  Sent all at once, 300,000 records
+# stalled the answering broker's event loop ~0.4 s and queued 36 MB ahead of the topic's next batches on the
+# link.  A batch now waits behind at most the chunks in flight at the secondary: with 4 x 512 each publish took
+# ~4.5 ms while the history streamed, with 2 x 128 ~1 ms, and the stream took as long (~0.7 s for 300,000
+# records, bench_anti_entropy.py; docs/benchmarks-latency.md "Thirteenth round").  Answers of at most
+# SYNC_WINDOW x SYNC_CHUNK records leave at once.
+SYNC_WINDOW: Final = 2
+SYNC_CHUNK: Final = 128  # (at most MAX_BATCH; a chunk is split further if its bytes need it)
 # Level 3: batches a secondary passed on to the tertiary and awaits the confirmation of (older ones are
 # forgotten: the primary re-sends what stays unconfirmed).
 MAX_CHAINED: Final = 4096
