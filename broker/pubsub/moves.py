@@ -254,7 +254,8 @@ class MoveRole:
         self.home.set_delegates(r.name, r.delegates)
         self._redirect_all(r, mv.to)
         self._release_old(r.name, old, mv.to)
-        # The new secondary must hold everything before anything more is acknowledged.
+        # The new coordinate's secondary gets the whole history (a back-fill), and the next batch every record
+        # that waits for an acknowledgement.
         r.backfill = True
         r.replica = None
         r.window.clear()
@@ -280,7 +281,7 @@ class MoveRole:
             self.home.end_lease(r.name)
         if mv.reply is not None:
             self.t.reply(mv.reply[0], [mv.reply[1]], Failed(mv.reply[2], r.name, "timeout", reason))
-        r.backfill = True  # the secondary may have missed what waited: copy everything again
+        r.backfill = True  # the secondary may have missed what waited: back-fill it, re-send what waits
         r.replica = None
         r.window.clear()
         r.outbox = list(r.undelivered)

@@ -273,8 +273,7 @@ class ReplicationRole:
     def replicate_arrived(self, m: Replicate) -> None:
         """REPLICATE: the primary's copy, an answer to our pull, or a hand-over (moves.py)."""
         self._take(m)
-        r = self.t.replicas.get(m.topic)
-        if r is not None and r.backfill and r.rank == 2:
+        if self.t.config.resilience >= 3 and (r := self.t.replicas.get(m.topic)) is not None and r.backfill:
             self._copy_down(r)
 
     def _take(self, m: Replicate) -> None:
@@ -307,7 +306,7 @@ class ReplicationRole:
         if new:
             r.unchecked = True
             if m.sync and r.rank == 2:
-                r.backfill = True  # level 3: the tertiary gets what a back-fill or a repair brought (`tick`)
+                r.backfill = True  # level 3: the tertiary gets what a back-fill or a repair brought (`_copy_down`)
             if pull is not None and pull.push_merged and r.rank == 1:
                 self.holder.merged(r, new)
         for pub, seq in m.last_seq.items():  # (merge took the records' own; this adds what only the table has)
