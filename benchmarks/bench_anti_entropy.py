@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_anti_entropy.py [--fill 400000] [--retention-bytes 42000000]
                                                       [--duration 20] [--rate 500] [--trials 1]
+                                                      [--kill-during no|secondary|primary]
+                                                      [--fsync none|always|batch|never]
 
 A primary compares digests with its secondary every anti-entropy interval (5 s) for the topics that changed
 (broker/pubsub/replication.py); a copy that lacks something pulls it, and the primary finds what the copy lacks
@@ -78,8 +80,11 @@ async def wait_caught_up(addrs: list[str], within: float) -> float:
 
 async def trial(args: argparse.Namespace, workdir: Path, k: int) -> str:
     broker_args = ["--log-level", "WARNING", "--retention-bytes", str(args.retention_bytes)]
+    disks = args.fsync != "none"
+    if disks:
+        broker_args += ["--fsync", args.fsync]
     async with LocalCluster(3, seed=args.seed + k, resilience=2, tls=False, state_dir=workdir / f"t{k}",
-                            broker_args=broker_args) as cluster:  # fmt: skip
+                            broker_args=broker_args, data_dirs=disks) as cluster:  # fmt: skip
         addrs = [n.listen for n in cluster.nodes]
         by_id = {n.node_id: n for n in cluster.nodes}
         async with Client(addrs, client_id=f"ae-locate-{k}") as c:
@@ -166,6 +171,10 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=500.0, help="messages a second in the steady phase (default 500)")
     p.add_argument("--trials", type=int, default=1, help="trials, each on a new cluster (default 1)")
     p.add_argument("--seed", type=int, default=1, help="the brokers' coordinates (default 1)")
+    p.add_argument(
+        "--fsync", choices=("none", "always", "batch", "never"), default="none",
+        help="brokers keep their topics on disk with this write policy (default none: in memory)",
+    )  # fmt: skip
     p.add_argument(
         "--kill-during", choices=("no", "secondary", "primary"), default="no",
         help="kill this holder during the steady phase instead of before it (default: the secondary, before)",
