@@ -314,6 +314,31 @@ def test_a_new_secondary_gets_the_history_while_publishes_are_acknowledged() -> 
     assert _fetched(net, pub) == list(range(30))
 
 
+def test_a_resent_message_is_acknowledged_after_a_take_over_only_once_the_new_secondary_holds_it() -> None:
+    # The primary dies after its secondary stored seq 10 and before the publisher got the acknowledgement. The
+    # publisher re-sends seq 10 to the secondary, now primary, which holds it already. Acknowledged at once, it
+    # would be on that broker alone until the new secondary's back-fill is confirmed, and the next single
+    # failure would lose an acknowledged message. The acknowledgement waits for the back-fill.
+    net, primary, secondary, pub = _setup_history(2, 10)
+    net.hold = _confirmations_to(primary)
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    assert len(net.held) == 1 and _acked(net, pub) == 9
+    net.held.clear()  # dies with the primary
+    net.hold = lambda to, m: isinstance(m, Pull) and to == secondary  # the new secondary's back-fill waits
+    net.kill(primary)
+    net.tick(1.5)  # the take-over's pull of the other holders times out or is answered
+    loc = locate(net, TOPIC)
+    assert loc.primary.id == secondary and loc.secondary is not None
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    assert _acked(net, pub) == 9, "acknowledged while only the new primary holds it"
+    assert net.nodes[secondary].ps.replica_states()[TOPIC][0] == "backfilling"
+    net.hold = lambda to, m: False
+    for item in list(net.held):
+        net.release(item)
+    assert _acked(net, pub) == 10
+    assert _rows(net, loc.secondary.id) == list(range(11))
+
+
 def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     # A history longer than SYNC_WINDOW chunks is answered as the asker confirms its chunks: never more than
     # SYNC_WINDOW unconfirmed, the last one carrying the pull's corr.

@@ -298,6 +298,9 @@ class Replica:
     # batches, the first of which to a new secondary carries every record not yet confirmed.
     backfill: bool = True
     backfilling: Backfill | None = None
+    # Re-sends of messages stored here already, while the secondary may lack them (a back-fill is due or under
+    # way): (access, session, publisher) -> (access, highest seq), acknowledged once it is confirmed.
+    held_acks: dict[tuple[str, str, str], tuple[NodeInfo, int]] = field(default_factory=dict)
     last_ts: float = 0.0
     outbox: list[Record] = field(default_factory=list)  # stored, not yet sent to the secondary
     waiting: list[Waiting] = field(default_factory=list)  # stored, not yet acknowledged to the publisher

@@ -112,6 +112,7 @@ class ReplicationRole:
             r.window.clear()
             r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
             self.holder.commit(r, r.last_ts)
+            self.holder.release_held_acks(r)
             self.moves.staged_ready(r)
             return
         if any(b.target != sec.id for b in r.window):
@@ -199,6 +200,7 @@ class ReplicationRole:
             return  # the holders changed meanwhile: flush or tick starts the next one's back-fill
         if not r.backfill:
             r.replica = node  # (unless a merge since asked for another back-fill, which flush sends)
+            self.holder.release_held_acks(r)
         self.moves.staged_ready(r)
         self.flush(r)
 
@@ -694,6 +696,9 @@ class ReplicationRole:
             if r.rank == 1:
                 if old != 1 and r.stage is not Stage.PLACING:
                     self.take_over(r)
+                    # What this broker got from the dead primary, its secondary may lack (a batch it confirmed
+                    # that never reached the old tertiary, at level 3): a back-fill, which costs one offer if not.
+                    r.backfill = True
                 sec = self.t.secondary(r)
                 if sec is not None and self._new_next(r, sec):
                     # A new secondary gets the whole history, after a failure too (module docstring).
@@ -711,6 +716,7 @@ class ReplicationRole:
                     r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
                 r.window.clear()
                 r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
+                r.held_acks.clear()
                 r.first_waiting.clear()
                 r.waiter_max.clear()
                 r.outbox.clear()
