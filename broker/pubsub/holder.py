@@ -290,12 +290,12 @@ class HolderRole:
             self.t.counters["duplicates"] += 1
             first = r.first_waiting.get(publisher)
             if first is None or seq < first:
-                if r.copying and self.t.secondary(r) is not None:
-                    # Stored here, but perhaps not yet at a new secondary (a re-send after a take-over: the old
-                    # primary died before acknowledging it): acknowledged once the back-fill is confirmed.
-                    key = (access.id, session, publisher)
-                    held = r.held_acks.get(key)
-                    r.held_acks[key] = (access, max(seq, held[1]) if held is not None else seq)
+                if r.confirmed_upto < r.recopy_upto:
+                    # A re-send after a take-over: the dead primary may not have acknowledged it, and the new
+                    # secondary has it once the batch re-copying the last moments is confirmed (replication
+                    # `redeliver`); acknowledged with the batch that covers everything stored so far.
+                    self._wait(r, Record(r.last_ts, publisher, seq, b""), access, session)
+                    self.t.mark(r)
                     return True
                 self.t.reply(access, [session], Ack(r.name, publisher, seq, 0.0))  # stored and safe already
                 return True
@@ -429,12 +429,6 @@ class HolderRole:
                 self.replication.offer(r, self.t.holders(r.coord)[:1], track=False)
             else:
                 self.replication.retire(r)  # what it kept may be all that is left of some records: hand it on
-
-    def release_held_acks(self, r: Replica) -> None:
-        """The secondary holds the history (or there is none to wait for): acknowledge the re-sends that waited."""
-        held, r.held_acks = r.held_acks, {}
-        for (_, session, publisher), (access, seq) in held.items():
-            self.t.reply(access, [session], Ack(r.name, publisher, seq, 0.0))
 
     @staticmethod
     def _wait(r: Replica, rec: Record, access: NodeInfo, session: str) -> None:

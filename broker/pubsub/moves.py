@@ -259,7 +259,7 @@ class MoveRole:
         r.backfill = True
         r.replica = None
         r.window.clear()
-        r.outbox = list(r.undelivered)
+        r.outbox = r.unconfirmed()
         r.meta_dirty = True
         self.t.counters["moves"] += 1
         self.t.event("move", topic=r.name, load=0.0, frm=old, to=mv.to)
@@ -284,7 +284,7 @@ class MoveRole:
         r.backfill = True  # the secondary may have missed what waited: back-fill it, re-send what waits
         r.replica = None
         r.window.clear()
-        r.outbox = list(r.undelivered)
+        r.outbox = r.unconfirmed()
         r.meta_dirty = True
         self.holder.release_queue(r)
         self.replication.flush(r)

@@ -298,9 +298,11 @@ class Replica:
     # batches, the first of which to a new secondary carries every record not yet confirmed.
     backfill: bool = True
     backfilling: Backfill | None = None
-    # Re-sends of messages stored here already, while the secondary may lack them (a back-fill is due or under
-    # way): (access, session, publisher) -> (access, highest seq), acknowledged once it is confirmed.
-    held_acks: dict[tuple[str, str, str], tuple[NodeInfo, int]] = field(default_factory=dict)
+    # After a take-over: the newest record of the last moments that the first batch copies to the secondary
+    # again (replication `redeliver`).  Until confirmed_upto reaches it, a re-send of a stored message waits for
+    # a batch (the dead primary may never have acknowledged it, and the new secondary may not hold it yet).
+    recopy_from: float = 0.0
+    recopy_upto: float = 0.0
     last_ts: float = 0.0
     outbox: list[Record] = field(default_factory=list)  # stored, not yet sent to the secondary
     waiting: list[Waiting] = field(default_factory=list)  # stored, not yet acknowledged to the publisher
@@ -358,6 +360,15 @@ class Replica:
     def waits(self) -> bool:
         """Requests for the topic are held (a pull, a placement or a move is under way)."""
         return self.stage in WAITING
+
+    def unconfirmed(self) -> list[Record]:
+        """Everything a batch must carry to prove alone that the secondary holds what is not yet confirmed: the
+        records not yet acknowledged and, after a take-over until a batch carrying them is confirmed, the last
+        moments (replication `redeliver`), oldest first."""
+        if self.confirmed_upto >= self.recopy_upto:
+            return list(self.undelivered)
+        recent = [x for x in self.log.since(self.recopy_from) if x.ts <= self.recopy_upto]
+        return recent + self.undelivered
 
     @property
     def copying(self) -> bool:

@@ -112,7 +112,6 @@ class ReplicationRole:
             r.window.clear()
             r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
             self.holder.commit(r, r.last_ts)
-            self.holder.release_held_acks(r)
             self.moves.staged_ready(r)
             return
         if any(b.target != sec.id for b in r.window):
@@ -120,7 +119,7 @@ class ReplicationRole:
             # count; what they carried goes to the new one in the next batch, which carries every record not
             # yet confirmed.
             r.window.clear()
-            r.outbox = list(r.undelivered)
+            r.outbox = r.unconfirmed()
             r.meta_dirty = True
         if self._new_next(r, sec):
             r.replica = None
@@ -139,7 +138,9 @@ class ReplicationRole:
             return
         # With nothing else in flight, the outbox after a re-send or a change of secondary holds every record not
         # yet confirmed, so this batch alone proves them held (`Batch.whole`).
-        whole = not live and len(r.outbox) == len(r.undelivered)
+        whole = not live and len(r.outbox) == (
+            len(r.undelivered) if r.confirmed_upto >= r.recopy_upto else len(r.unconfirmed())
+        )
         r.unchecked = True  # the next anti-entropy round compares digests with the secondary
         batches = chunks(r.outbox)
         if r.meta_dirty:
@@ -200,7 +201,6 @@ class ReplicationRole:
             return  # the holders changed meanwhile: flush or tick starts the next one's back-fill
         if not r.backfill:
             r.replica = node  # (unless a merge since asked for another back-fill, which flush sends)
-            self.holder.release_held_acks(r)
         self.moves.staged_ready(r)
         self.flush(r)
 
@@ -675,8 +675,17 @@ class ReplicationRole:
             self.redeliver(r)
 
     def redeliver(self, r: Replica) -> None:
-        window = r.last_ts - self.t.config.redeliver_window
-        self.t.deliver_to(r.subscribers.values(), r.name, list(r.log.since(window)))
+        """After a take-over: the last moments go to the subscribers again (they drop what they had) and, with the
+        first batch, to the secondary (the dead primary may have died after its secondary confirmed them and
+        before acknowledging them; a newer message's acknowledgement, cumulative, or the re-send's own must not
+        count on this broker alone).  The rest of the history follows as the back-fill, which gates nothing."""
+        since = r.last_ts - self.t.config.redeliver_window
+        recent = list(r.log.since(since))
+        self.t.deliver_to(r.subscribers.values(), r.name, recent)
+        if recent and self.t.secondary(r) is not None:
+            r.recopy_from, r.recopy_upto = since, r.last_ts
+            r.confirmed_upto = min(r.confirmed_upto, since)  # (confirmed to an earlier secondary, if ever)
+            r.outbox = r.unconfirmed()
 
     # ---- overlay changes -------------------------------------------------------------------------------
     def view_changed(self, failed: Collection[str]) -> None:
@@ -706,7 +715,7 @@ class ReplicationRole:
                     r.replica = None
                     if any(b.target != sec.id for b in r.window):
                         r.window.clear()  # re-sent to the new secondary below
-                        r.outbox = list(r.undelivered)
+                        r.outbox = r.unconfirmed()
                     r.meta_dirty = True
                 self.flush(r)
             elif self.keeps(r.rank):
@@ -716,7 +725,6 @@ class ReplicationRole:
                     r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
                 r.window.clear()
                 r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
-                r.held_acks.clear()
                 r.first_waiting.clear()
                 r.waiter_max.clear()
                 r.outbox.clear()
@@ -787,7 +795,7 @@ class ReplicationRole:
                     b.superseded = True
                 # Re-send everything not yet confirmed in one whole batch; the replica merges, so what it already
                 # had is not duplicated.
-                r.outbox = list(r.undelivered)
+                r.outbox = r.unconfirmed()
                 r.meta_dirty = True
                 self.flush(r)
             pull = r.pull
