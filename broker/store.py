@@ -324,32 +324,39 @@ class TopicLog:
         return {pub: kept for pub in self.held if (kept := self.kept(pub))}
 
     def missing_from(self, theirs: Mapping[str, SeqRanges]) -> list[StoredMessage]:
-        """The stored messages a replica whose digest is `theirs` lacks, oldest first.
-
-        They are counted from the ranges first (`kept`), then found walking back from the newest row, stopping
-        at the last one.  What a copy lacks at an anti-entropy round is a
-        batch or two in flight, or nothing but what retention dropped here: a scan of every row instead
-        blocked the primary's event loop for ~75 ms per 300,000 rows retained, at every round.
-        """
-        want = self.lacking(theirs)
-        if not want:
-            return []
-        found: list[StoredMessage] = []
-        for m in reversed(self.rows):
-            if lacks(theirs, m[1], m[2]):
-                found.append(_as_record(m))
-                if len(found) == want:
-                    break
-        found.reverse()
-        return found
+        """The stored messages a replica whose digest is `theirs` lacks, oldest first (`missing_stream`, all at
+        once)."""
+        missing = self.missing_stream(theirs)
+        return missing.take(missing.left)
 
     def lacking(self, theirs: Mapping[str, SeqRanges]) -> int:
         """How many of the records kept here a replica whose digest is `theirs` lacks (from the ranges alone)."""
         return sum(count_outside(self.kept(pub), theirs.get(pub)) for pub in self.held)
 
     def missing_stream(self, theirs: Mapping[str, SeqRanges]) -> Missing:
-        """What `missing_from` finds, to be taken a piece at a time (a long answer: see `Missing`)."""
-        return Missing(list(self.rows), theirs, self.lacking(theirs))
+        """The stored messages a replica whose digest is `theirs` lacks, to be taken a piece at a time (`Missing`).
+
+        They are counted from the ranges first (`kept`); then the rows are walked back from the newest until the
+        oldest of them is found, and only the rows from there on are kept to be taken.  What a copy lacks at an
+        anti-entropy round is a batch or two in flight, or nothing but what retention dropped here: a scan of
+        every row instead blocked the primary's event loop for ~75 ms per 300,000 rows retained, at every round.
+        A copy that lacks everything (a new secondary) gets every row without a walk.
+        """
+        want = self.lacking(theirs)
+        if not want:
+            return Missing([], theirs, 0)
+        if want >= len(self.rows):
+            return Missing(list(self.rows), theirs, want)
+        tail: list[_Row] = []
+        found = 0
+        for m in reversed(self.rows):
+            tail.append(m)
+            if lacks(theirs, m[1], m[2]):
+                found += 1
+                if found == want:
+                    break
+        tail.reverse()
+        return Missing(tail, theirs, want)
 
     @property
     def last_ts(self) -> float | None:
@@ -412,9 +419,9 @@ class Missing:
     asker confirms what it got (replication.py `_Answer`).  Building and encoding 300,000 records in one go
     stalled the answering broker's event loop for ~0.4 s, and every batch queued behind them on the link.
 
-    It walks the rows as they were when it was made (a copy of the deque's references, ~1 ms per 300,000 rows):
-    what is stored later travels as the next batches or at the next anti-entropy round; a row that expires
-    meanwhile is sent all the same (the asker's retention drops it again)."""
+    It walks the rows as they were when it was made (a copy of the deque's references from the oldest row the
+    replica lacks, ~1 ms per 300,000 rows): what is stored later travels as the next batches or at the next
+    anti-entropy round; a row that expires meanwhile is sent all the same (the asker's retention drops it again)."""
 
     __slots__ = ("_pos", "_rows", "_theirs", "left")
 
