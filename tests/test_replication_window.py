@@ -16,7 +16,7 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, delivered, grid, locate
 
-from broker.pubsub.settings import REDELIVER_WINDOW, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
+from broker.pubsub.settings import OFFER_TIMEOUT, REDELIVER_WINDOW, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client, PublishAck
@@ -377,6 +377,30 @@ def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     assert most == SYNC_WINDOW
     assert _rows(net, new.id) == list(range(n))
     assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)
+    role = net.nodes[primary].ps.replication
+    assert not role._answers and not role._answer_chunks  # every chunk confirmed: nothing kept
+
+
+def test_a_long_answer_whose_last_confirmations_never_come_is_forgotten() -> None:
+    # The asker goes quiet after the last chunk left, with an earlier chunk still unconfirmed: the answer is
+    # forgotten after the offer time-out, its chunks with it (they were kept for ever before).
+    n = SYNC_WINDOW * SYNC_CHUNK * 2 + 7
+    net, primary, secondary, _ = _setup_history(2, n)
+    role = net.nodes[primary].ps.replication
+
+    def lost_after_the_last_chunk(to: str, m: Message) -> bool:
+        answer = role._answer_chunks.get(m.corr) if isinstance(m, Replicated) and to == primary else None
+        return answer is not None and answer.corr == 0
+
+    net.hold = lost_after_the_last_chunk
+    net.kill(secondary)
+    net.run()
+    assert net.held, "no chunk was still unconfirmed when the last one left"
+    net.held.clear()
+    net.hold = lambda to, m: False
+    assert role._answer_chunks
+    net.tick(OFFER_TIMEOUT + 0.5)
+    assert not role._answer_chunks and not role._answers
 
 
 def test_level_three_gives_a_new_tertiary_the_history() -> None:

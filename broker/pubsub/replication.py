@@ -36,7 +36,7 @@ from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICA
 from broker.storage import StorageError
 from broker.store import Missing
 from overlay.protocol import NodeInfo
-from overlay.pubsub import Offer, Publish, Pull, Replicate, Replicated, SubRef, Subscribe
+from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe
 from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
@@ -431,29 +431,34 @@ class ReplicationRole:
         """The records another holder lacks (its digest: `theirs`), with the subscribers and dedup state; the last
         frame carries corr.  A short answer (a gap, an anti-entropy round) leaves at once; a long one (a new
         holder's whole history) as the asker confirms its chunks (`_Answer`)."""
-        if r.log.lacking(theirs) <= SYNC_WINDOW * SYNC_CHUNK:
-            records = r.log.missing_from(theirs)
+        missing = r.log.missing_stream(theirs)
+        if missing.left <= SYNC_WINDOW * SYNC_CHUNK:
+            records = missing.take(missing.left)
             self.t.counters["synced_records"] += len(records)
             batches = chunks(records)
-            subs, dl, last_seq = r.meta()
             for i, batch in enumerate(batches):
-                last = i == len(batches) - 1
-                self.t.ov.route(
-                    to.coord,
-                    Replicate(
-                        corr if last else 0, r.name, r.coord, self.t.ov.me, tuple(batch), subs, dl, False, last_seq,
-                        sync=True,
-                    ),
-                )  # fmt: skip
+                self._sync_frame(r, to, corr if i == len(batches) - 1 else 0, batch, meta=True)
             return
-        answer = _Answer(r.name, to, corr, r.log.missing_stream(theirs), self.t.ov.now())
+        answer = _Answer(r.name, to, corr, missing, self.t.ov.now())
         if (old := self._answers.get((r.name, to.id))) is not None:
             self._drop_answer(old)  # asked again (a retry, a repeated offer): this answer starts from its digest
         self._answers[(r.name, to.id)] = answer
         self._pump(answer)
 
+    def _sync_frame(self, r: Replica, to: NodeInfo, corr: int, records: list[Record], *, meta: bool) -> None:
+        """One REPLICATE (sync) of an answer; with meta, the subscribers, delegates and publisher table."""
+        subs, dl, last_seq = r.meta() if meta else ((), (), {})
+        self.t.ov.route(
+            to.coord,
+            Replicate(
+                corr, r.name, r.coord, self.t.ov.me, tuple(records), subs, dl, False, last_seq, sync=True, meta=meta
+            ),
+        )
+
     def _pump(self, a: _Answer) -> None:
-        """Send an answer's next chunks while fewer than SYNC_WINDOW are unconfirmed; the last one ends it."""
+        """Send an answer's next chunks while fewer than SYNC_WINDOW are unconfirmed; the last one carries the
+        pull's corr.  The answer is forgotten once its chunks are all confirmed (or, in `tick`, when the asker
+        went quiet)."""
         r = self.t.replicas.get(a.topic)
         if r is None:
             self._drop_answer(a)  # the topic was dropped here: the asker's pull times out and asks whoever holds it
@@ -461,29 +466,24 @@ class ReplicationRole:
         a.heard = self.t.ov.now()
         if (bf := r.backfilling) is not None and bf.corr == a.corr:
             bf.at = a.heard  # the back-fill this answers is making progress: no time-out
-        me = self.t.ov.me
         while len(a.inflight) < SYNC_WINDOW and a.corr:
             records = a.rest.take(SYNC_CHUNK)
             self.t.counters["synced_records"] += len(records)
             batches = chunks(records)
             for i, batch in enumerate(batches):
                 last = a.rest.done and i == len(batches) - 1
-                # The subscribers, delegates and publisher table go with the first chunk (a copy that never had
-                # them confirms nothing without them) and the last (as they are by then), not with each.
-                meta = last or not a.meta_sent
-                subs, dl, last_seq = r.meta() if meta else ((), (), {})
-                a.meta_sent = True
                 if last:
                     corr, a.corr = a.corr, 0  # the answer is complete once its last chunk is sent
-                    del self._answers[(a.topic, a.to.id)]
                 else:
                     corr = self.t.next_corr()
                     a.inflight.add(corr)
                     self._answer_chunks[corr] = a
-                self.t.ov.route(
-                    a.to.coord,
-                    Replicate(corr, r.name, r.coord, me, tuple(batch), subs, dl, False, last_seq, sync=True, meta=meta),
-                )
+                # The subscribers, delegates and publisher table go with the first chunk (a copy that never had
+                # them confirms nothing without them) and the last (as they are by then), not with each.
+                self._sync_frame(r, a.to, corr, batch, meta=last or not a.meta_sent)
+                a.meta_sent = True
+        if not a.corr and not a.inflight:
+            self._drop_answer(a)
 
     def _drop_answer(self, a: _Answer) -> None:
         if self._answers.get((a.topic, a.to.id)) is a:
