@@ -290,7 +290,7 @@ class HolderRole:
             self.t.counters["duplicates"] += 1
             first = r.first_waiting.get(publisher)
             if first is None or seq < first:
-                if r.confirmed_upto < r.recopy_upto:
+                if r.recopying:
                     # A re-send after a take-over: the dead primary may not have acknowledged it, and the new
                     # secondary has it once the batch re-copying the last moments is confirmed (replication
                     # `redeliver`); acknowledged with the batch that covers everything stored so far.

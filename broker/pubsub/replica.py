@@ -361,11 +361,16 @@ class Replica:
         """Requests for the topic are held (a pull, a placement or a move is under way)."""
         return self.stage in WAITING
 
+    @property
+    def recopying(self) -> bool:
+        """After a take-over: the batch copying the last moments to the secondary is not yet confirmed."""
+        return self.confirmed_upto < self.recopy_upto
+
     def unconfirmed(self) -> list[Record]:
         """Everything a batch must carry to prove alone that the secondary holds what is not yet confirmed: the
-        records not yet acknowledged and, after a take-over until a batch carrying them is confirmed, the last
-        moments (replication `redeliver`), oldest first."""
-        if self.confirmed_upto >= self.recopy_upto:
+        records not yet acknowledged and, while `recopying`, the last moments (replication `redeliver`), oldest
+        first."""
+        if not self.recopying:
             return list(self.undelivered)
         recent = [x for x in self.log.since(self.recopy_from) if x.ts <= self.recopy_upto]
         return recent + self.undelivered

@@ -138,9 +138,7 @@ class ReplicationRole:
             return
         # With nothing else in flight, the outbox after a re-send or a change of secondary holds every record not
         # yet confirmed, so this batch alone proves them held (`Batch.whole`).
-        whole = not live and len(r.outbox) == (
-            len(r.undelivered) if r.confirmed_upto >= r.recopy_upto else len(r.unconfirmed())
-        )
+        whole = not live and len(r.outbox) == (len(r.unconfirmed()) if r.recopying else len(r.undelivered))
         r.unchecked = True  # the next anti-entropy round compares digests with the secondary
         batches = chunks(r.outbox)
         if r.meta_dirty:
@@ -276,7 +274,7 @@ class ReplicationRole:
         """REPLICATE: the primary's copy, an answer to our pull, or a hand-over (moves.py)."""
         self._take(m)
         if self.t.config.resilience >= 3 and (r := self.t.replicas.get(m.topic)) is not None and r.backfill:
-            self._copy_down(r)
+            self._copy_down(r)  # (the level is looked at first: a REPLICATE at a level-2 copy is the hot path)
 
     def _take(self, m: Replicate) -> None:
         now = self.t.ov.now()
@@ -758,6 +756,8 @@ class ReplicationRole:
     def _copy_down(self, r: Replica) -> None:
         """Level 3: a secondary gives its tertiary the history when the tertiary is new to it or a back-fill or
         repair brought it records (one back-fill at a time; what arrives meanwhile goes with the next)."""
+        if self.t.config.resilience < 3:
+            return  # (checked first: every replica passes here at every tick)
         idle = r.backfill and r.backfilling is None and r.rank == 2 and r.stage is Stage.HOLDING
         if idle and (nxt := self.next_holder(r)) is not None:
             self.backfill(r, nxt)
