@@ -7,8 +7,14 @@ import itertools
 import pytest
 
 from broker.pubsub.replica import (
+    COPYING,
     PULLING,
     WAITING,
+    Backfill,
+    Copy,
+    CopyEvent,
+    CopyStage,
+    IllegalCopyTransition,
     IllegalReplicaTransition,
     Move,
     Pulling,
@@ -16,6 +22,7 @@ from broker.pubsub.replica import (
     Stage,
     Staged,
     Transition,
+    copy_transitions,
     next_stage,
     transitions,
 )
@@ -133,3 +140,80 @@ def test_a_pull_asks_the_silent_holders_again_sooner_once_another_has_answered()
     slower.asked.clear()
     slower.retried = False
     assert not slower.retry_due(11.0, timeout)  # nobody left to ask
+
+
+# ---- the copy at the next holder (Replica.copy) ----------------------------------------------------------------
+COPY_TABLE = copy_transitions()
+OFFER = Backfill(9, "n2", 0.0)
+
+
+def _copy(stage: CopyStage) -> Copy:
+    return Copy("grid/a", stage, OFFER if stage in (CopyStage.OFFERED, CopyStage.OFFERED_WANTED) else None, "n3")
+
+
+def _take(c: Copy, event: CopyEvent) -> None:
+    {
+        CopyEvent.WANT: c.want,
+        CopyEvent.OFFER: lambda: c.offered(Backfill(10, "n4", 1.0)),
+        CopyEvent.CONFIRMED: lambda: c.confirmed("n2"),
+        CopyEvent.LAPSED: c.lapsed,
+        CopyEvent.ALONE: c.alone,
+    }[event]()
+
+
+@pytest.mark.parametrize(("stage", "event"), sorted(COPY_TABLE, key=lambda k: (k[0].value, k[1].value)))
+def test_every_legal_copy_step(stage: CopyStage, event: CopyEvent) -> None:
+    c = _copy(stage)
+    _take(c, event)
+    assert c.stage is COPY_TABLE[(stage, event)]
+    # The back-fill under way is there exactly while one is (a new offer replaces the old); the holder is the
+    # node that confirmed a back-fill nothing came after, kept through a wanted one, gone once alone.
+    under_way = c.stage in (CopyStage.OFFERED, CopyStage.OFFERED_WANTED)
+    assert (c.offer is not None) == under_way
+    if event is CopyEvent.OFFER:
+        assert c.offer == Backfill(10, "n4", 1.0)
+    elif under_way:
+        assert c.offer is OFFER
+    expected_holder = {CopyEvent.ALONE: None}.get(event, "n3")
+    if event is CopyEvent.CONFIRMED and stage is CopyStage.OFFERED:
+        expected_holder = "n2"
+    assert c.holder == expected_holder
+    assert c.wanted == (c.stage in (CopyStage.WANTED, CopyStage.OFFERED_WANTED))
+
+
+COPY_ILLEGAL = [(s, e) for s, e in itertools.product(CopyStage, CopyEvent) if (s, e) not in COPY_TABLE]
+
+
+@pytest.mark.parametrize(("stage", "event"), COPY_ILLEGAL)
+def test_every_illegal_copy_step_raises_a_typed_error(stage: CopyStage, event: CopyEvent) -> None:
+    c = _copy(stage)
+    with pytest.raises(IllegalCopyTransition) as info:
+        _take(c, event)
+    assert c.stage is stage
+    assert (info.value.topic, info.value.stage, info.value.event) == ("grid/a", stage, event)
+    assert event.value in str(info.value) and stage.value in str(info.value)
+
+
+def test_the_copy_machine_offers_only_what_is_wanted_and_reaches_every_stage() -> None:
+    # Nothing is offered that nobody wanted, nor confirmed or lapsed that was not offered; from a new replica's
+    # WANTED every copy stage is reachable; a replica copies (Replica.copying) in exactly the COPYING stages.
+    assert {s for (s, e) in COPY_TABLE if e is CopyEvent.OFFER} == {CopyStage.WANTED, CopyStage.OFFERED_WANTED}
+    ended = {s for (s, e) in COPY_TABLE if e in (CopyEvent.CONFIRMED, CopyEvent.LAPSED)}
+    assert ended == {CopyStage.OFFERED, CopyStage.OFFERED_WANTED}
+    seen, todo = {CopyStage.WANTED}, [CopyStage.WANTED]
+    while todo:
+        s = todo.pop()
+        for (a, _), b in COPY_TABLE.items():
+            if a is s and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    assert seen == set(CopyStage)
+    r = _replica(Stage.SERVING)
+    assert r.copy.stage is CopyStage.WANTED and r.copying
+    for stage in CopyStage:
+        r.copy = _copy(stage)
+        assert r.copying == (stage in COPYING)
+    assert not r.copy.knows("n9") and _copy(CopyStage.HELD).knows("n3") and _copy(CopyStage.OFFERED).knows("n2")
+    c = _copy(CopyStage.HELD)
+    c.want(new_holder=True)
+    assert (c.stage, c.holder) == (CopyStage.WANTED, None)

@@ -417,7 +417,7 @@ class HolderRole:
         for r in [x for x in self.t.replicas.values() if x.stage is Stage.RECOVERING]:
             r.rank = self.t.rank_of_me(r.coord)
             if r.rank == 1:
-                r.backfill = True  # the secondary gets the whole merged history
+                r.copy.want()  # the secondary gets the whole merged history
                 if not self.replication.start_pull(r, takeover=False):
                     r.enter(Transition.CAUGHT_UP)
                     self.release_queue(r)

@@ -63,7 +63,7 @@ class LoadRole:
         out = {}
         for r in self.t.replicas.values():
             state = OPERATOR_STATE[r.stage]
-            if r.backfilling is not None and r.stage in (Stage.SERVING, Stage.HOLDING):
+            if r.copy.offer is not None and r.stage in (Stage.SERVING, Stage.HOLDING):
                 state = "backfilling"  # the next holder is being given the history (replication.py `backfill`)
             if r.stage is Stage.RETIRING:
                 behind = r.log.size
@@ -71,7 +71,7 @@ class LoadRole:
                 behind = sum(len(x.payload) for x in r.undelivered)
             else:
                 behind = 0
-            pending = (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers) + (r.backfilling is not None)
+            pending = (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers) + (r.copy.offer is not None)
             out[r.name] = (state, behind, pending)
         return out
 

@@ -168,8 +168,7 @@ class MoveRole:
             r.enter(Transition.RECEIVE)
         r.staged = Staged(m.origin, m.corr, now, m.waiters)
         r.undelivered = list(r.log.since(m.delivered_upto))
-        r.backfill = True
-        r.replica = None
+        r.copy.want(new_holder=True)
         r.window.clear()
         r.outbox.clear()
         r.meta_dirty = True
@@ -256,8 +255,7 @@ class MoveRole:
         self._release_old(r.name, old, mv.to)
         # The new coordinate's secondary gets the whole history (a back-fill), and the next batch every record
         # that waits for an acknowledgement.
-        r.backfill = True
-        r.replica = None
+        r.copy.want(new_holder=True)
         r.window.clear()
         r.outbox = r.unconfirmed()
         r.meta_dirty = True
@@ -281,8 +279,7 @@ class MoveRole:
             self.home.end_lease(r.name)
         if mv.reply is not None:
             self.t.reply(mv.reply[0], [mv.reply[1]], Failed(mv.reply[2], r.name, "timeout", reason))
-        r.backfill = True  # the secondary may have missed what waited: back-fill it, re-send what waits
-        r.replica = None
+        r.copy.want(new_holder=True)  # the secondary may have missed what waited: back-fill it, re-send what waits
         r.window.clear()
         r.outbox = r.unconfirmed()
         r.meta_dirty = True
@@ -331,7 +328,7 @@ class MoveRole:
         r.undelivered.clear()
         r.outbox.clear()
         r.window.clear()
-        r.replica = None
+        r.copy.alone()  # a copy at the new coordinate now: a next holder it has there is new to it
 
     def tick(self, now: float) -> None:
         """Moves and hand-overs that took too long; forwards that expired."""

@@ -29,6 +29,17 @@ dropped once its last offer is confirmed.
 
 A recovered primary leaves RECOVERING through SYNCING, like a primary that joined: it serves only what the
 other holders and its disk hold together (storage-anchors: only a caught-up replica may lead).
+
+Beside the stage, a replica's `copy` says where its history stands at its next holder (the primary's secondary;
+at level 3 the secondary's tertiary), with a transition table of its own (`CopyStage`, `_COPY_TRANSITIONS`): the
+two are orthogonal (a SERVING primary and a HOLDING secondary both back-fill, and a new back-fill can be wanted
+while one is under way), so they are two machines rather than one table of their products:
+
+    ALONE           no next holder: stored without a copy
+    WANTED          the next holder is to be given the history (replication.py `backfill` offers it)
+    OFFERED         a back-fill is under way (`Backfill`)
+    OFFERED_WANTED  under way, and another is wanted once it ends (records came that it may not cover)
+    HELD            `Copy.holder` has the history, and the batches the rest
 """
 
 from __future__ import annotations
@@ -224,6 +235,119 @@ class Backfill:
     at: float  # when it was offered, or the answer last made progress (the time-out counts from here)
 
 
+class CopyStage(enum.Enum):
+    """Where a replica's history stands at its next holder (see the module docstring)."""
+
+    ALONE = "alone"
+    WANTED = "wanted"
+    OFFERED = "offered"
+    OFFERED_WANTED = "offered_wanted"
+    HELD = "held"
+
+    __hash__ = object.__hash__  # (as Stage's)
+
+
+class CopyEvent(enum.Enum):
+    """The named steps of the copy at the next holder."""
+
+    WANT = "want"  # a new next holder, a merge or a take-over brought records it may lack, a restart, a move
+    OFFER = "offer"  # a back-fill leaves (replication.py `backfill`)
+    CONFIRMED = "confirmed"  # the next holder confirmed it holds what was offered
+    LAPSED = "lapsed"  # the back-fill ended unconfirmed (time-out) or was confirmed by a broker no longer next
+    ALONE = "alone"  # no next holder (no secondary; a former primary that handed a move over)
+
+
+_C, _E = CopyStage, CopyEvent
+_COPY_TRANSITIONS: Final[dict[tuple[CopyStage, CopyEvent], CopyStage]] = {
+    (_C.ALONE, _E.WANT): _C.WANTED,
+    (_C.WANTED, _E.WANT): _C.WANTED,
+    (_C.HELD, _E.WANT): _C.WANTED,
+    (_C.OFFERED, _E.WANT): _C.OFFERED_WANTED,
+    (_C.OFFERED_WANTED, _E.WANT): _C.OFFERED_WANTED,
+    (_C.WANTED, _E.OFFER): _C.OFFERED,
+    # A primary offers again at once (its next flush): the new offer, from what it holds now, replaces the old.
+    (_C.OFFERED_WANTED, _E.OFFER): _C.OFFERED,
+    (_C.OFFERED, _E.CONFIRMED): _C.HELD,
+    (_C.OFFERED_WANTED, _E.CONFIRMED): _C.WANTED,
+    (_C.OFFERED, _E.LAPSED): _C.WANTED,
+    (_C.OFFERED_WANTED, _E.LAPSED): _C.WANTED,
+    **{(c, _E.ALONE): _C.ALONE for c in CopyStage},
+}
+# Stages in which the next holder does not yet hold the whole history.
+COPYING: Final = frozenset({CopyStage.WANTED, CopyStage.OFFERED, CopyStage.OFFERED_WANTED})
+
+
+class IllegalCopyTransition(LocalProtocolError):
+    """A step of the copy machine the table does not allow: a bug in the pub/sub engine, not in the peer."""
+
+    def __init__(self, topic: str, stage: CopyStage, event: CopyEvent) -> None:
+        allowed = sorted(e.value for (c, e) in _COPY_TRANSITIONS if c is stage)
+        super().__init__(
+            f"topic {topic!r}: copy step {event.value} is not allowed in copy stage {stage.value} "
+            f"(allowed there: {', '.join(allowed)})"
+        )
+        self.topic = topic
+        self.stage = stage
+        self.event = event
+
+
+def copy_transitions() -> dict[tuple[CopyStage, CopyEvent], CopyStage]:
+    """A copy of the copy machine's table (for tests and documentation)."""
+    return dict(_COPY_TRANSITIONS)
+
+
+@dataclass(slots=True)
+class Copy:
+    """A replica's history at its next holder: the stage (`_COPY_TRANSITIONS`), the back-fill under way (OFFERED,
+    OFFERED_WANTED) and the last next holder known to hold the history (`holder`, kept while a merge since wants
+    another back-fill: it lacks only what that brought)."""
+
+    topic: str
+    stage: CopyStage = CopyStage.WANTED  # a new replica's next holder gets the history
+    offer: Backfill | None = None
+    holder: str | None = None
+
+    def _step(self, event: CopyEvent) -> None:
+        new = _COPY_TRANSITIONS.get((self.stage, event))
+        if new is None:
+            raise IllegalCopyTransition(self.topic, self.stage, event)
+        self.stage = new
+        if new not in (CopyStage.OFFERED, CopyStage.OFFERED_WANTED):
+            self.offer = None
+
+    def want(self, *, new_holder: bool = False) -> None:
+        """The next holder is to be given the history; new_holder: it is not the one that held it."""
+        self._step(CopyEvent.WANT)
+        if new_holder:
+            self.holder = None
+
+    def offered(self, backfill: Backfill) -> None:
+        self._step(CopyEvent.OFFER)
+        self.offer = backfill
+
+    def confirmed(self, node: str) -> None:
+        """node, the next holder, holds what was offered: HELD, or WANTED again if records came meanwhile (then
+        holder stays as it was: node may lack what they brought)."""
+        if self.stage is CopyStage.OFFERED:
+            self.holder = node
+        self._step(CopyEvent.CONFIRMED)
+
+    def lapsed(self) -> None:
+        self._step(CopyEvent.LAPSED)
+
+    def alone(self) -> None:
+        self._step(CopyEvent.ALONE)
+        self.holder = None
+
+    @property
+    def wanted(self) -> bool:
+        return self.stage is CopyStage.WANTED or self.stage is CopyStage.OFFERED_WANTED
+
+    def knows(self, node: str) -> bool:
+        """node holds the history, or is being given it."""
+        return self.holder == node or (self.offer is not None and self.offer.target == node)
+
+
 @dataclass(slots=True)
 class Pulling:
     """SYNCING, TAKING_OVER: the pull from the topic's other holders (replication.py `start_pull`)."""
@@ -290,14 +414,10 @@ class Replica:
     stage: Stage = Stage.HOLDING
     subscribers: dict[tuple[str, str], SubRef] = field(default_factory=dict)
     rank: int = 0  # 1 primary, 2 secondary, 3 tertiary, 0 none
-    # The next holder that has the history (the back-fill was confirmed) and everything up to the last confirmed
-    # batch: a primary's secondary; at level 3, a secondary's tertiary.
-    replica: str | None = None
-    # The secondary is to be given the whole history (a new secondary, a merged history): the next flush offers
-    # it (`backfilling` while that is under way).  Publishes are acknowledged meanwhile on the strength of the
-    # batches, the first of which to a new secondary carries every record not yet confirmed.
-    backfill: bool = True
-    backfilling: Backfill | None = None
+    # The history at the next holder (a primary's secondary; at level 3 a secondary's tertiary): `Copy`, made in
+    # __post_init__.  Publishes are acknowledged meanwhile on the strength of the batches, the first of which to
+    # a new secondary carries every record not yet confirmed.
+    copy: Copy = field(init=False)
     # After a take-over: the newest record of the last moments that the first batch copies to the secondary
     # again (replication `redeliver`).  Until confirmed_upto reaches it, a re-send of a stored message waits for
     # a batch (the dead primary may never have acknowledged it, and the new secondary may not hold it yet).
@@ -340,6 +460,9 @@ class Replica:
     # Stored something since the primary last compared digests with its copies (anti-entropy).
     unchecked: bool = False
 
+    def __post_init__(self) -> None:
+        self.copy = Copy(self.name)
+
     def enter(self, transition: Transition) -> Stage:
         """Take a transition of the table; the stage-bound data of the stage left is dropped.  The pull
         bookkeeping is made on entering a pulling stage and kept from one to the other (a failure while syncing
@@ -377,8 +500,8 @@ class Replica:
 
     @property
     def copying(self) -> bool:
-        """At a primary: the secondary does not hold the whole history yet (a back-fill is due or under way)."""
-        return self.backfill or self.backfilling is not None
+        """At a primary: the secondary does not hold the whole history yet (a back-fill is wanted or under way)."""
+        return self.copy.stage in COPYING
 
     def meta(self) -> tuple[tuple[SubRef, ...], tuple[Delegation, ...], dict[str, int]]:
         """What a copy needs besides the records (REPLICATE's subscribers, delegates and last_seq), as sent."""

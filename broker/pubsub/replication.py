@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
-from broker.pubsub.replica import PULLING, Backfill, Batch, Pulling, Replica, Stage, Transition
+from broker.pubsub.replica import PULLING, Backfill, Batch, CopyStage, Pulling, Replica, Stage, Transition
 from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
 from broker.storage import StorageError
 from broker.store import Missing
@@ -108,10 +108,8 @@ class ReplicationRole:
             r.outbox.clear()
             r.meta_dirty = False
             r.meta_confirmed = False
-            r.backfill = False
-            r.backfilling = None
+            r.copy.alone()  # stored without a copy: a secondary that comes (back) gets the whole history
             r.window.clear()
-            r.replica = None  # stored without a copy: a secondary that comes (back) gets the whole history
             self.holder.commit(r, r.last_ts)
             self.moves.staged_ready(r)
             return
@@ -122,12 +120,11 @@ class ReplicationRole:
             r.window.clear()
             r.outbox = r.unconfirmed()
             r.meta_dirty = True
-        if self._new_next(r, sec):
-            r.replica = None
-            r.backfill = True  # a new secondary gets the whole history (module docstring)
+        if not r.copy.knows(sec.id):
+            r.copy.want(new_holder=True)  # a new secondary gets the whole history (module docstring)
             r.meta_confirmed = False  # (and the meta goes along until a batch that carried it is confirmed)
         self._send_batch(r, sec)
-        if r.backfill:
+        if r.copy.wanted:
             self.backfill(r, sec)
 
     def _send_batch(self, r: Replica, sec: NodeInfo) -> None:
@@ -181,31 +178,24 @@ class ReplicationRole:
         for `caught_up` (docs/storage.md).  The answer streams a few chunks at a time (`_Answer`), so neither
         this broker's event loop nor the batches behind it on the link wait for a long history: publishes were
         not acknowledged for ~1 s when a new secondary got 300,000 records as one batch."""
-        r.backfill = False
         corr = self.t.next_corr()
-        r.backfilling = Backfill(corr, sec.id, self.t.ov.now())
+        r.copy.offered(Backfill(corr, sec.id, self.t.ov.now()))
         self.t.counters["offers"] += 1
         self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, r.log.offerable(), False))
 
     def _backfilled(self, r: Replica, node: str) -> None:
         """The next holder confirmed the back-fill: it holds the history offered, and the batches hold the rest."""
-        r.backfilling = None
         nxt = self.next_holder(r)
+        if nxt is None or nxt.id != node:
+            r.copy.lapsed()  # the holders changed meanwhile: flush or tick starts the next one's back-fill
+            self._copy_down(r)
+            return
+        r.copy.confirmed(node)  # (WANTED again if a merge since asked for another back-fill, which flush sends)
         if r.rank == 2:
-            if nxt is not None and nxt.id == node and not r.backfill:
-                r.replica = node
             self._copy_down(r)  # what the secondary was given since goes to the tertiary too
             return
-        if nxt is None or nxt.id != node or r.rank != 1:
-            return  # the holders changed meanwhile: flush or tick starts the next one's back-fill
-        if not r.backfill:
-            r.replica = node  # (unless a merge since asked for another back-fill, which flush sends)
         self.moves.staged_ready(r)
         self.flush(r)
-
-    def _new_next(self, r: Replica, nxt: NodeInfo) -> bool:
-        """nxt (r's next holder) neither holds r's history (`Replica.replica`) nor is being back-filled with it."""
-        return r.replica != nxt.id and (r.backfilling is None or r.backfilling.target != nxt.id)
 
     def next_holder(self, r: Replica) -> NodeInfo | None:
         """The holder r copies its history to: the primary's secondary; at level 3, the secondary's tertiary."""
@@ -247,7 +237,7 @@ class ReplicationRole:
         if r.stage is Stage.HANDING_OVER:
             self.moves.handover_confirmed(r, m.corr)
             return  # replica confirmations wait: an aborted move re-copies everything to the secondary
-        if (bf := r.backfilling) is not None and bf.corr == m.corr:
+        if (bf := r.copy.offer) is not None and bf.corr == m.corr:
             if bf.target == m.node:
                 self._backfilled(r, m.node)
             return
@@ -274,7 +264,7 @@ class ReplicationRole:
     def replicate_arrived(self, m: Replicate) -> None:
         """REPLICATE: the primary's copy, an answer to our pull, or a hand-over (moves.py)."""
         self._take(m)
-        if self.t.config.resilience >= 3 and (r := self.t.replicas.get(m.topic)) is not None and r.backfill:
+        if self.t.config.resilience >= 3 and (r := self.t.replicas.get(m.topic)) is not None and r.copy.wanted:
             self._copy_down(r)  # (the level is looked at first: a REPLICATE at a level-2 copy is the hot path)
 
     def _take(self, m: Replicate) -> None:
@@ -307,7 +297,7 @@ class ReplicationRole:
         if new:
             r.unchecked = True
             if m.sync and r.rank == 2:
-                r.backfill = True  # level 3: the tertiary gets what a back-fill or a repair brought (`_copy_down`)
+                r.copy.want()  # level 3: the tertiary gets what a back-fill or a repair brought (`_copy_down`)
             if pull is not None and pull.push_merged and r.rank == 1:
                 self.holder.merged(r, new)
         for pub, seq in m.last_seq.items():  # (merge took the records' own; this adds what only the table has)
@@ -468,7 +458,7 @@ class ReplicationRole:
             self._drop_answer(a)  # the topic was dropped here: the asker's pull times out and asks whoever holds it
             return
         a.heard = self.t.ov.now()
-        if (bf := r.backfilling) is not None and bf.corr == a.corr:
+        if (bf := r.copy.offer) is not None and bf.corr == a.corr:
             bf.at = a.heard  # the back-fill this answers is making progress: no time-out
         while len(a.inflight) < SYNC_WINDOW and a.corr:
             records = a.rest.take(SYNC_CHUNK)
@@ -524,10 +514,10 @@ class ReplicationRole:
 
             r.log.when_durable(on_disk)
         meta, subs, dl, last_seq = m.meta, m.subscribers, m.delegates, m.last_seq
-        if self._new_next(r, tertiary):
+        if not r.copy.knows(tertiary.id):
             # A tertiary new to this broker is given the history (`replicate_arrived`): the batches passed on
             # carry only what is new.
-            r.backfill = True
+            r.copy.want(new_holder=True)
         if not meta and r.meta_chained_to != tertiary.id:
             # A tertiary that has not had them from this broker gets this broker's (which are the primary's: a
             # records-only batch comes only after this broker confirmed them).
@@ -664,7 +654,7 @@ class ReplicationRole:
             self.holder.serve(r, access, session, req)
         if r.name in self.t.replicas:  # not forgotten as empty by a FETCH/LOCATE
             if not took_over:
-                r.backfill = True  # a join made us primary: the secondary gets everything we now hold
+                r.copy.want()  # a join made us primary: the secondary gets everything we now hold
             self.flush(r)  # after a take-over, view_changed decided whether the history is copied
 
     def take_over(self, r: Replica) -> None:
@@ -711,12 +701,11 @@ class ReplicationRole:
                     self.take_over(r)
                     # What this broker got from the dead primary, its secondary may lack (a batch it confirmed
                     # that never reached the old tertiary, at level 3): a back-fill, which costs one offer if not.
-                    r.backfill = True
+                    r.copy.want()
                 sec = self.t.secondary(r)
-                if sec is not None and self._new_next(r, sec):
+                if sec is not None and not r.copy.knows(sec.id):
                     # A new secondary gets the whole history, after a failure too (module docstring).
-                    r.backfill = True
-                    r.replica = None
+                    r.copy.want(new_holder=True)
                     if any(b.target != sec.id for b in r.window):
                         r.window.clear()  # re-sent to the new secondary below
                         r.outbox = r.unconfirmed()
@@ -737,8 +726,8 @@ class ReplicationRole:
                     # What only this former primary holds (the other side of a healed partition, the last
                     # batches it stored) goes to the new one.
                     self.offer(r, self.t.holders(r.coord)[:1], track=False)
-                if (nxt := self.next_holder(r)) is not None and self._new_next(r, nxt):
-                    r.backfill = True  # level 3: a new tertiary gets the history from the secondary
+                if (nxt := self.next_holder(r)) is not None and not r.copy.knows(nxt.id):
+                    r.copy.want(new_holder=True)  # level 3: a new tertiary gets the history from the secondary
                     self._copy_down(r)
                 queued, r.queued = r.queued, []
                 for access, session, req in queued:
@@ -750,10 +739,9 @@ class ReplicationRole:
     def _tick_backfill(self, r: Replica, now: float) -> None:
         """A back-fill not confirmed (nor its answer making progress) within the offer time-out is offered again,
         from what the next holder has by then; a level-3 secondary back-fills its tertiary from here."""
-        bf = r.backfilling
+        bf = r.copy.offer
         if bf is not None and now - bf.at > self.t.config.offer_timeout:
-            r.backfilling = None
-            r.backfill = True
+            r.copy.lapsed()
             if r.rank == 1:
                 self.flush(r)
                 return
@@ -764,7 +752,7 @@ class ReplicationRole:
         repair brought it records (one back-fill at a time; what arrives meanwhile goes with the next)."""
         if self.t.config.resilience < 3:
             return  # (checked first: every replica passes here at every tick)
-        idle = r.backfill and r.backfilling is None and r.rank == 2 and r.stage is Stage.HOLDING
+        idle = r.copy.stage is CopyStage.WANTED and r.rank == 2 and r.stage is Stage.HOLDING
         if idle and (nxt := self.next_holder(r)) is not None:
             self.backfill(r, nxt)
 
@@ -788,7 +776,7 @@ class ReplicationRole:
             if anti_entropy and r.unchecked and r.stage is Stage.SERVING and not r.window and not r.outbox:
                 r.unchecked = False
                 sec = self.t.secondary(r)
-                if sec is not None and r.replica == sec.id:
+                if sec is not None and r.copy.holder == sec.id:
                     self.offer(r, [sec], track=False)
             self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
