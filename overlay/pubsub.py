@@ -599,10 +599,6 @@ class Replicate(Message):
     # receiver's, never replace them (the sender need not be the primary).
     sync: bool = False
     meta: bool = True  # subscribers, delegates and last_seq are carried (else: unchanged since confirmed)
-    # A leading chunk of a long answer (sync) that streams a few chunks at a time: the receiver confirms it on
-    # arrival, which only paces the answer; the last chunk is confirmed once on the receiver's disk and vouches
-    # for every chunk before it (they were written first).
-    paced: bool = False
 
 
 @register_message

@@ -17,8 +17,6 @@ from conftest import FAST_ARGS
 from test_pubsub_memory import Net, delivered, grid, locate
 
 from broker.pubsub.settings import OFFER_TIMEOUT, REDELIVER_WINDOW, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
-from broker.storage.disklog import StorageError
-from broker.store import TopicLog
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client, PublishAck
@@ -381,38 +379,6 @@ def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)
     role = net.nodes[primary].ps.replication
     assert not role._answers and not role._answer_chunks  # every chunk confirmed: nothing kept
-
-
-def test_a_long_back_fill_waits_for_the_disk_once_not_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The asker confirms a leading chunk on arrival (Replicate.paced) and the last one once its disk holds what
-    # it wrote: with the new secondary's syncs held back, the whole answer still streams, and the back-fill is
-    # confirmed only when the sync comes.  Before, every chunk waited for a sync (~300,000 records under
-    # --fsync batch: a back-fill of 1.1 s became 1.8 s when the answer began to stream).
-    n = SYNC_WINDOW * SYNC_CHUNK * 2 + 7
-    net, primary, secondary, _ = _setup_history(2, n)
-    primary_log = net.nodes[primary].ps.store.get(TOPIC)
-    syncs: list[Callable[[StorageError | None], None]] = []
-    durable = TopicLog.when_durable
-
-    def sync_held_back(log: TopicLog, fn: Callable[[StorageError | None], None]) -> None:
-        if log is primary_log:
-            durable(log, fn)
-        else:
-            syncs.append(fn)  # the new secondary's disk (no other broker writes the topic meanwhile)
-
-    monkeypatch.setattr(TopicLog, "when_durable", sync_held_back)
-    net.kill(secondary)
-    net.run()
-    new = locate(net, TOPIC).secondary
-    assert new is not None and syncs
-    role = net.nodes[primary].ps.replication
-    assert _rows(net, new.id) == list(range(n)), "the answer stopped before its end"
-    assert not role._answers and not role._answer_chunks, "a leading chunk waited for the disk"
-    assert net.nodes[primary].ps.replica_states()[TOPIC] == ("backfilling", 0, 1)
-    for fn in syncs:
-        fn(None)
-    net.run()
-    assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)
 
 
 def test_a_long_answer_whose_last_confirmations_never_come_is_forgotten() -> None:

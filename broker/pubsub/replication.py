@@ -61,9 +61,8 @@ class _Chained:
 
 @dataclass(slots=True)
 class _Answer:
-    """A long answer to a PULL (`_send_sync`), SYNC_WINDOW chunks in flight: the asker confirms each leading chunk
-    on arrival (`Replicate.paced`), and the next one leaves then; the last chunk carries the pull's corr and is
-    confirmed once on the asker's disk."""
+    """A long answer to a PULL (`_send_sync`), SYNC_WINDOW chunks in flight: the asker confirms each chunk once
+    it is on its disk, and the next one leaves then; the last chunk carries the pull's corr."""
 
     topic: str
     to: NodeInfo
@@ -339,11 +338,6 @@ class ReplicationRole:
             return
         if stored and self._chain(r, m):
             pass  # level 3: confirmed to the primary once the tertiary has it too (`_chain`)
-        elif m.paced and stored:
-            # A leading chunk of a long answer: its confirmation only lets the next chunk leave.  Waiting for the
-            # disk here made a back-fill under always/batch one sync per chunk (~300,000 records: 1.1 -> 1.8 s);
-            # the last chunk's confirmation waits for a sync that covers this one too.
-            self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
         elif m.corr and stored:  # 0: a leading chunk of a multi-frame copy; the last one carries the corr
             # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
             # acknowledges it nor forgets it (it re-sends).
@@ -439,15 +433,15 @@ class ReplicationRole:
         self._answers[(r.name, to.id)] = answer
         self._pump(answer)
 
-    def _sync_frame(
-        self, r: Replica, to: NodeInfo, corr: int, records: list[Record], *, meta: bool, paced: bool = False
-    ) -> None:
-        """One REPLICATE (sync) of an answer; with meta, the subscribers, delegates and publisher table; paced:
-        a leading chunk of a streamed answer (`Replicate.paced`)."""
+    def _sync_frame(self, r: Replica, to: NodeInfo, corr: int, records: list[Record], *, meta: bool) -> None:
+        """One REPLICATE (sync) of an answer; with meta, the subscribers, delegates and publisher table."""
         subs, dl, last_seq = r.meta() if meta else ((), (), {})
-        me, recs = self.t.ov.me, tuple(records)
-        msg = Replicate(corr, r.name, r.coord, me, recs, subs, dl, False, last_seq, sync=True, meta=meta, paced=paced)
-        self.t.ov.route(to.coord, msg)
+        self.t.ov.route(
+            to.coord,
+            Replicate(
+                corr, r.name, r.coord, self.t.ov.me, tuple(records), subs, dl, False, last_seq, sync=True, meta=meta
+            ),
+        )
 
     def _pump(self, a: _Answer) -> None:
         """Send an answer's next chunks while fewer than SYNC_WINDOW are unconfirmed; the last one carries the
@@ -474,7 +468,7 @@ class ReplicationRole:
                     self._answer_chunks[corr] = a
                 # The subscribers, delegates and publisher table go with the first chunk (a copy that never had
                 # them confirms nothing without them) and the last (as they are by then), not with each.
-                self._sync_frame(r, a.to, corr, batch, meta=last or not a.meta_sent, paced=not last)
+                self._sync_frame(r, a.to, corr, batch, meta=last or not a.meta_sent)
                 a.meta_sent = True
         if not a.corr and not a.inflight:
             self._drop_answer(a)
