@@ -62,7 +62,12 @@ class _Chained:
 @dataclass(slots=True)
 class _Answer:
     """A long answer to a PULL (`_send_sync`), SYNC_WINDOW chunks in flight: the asker confirms each chunk once
-    it is on its disk, and the next one leaves then; the last chunk carries the pull's corr."""
+    it is on its disk, and the next one leaves then; the last chunk carries the pull's corr.
+
+    Paced by the asker's disk on purpose.  Confirmed on arrival instead, a back-fill of ~300,000 records under
+    --fsync batch took 1.4 s instead of 2.4, but the topic's batches at the asker, which wait for the same group
+    commits, went from p99.9 5-6 ms to 40-56 ms while it ran: each sync then covered far more data
+    (bench_anti_entropy.py --fsync batch --kill-during, docs/benchmarks-latency.md, fourteenth round)."""
 
     topic: str
     to: NodeInfo
