@@ -591,7 +591,9 @@ class Replicate(Message):
     full: bool
     last_seq: dict[str, int]
     # A hand-over to a new coordinate (overlay.delegation): the receiver holds it staged until ACTIVATE, then
-    # acknowledges `waiters` and delivers the records newer than `delivered_upto`.
+    # acknowledges `waiters` and delivers the records newer than `delivered_upto`.  A primary's batch carries
+    # `delivered_upto` too: it has delivered and acknowledged every record stored up to it, so a copy that takes
+    # over re-delivers and re-copies what came after, however long ago the primary stalled.
     handover: bool = False
     delivered_upto: float = 0.0
     waiters: tuple[Waiter, ...] = ()

@@ -351,6 +351,42 @@ def test_after_a_take_over_the_last_moments_reach_the_new_secondary_before_an_ac
     assert set(range(10, 12 if not resend else 11)) <= set(_fetched(net, pub))
 
 
+def test_a_primary_that_stalled_longer_than_the_last_moments_has_everything_unacknowledged_copied_again() -> None:
+    # The primary's ACKs stop (here its confirmations are held back; in life a slow disk under always/batch)
+    # while its secondary goes on storing what it is sent; seq 10 waits for longer than REDELIVER_WINDOW before
+    # the primary dies.  The new primary must re-copy and re-deliver everything the old one had not delivered and
+    # acknowledged, which its batches said (REPLICATE.delivered_upto), not only the last REDELIVER_WINDOW
+    # seconds: before, seq 10's re-send was acknowledged with the new secondary lacking it (lost with the next
+    # single failure while the back-fill was held back), and its subscriber never got it.
+    net, primary, secondary, pub = _setup_history(2, 10)
+    sub = next(n for n in net.nodes if n not in (primary, secondary, pub))
+    net.nodes[sub].request("s", Subscribe(1, TOPIC))
+    net.tick(REDELIVER_WINDOW + 1.0)
+    net.hold = _confirmations_to(primary)
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    net.tick(REDELIVER_WINDOW + 1.0)  # (the primary re-sends the batch meanwhile; its confirmation is held too)
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 11, b"y", 10))
+    assert _acked(net, pub) == 9 and 10 not in [r.seq for r in delivered(net.nodes[sub], "s")]
+    assert _rows(net, secondary) == list(range(12))
+    net.held.clear()  # dies with the primary
+    net.hold = lambda to, m: isinstance(m, Pull) and to == secondary  # the new secondary's back-fill waits
+    net.kill(primary)
+    net.tick(1.5)
+    loc = locate(net, TOPIC)
+    assert loc.primary.id == secondary and loc.secondary is not None
+    assert {10, 11} <= {r.seq for r in delivered(net.nodes[sub], "s")}, "the subscriber never got seq 10"
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 11, b"y", 10))
+    assert _acked(net, pub) == 11
+    assert net.nodes[secondary].ps.replica_states()[TOPIC][0] == "backfilling"
+    assert {10, 11} <= set(_rows(net, loc.secondary.id)), "acknowledged while only one broker holds it"
+    net.held.clear()
+    net.hold = lambda to, m: False
+    net.kill(secondary)
+    net.tick(1.5)
+    assert {10, 11} <= set(_fetched(net, pub))
+
+
 def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     # A history longer than SYNC_WINDOW chunks is answered as the asker confirms its chunks: never more than
     # SYNC_WINDOW unconfirmed, the last one carrying the pull's corr.

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import Move, Replica, Stage, Staged, Transition, Waiting
-from broker.pubsub.settings import TS_EPSILON
 from overlay.delegation import Activate, Lease, Leased, Release
 from overlay.geometry import Coord
 from overlay.protocol import NodeInfo
@@ -110,7 +109,7 @@ class MoveRole:
         waiters = tuple(
             Waiter(w.access, w.session, w.record.publisher, w.record.seq, w.record.ts) for w in last.values()
         )
-        delivered_upto = r.undelivered[0].ts - TS_EPSILON / 2 if r.undelivered else r.last_ts
+        delivered_upto = r.delivered_mark
         dl = (*r.delegates, Delegation(mv.to, self.t.ov.now()))
         subs, _, last_seq = r.meta()  # the delegates go as dl: the list with this move appended
         batches = chunks(r.log.records())

@@ -48,7 +48,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Final
 
-from broker.pubsub.settings import PULL_RETRY_FACTOR, PULL_RETRY_MIN, REPLICATION_TIMEOUT
+from broker.pubsub.settings import PULL_RETRY_FACTOR, PULL_RETRY_MIN, REPLICATION_TIMEOUT, TS_EPSILON
 from broker.store import TopicLog
 from overlay.protocol import Coord, LocalProtocolError, Message, NodeInfo
 from overlay.pubsub import Delegation, Record, SubRef, Waiter
@@ -423,6 +423,9 @@ class Replica:
     # a batch (the dead primary may never have acknowledged it, and the new secondary may not hold it yet).
     recopy_from: float = 0.0
     recopy_upto: float = 0.0
+    # At a copy: the primary's last word (REPLICATE.delivered_upto, with every batch) on how far it delivered and
+    # acknowledged; a take-over re-delivers and re-copies at least what came after it (replication `redeliver`).
+    delivered_upto: float = 0.0
     last_ts: float = 0.0
     outbox: list[Record] = field(default_factory=list)  # stored, not yet sent to the secondary
     waiting: list[Waiting] = field(default_factory=list)  # stored, not yet acknowledged to the publisher
@@ -497,6 +500,12 @@ class Replica:
             return list(self.undelivered)
         recent = [x for x in self.log.since(self.recopy_from) if x.ts <= self.recopy_upto]
         return recent + self.undelivered
+
+    @property
+    def delivered_mark(self) -> float:
+        """At a primary: every record stored up to this timestamp was delivered and its publisher acknowledged
+        (holder.commit does both for the same records; what waits is still in `undelivered`)."""
+        return self.undelivered[0].ts - TS_EPSILON / 2 if self.undelivered else self.last_ts
 
     @property
     def copying(self) -> bool:

@@ -151,12 +151,12 @@ class ReplicationRole:
         meta = not r.meta_confirmed
         subs, dl, last_seq = r.meta() if meta else ((), (), {})
         corr = 0
+        me, mark = self.t.ov.me, r.delivered_mark
         for batch in batches:
             corr = self.t.next_corr()
-            self.t.ov.route(
-                sec.coord,
-                Replicate(corr, r.name, r.coord, self.t.ov.me, tuple(batch), subs, dl, False, last_seq, meta=meta),
-            )
+            recs = tuple(batch)
+            msg = Replicate(corr, r.name, r.coord, me, recs, subs, dl, False, last_seq, delivered_upto=mark, meta=meta)
+            self.t.ov.route(sec.coord, msg)
         upto = r.waiting[-1].record.ts if r.waiting else r.last_ts
         if len(batches) > 1:
             # A long re-send takes a while to copy: no re-send of all of it before it could have arrived.
@@ -298,6 +298,8 @@ class ReplicationRole:
         # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
         # here and never replaces it, so nothing another holder lacked is lost by a re-sync.
         new = r.log.merge(m.records, now)
+        if m.delivered_upto > r.delivered_upto:
+            r.delivered_upto = m.delivered_upto  # (a primary's batch, or one a level-3 secondary passed on)
         if new:
             r.unchecked = True
             if m.sync and r.rank == 2:
@@ -523,10 +525,11 @@ class ReplicationRole:
             meta, (subs, dl, last_seq) = True, r.meta()
         if meta:
             r.meta_chained_to = tertiary.id
-        self.t.ov.route(
-            tertiary.coord,
-            Replicate(corr, m.topic, m.coord, self.t.ov.me, m.records, subs, dl, False, last_seq, sync=True, meta=meta),
-        )
+        msg = Replicate(
+            corr, m.topic, m.coord, self.t.ov.me, m.records, subs, dl, False, last_seq,
+            delivered_upto=m.delivered_upto, sync=True, meta=meta,
+        )  # fmt: skip
+        self.t.ov.route(tertiary.coord, msg)
         return True
 
     def _chain_confirm(self, corr: int) -> None:
@@ -673,6 +676,11 @@ class ReplicationRole:
         before acknowledging them; a newer message's acknowledgement, cumulative, or the re-send's own must not
         count on this broker alone).  The rest of the history follows as the back-fill, which gates nothing."""
         since = r.last_ts - self.t.config.redeliver_window
+        if 0.0 < r.delivered_upto < since:
+            # The dead primary had delivered and acknowledged nothing stored after delivered_upto (its last batch
+            # said so) for longer than the window: a stall (a slow disk under always/batch holds the ACKs back
+            # while the copies are confirmed).  All of that is re-delivered and re-copied, not only the window.
+            since = r.delivered_upto
         recent = list(r.log.since(since))
         self.t.deliver_to(r.subscribers.values(), r.name, recent)
         if recent and self.t.secondary(r) is not None:
