@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
+from collections.abc import Mapping
+from typing import TypeVar
 
 import pytest
 
@@ -31,6 +34,7 @@ from overlay.protocol import NodeInfo
 from overlay.pubsub import Delegation
 
 TABLE = transitions()
+E = TypeVar("E", bound=enum.Enum)
 NODE = NodeInfo("n1", (0.5, 0.5), "127.0.0.1:7000")
 
 
@@ -85,14 +89,19 @@ def test_every_stage_is_reachable_from_the_two_initial_ones() -> None:
     # A replica starts HOLDING (made for a request or a copy; settle() serves it at rank 1) or RECOVERING (read
     # back from the data directory).
     assert not [s for (s, _), b in TABLE.items() if b is Stage.RECOVERING]
-    seen, frontier = {Stage.HOLDING, Stage.RECOVERING}, [Stage.HOLDING, Stage.RECOVERING]
+    assert _reachable(TABLE, {Stage.HOLDING, Stage.RECOVERING}) == set(Stage)
+
+
+def _reachable(table: Mapping[tuple[E, enum.Enum], E], start: set[E]) -> set[E]:
+    """The stages a transition table reaches from start."""
+    seen, frontier = set(start), list(start)
     while frontier:
         s = frontier.pop()
-        for (a, _), b in TABLE.items():
+        for (a, _), b in table.items():
             if a is s and b not in seen:
                 seen.add(b)
                 frontier.append(b)
-    assert seen == set(Stage)
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -200,14 +209,7 @@ def test_the_copy_machine_offers_only_what_is_wanted_and_reaches_every_stage() -
     assert {s for (s, e) in COPY_TABLE if e is CopyEvent.OFFER} == {CopyStage.WANTED, CopyStage.OFFERED_WANTED}
     ended = {s for (s, e) in COPY_TABLE if e in (CopyEvent.CONFIRMED, CopyEvent.LAPSED)}
     assert ended == {CopyStage.OFFERED, CopyStage.OFFERED_WANTED}
-    seen, todo = {CopyStage.WANTED}, [CopyStage.WANTED]
-    while todo:
-        s = todo.pop()
-        for (a, _), b in COPY_TABLE.items():
-            if a is s and b not in seen:
-                seen.add(b)
-                todo.append(b)
-    assert seen == set(CopyStage)
+    assert _reachable(COPY_TABLE, {CopyStage.WANTED}) == set(CopyStage)
     r = _replica(Stage.SERVING)
     assert r.copy.stage is CopyStage.WANTED and r.copying
     for stage in CopyStage:

@@ -45,8 +45,9 @@ while one is under way), so they are two machines rather than one table of their
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from broker.pubsub.settings import PULL_RETRY_FACTOR, PULL_RETRY_MIN, REPLICATION_TIMEOUT, TS_EPSILON
 from broker.store import TopicLog
@@ -169,16 +170,25 @@ OPERATOR_STATE: Final[dict[Stage, str]] = {
 }
 
 
-class IllegalReplicaTransition(LocalProtocolError):
-    """A transition the table does not allow: a bug in the pub/sub engine, not in the peer."""
+class IllegalTransition(LocalProtocolError):
+    """A step one of this module's tables does not allow: a bug in the pub/sub engine, not in the peer."""
 
-    def __init__(self, topic: str, stage: Stage, transition: Transition) -> None:
-        allowed = sorted(t.value for (s, t) in _TRANSITIONS if s is stage)
+    def __init__(
+        self, topic: str, what: str, stage: enum.Enum, step: enum.Enum, table: Mapping[tuple[Any, Any], Any]
+    ) -> None:
+        allowed = sorted(t.value for (s, t) in table if s is stage)
         super().__init__(
-            f"topic {topic!r}: {transition.value} is not allowed in stage {stage.value} "
+            f"topic {topic!r}: {step.value} is not allowed in {what} {stage.value} "
             f"(allowed there: {', '.join(allowed) or 'nothing, the stage is final'})"
         )
         self.topic = topic
+
+
+class IllegalReplicaTransition(IllegalTransition):
+    """A transition of the replica's stage that _TRANSITIONS does not allow."""
+
+    def __init__(self, topic: str, stage: Stage, transition: Transition) -> None:
+        super().__init__(topic, "stage", stage, transition, _TRANSITIONS)
         self.stage = stage
         self.transition = transition
 
@@ -277,16 +287,11 @@ _COPY_TRANSITIONS: Final[dict[tuple[CopyStage, CopyEvent], CopyStage]] = {
 COPYING: Final = frozenset({CopyStage.WANTED, CopyStage.OFFERED, CopyStage.OFFERED_WANTED})
 
 
-class IllegalCopyTransition(LocalProtocolError):
-    """A step of the copy machine the table does not allow: a bug in the pub/sub engine, not in the peer."""
+class IllegalCopyTransition(IllegalTransition):
+    """A step of the copy at the next holder that _COPY_TRANSITIONS does not allow."""
 
     def __init__(self, topic: str, stage: CopyStage, event: CopyEvent) -> None:
-        allowed = sorted(e.value for (c, e) in _COPY_TRANSITIONS if c is stage)
-        super().__init__(
-            f"topic {topic!r}: copy step {event.value} is not allowed in copy stage {stage.value} "
-            f"(allowed there: {', '.join(allowed)})"
-        )
-        self.topic = topic
+        super().__init__(topic, "copy stage", stage, event, _COPY_TRANSITIONS)
         self.stage = stage
         self.event = event
 
