@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from cluster import wait_for
 from conftest import FAST_ARGS
-from test_pubsub_memory import Net, delivered, grid, locate
+from test_pubsub_memory import Net, _near, delivered, grid, locate
 
 from broker.pubsub.settings import OFFER_TIMEOUT, REDELIVER_WINDOW, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client, PublishAck
-from overlay.geometry import Coord, closest
+from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import Message, decode_message
 from overlay.pubsub import Ack, Fetch, Fetched, Publish, Pull, Replicate, Replicated, Subscribe
 
@@ -458,6 +458,40 @@ def test_level_three_gives_a_new_tertiary_the_history() -> None:
     net.run()
     net.tick(1.5)
     assert _fetched(net, pub) == list(range(20))
+
+
+def test_level_three_a_demoted_primary_gives_its_new_tertiary_what_it_lacks() -> None:
+    # A broker joins closest to the topic: the primary becomes the secondary, its old secondary the tertiary.
+    # The old secondary never got seq 10 (the batch was lost; it was never acknowledged), which the joined
+    # primary pulled from the old one.  The demoted primary's next holder is now its tertiary, the broker it
+    # knew as holding its history: before, it was not back-filled, so the re-send of seq 10, acknowledged at
+    # once by the new primary that holds it, was on two brokers at level 3 and lost when both failed.
+    net, primary, secondary, pub = _setup(3)
+    for i in range(10):
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"x", i))
+    net.hold = lambda to, m: (
+        isinstance(m, Replicate) and to == secondary and m.origin.id == primary and any(r.seq == 10 for r in m.records)
+    )
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    assert net.held and _acked(net, pub) == 9
+    net.held.clear()  # lost
+    net.hold = lambda to, m: False
+    joined = net.join(_near(geohash(TOPIC), 0.0005))
+    loc = locate(net, TOPIC)
+    assert (loc.primary.id, loc.secondary and loc.secondary.id, loc.tertiary and loc.tertiary.id) == (
+        joined.me.id, primary, secondary,
+    )  # fmt: skip
+    assert _rows(net, secondary) == list(range(11)), "the new tertiary lacks what only the demoted primary had"
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    assert _acked(net, pub) == 10
+    for nid in (joined.me.id, primary):
+        net.nodes[nid].alive = False
+    for node in net.nodes.values():
+        if node.alive:
+            node.ps.view_changed(failed={joined.me.id, primary})
+    net.run()
+    net.tick(1.5)
+    assert _fetched(net, pub) == list(range(11))
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------

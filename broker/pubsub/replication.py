@@ -731,11 +731,14 @@ class ReplicationRole:
                 r.undelivered.clear()
                 if was_primary or old == 1:
                     # What only this former primary holds (the other side of a healed partition, the last
-                    # batches it stored) goes to the new one.
+                    # batches it stored) goes to the new one; at level 3 also to its next holder, now its
+                    # tertiary, which may be its old secondary and lack the batches that never got there (one
+                    # offer round trip if it lacks nothing).
                     self.offer(r, self.t.holders(r.coord)[:1], track=False)
+                    r.copy.want()
                 if (nxt := self.next_holder(r)) is not None and not r.copy.knows(nxt.id):
                     r.copy.want(new_holder=True)  # level 3: a new tertiary gets the history from the secondary
-                    self._copy_down(r)
+                self._copy_down(r)
                 queued, r.queued = r.queued, []
                 for access, session, req in queued:
                     self.holder.handle_request(access, session, req)
