@@ -15,6 +15,7 @@ per 0.2 s.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import math
@@ -92,10 +93,20 @@ async def child(mode: str, i: int, n: int, base: int) -> None:
 
 
 def main() -> int:
-    if sys.argv[1] == "child":
+    if sys.argv[1:2] == ["child"]:  # (how the processes below are started)
         uvloop.run(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
         return 0
-    mode, n = sys.argv[1], int(sys.argv[2])
+    parser = argparse.ArgumentParser(
+        description="The floor of an idle broker's liveness cost (not a test; docs/benchmarks-scale.md).",
+        epilog="UNALIGNED=1 in the environment: each process beats from its own start, not on the wall clock's "
+        "multiples of 0.2 s.",
+    )
+    parser.add_argument("mode", choices=("tcp", "udp", "idle"), help="what each process does at every beat")
+    parser.add_argument("n", type=int, help="processes on the ring (at least K + 1 = 4)")
+    args = parser.parse_args()
+    if args.n <= K:
+        parser.error(f"n must be at least {K + 1}: each process links to the {K} next ones on the ring")
+    mode, n = args.mode, args.n
     base = 20000 + (os.getpid() % 1000) * 20
     procs = [subprocess.Popen([sys.executable, __file__, "child", mode, str(i), str(n), str(base)]) for i in range(n)]
     try:

@@ -49,12 +49,30 @@ async def profiled(out: str, delay: float, seconds: float, argv: list[str]) -> i
         task.cancel()
 
 
+USAGE = "usage: profile_broker.py OUT.prof DELAY SECONDS -- BROKER FLAGS..."
+
+
 def main() -> int:
-    out, delay, seconds, sep, *rest = sys.argv[1:]
-    if sep != "--":
-        print(__doc__, file=sys.stderr)
+    args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if len(args) < 4 or args[3] != "--":
+        print(
+            f"profile_broker: expected an output file, a delay and a window in seconds, then '--'; {USAGE}",
+            file=sys.stderr,
+        )
         return 2
-    return uvloop.run(profiled(out, float(delay), float(seconds), rest))
+    out, delay, seconds, _, *rest = args
+    try:
+        window = float(delay), float(seconds)
+    except ValueError:
+        print(
+            f"profile_broker: DELAY and SECONDS are numbers of seconds, got {delay!r} {seconds!r}; {USAGE}",
+            file=sys.stderr,
+        )
+        return 2
+    return uvloop.run(profiled(out, *window, rest))
 
 
 if __name__ == "__main__":
