@@ -65,8 +65,8 @@ class _Answer:
     it is on its disk, and the next one leaves then; the last chunk carries the pull's corr.
 
     Paced by the asker's disk on purpose.  Confirmed on arrival instead, a back-fill of ~300,000 records under
-    --fsync batch took 1.4 s instead of 2.4, but the topic's batches at the asker, which wait for the same group
-    commits, went from p99.9 5-6 ms to 40-56 ms while it ran: each sync then covered far more data
+    --fsync batch took 1.3-1.5 s instead of 2.3-2.5, but the topic's batches at the asker, which wait for the same
+    group commits, went from p99.9 5-7 ms to 35-56 ms while it ran: each sync then covered far more data
     (bench_anti_entropy.py --fsync batch --kill-during, docs/benchmarks-latency.md, fourteenth round)."""
 
     topic: str
