@@ -288,7 +288,14 @@ async def test_a_healed_partition_merges_the_histories_and_loses_no_acknowledged
                 got = await replay_pairs(cluster, t)
                 return acked[t] <= set(got)
 
-            await wait_for(merged, 30.0, f"the merged history of {t}")
+            try:
+                await wait_for(merged, 30.0, f"the merged history of {t}")
+            except AssertionError as exc:
+                # What is missing and who holds the topic in what state: what a failure here needs to be read.
+                missing = sorted(acked[t] - set(await replay_pairs(cluster, t)))
+                pubs = {p: [q for pp, q in missing if pp == p] for p, _ in missing}
+                held = {n: [h for h in st.held if h.topic == t] for n, st in (await cluster.statuses()).items()}
+                raise AssertionError(f"{exc}: {len(missing)} acknowledged missing {pubs}; held: {held}") from None
             got = await replay_pairs(cluster, t)
             assert len(got) == len(set(got)), f"{t}: a message is stored twice"
         try:
