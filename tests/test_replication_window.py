@@ -16,13 +16,20 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, _near, delivered, grid, locate
 
-from broker.pubsub.settings import OFFER_TIMEOUT, REDELIVER_WINDOW, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
+from broker.pubsub.settings import (
+    OFFER_TIMEOUT,
+    PULL_TIMEOUT,
+    REDELIVER_WINDOW,
+    REPLICATION_WINDOW,
+    SYNC_CHUNK,
+    SYNC_WINDOW,
+)
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client, PublishAck
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import Message, decode_message
-from overlay.pubsub import Ack, Fetch, Fetched, Publish, Pull, Replicate, Replicated, Subscribe
+from overlay.pubsub import Ack, Fetch, Fetched, Offer, Publish, Pull, Replicate, Replicated, Subscribe
 
 TOPIC = "grid/window/voltage"
 
@@ -492,6 +499,34 @@ def test_level_three_a_demoted_primary_gives_its_new_tertiary_what_it_lacks() ->
     net.run()
     net.tick(1.5)
     assert _fetched(net, pub) == list(range(11))
+
+
+def test_a_demoted_primary_offers_again_until_the_new_primary_holds_what_it_kept() -> None:
+    # A broker joins closest to the topic while what the old primary sends it is lost (in life: two overlays
+    # merging after a partition, the old primary the other side's).  The old primary alone holds seq 10 (its
+    # batch to the secondary was lost).  The joined primary's pull of it times out and it serves without it;
+    # the demoted primary's offer of what it keeps is repeated until the new primary confirms it holds all of
+    # it.  Before, that offer went once: lost, the new primary never got seq 10 (anti-entropy offers from the
+    # primary's side only), which is how a healed partition's merge lost acknowledged messages.
+    net, primary, secondary, pub = _setup(2)
+    for i in range(10):
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"x", i))
+    net.hold = lambda to, m: (
+        isinstance(m, Replicate) and to == secondary and m.origin.id == primary and any(r.seq == 10 for r in m.records)
+    )
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
+    net.held.clear()  # lost
+    joined = f"n{len(net.nodes)}"
+    net.hold = lambda to, m: to == joined and isinstance(m, (Replicate, Offer)) and m.origin.id == primary
+    net.join(_near(geohash(TOPIC), 0.0005))
+    net.tick(PULL_TIMEOUT + 0.5)  # the pull gives up on the old primary: the joined one serves
+    assert locate(net, TOPIC).primary.id == joined and 10 not in _rows(net, joined)
+    net.held.clear()  # lost
+    net.hold = lambda to, m: False
+    for _ in range(3):
+        net.tick(OFFER_TIMEOUT + 0.5)
+    assert _rows(net, joined) == list(range(11)), "the new primary never got what only the demoted one kept"
+    assert net.nodes[primary].ps.replica_states()[TOPIC][2] == 0  # the offer was confirmed
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------

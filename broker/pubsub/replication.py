@@ -731,10 +731,13 @@ class ReplicationRole:
                 r.undelivered.clear()
                 if was_primary or old == 1:
                     # What only this former primary holds (the other side of a healed partition, the last
-                    # batches it stored) goes to the new one; at level 3 also to its next holder, now its
+                    # batches it stored) goes to the new one, offered again after each time-out until the new
+                    # primary confirms it holds all of it: once lost while the overlays merged, it was never
+                    # repeated, and the primary served for good without what this copy kept (anti-entropy
+                    # compares from the primary's side only).  At level 3 also to its next holder, now its
                     # tertiary, which may be its old secondary and lack the batches that never got there (one
                     # offer round trip if it lacks nothing).
-                    self.offer(r, self.t.holders(r.coord)[:1], track=False)
+                    self.offer(r, self.t.holders(r.coord)[:1])
                     r.copy.want()
                 if (nxt := self.next_holder(r)) is not None and not r.copy.knows(nxt.id):
                     r.copy.want(new_holder=True)  # level 3: a new tertiary gets the history from the secondary
