@@ -467,13 +467,10 @@ def test_level_three_gives_a_new_tertiary_the_history() -> None:
     assert _fetched(net, pub) == list(range(20))
 
 
-def test_level_three_a_demoted_primary_gives_its_new_tertiary_what_it_lacks() -> None:
-    # A broker joins closest to the topic: the primary becomes the secondary, its old secondary the tertiary.
-    # The old secondary never got seq 10 (the batch was lost; it was never acknowledged), which the joined
-    # primary pulled from the old one.  The demoted primary's next holder is now its tertiary, the broker it
-    # knew as holding its history: before, it was not back-filled, so the re-send of seq 10, acknowledged at
-    # once by the new primary that holds it, was on two brokers at level 3 and lost when both failed.
-    net, primary, secondary, pub = _setup(3)
+def _only_the_primary_has_seq_10(level: int) -> tuple[HoldNet, str, str, str]:
+    """_setup, seq 0-9 published and acknowledged, and seq 10 stored at the primary alone: its batch to the
+    secondary was lost, so it is not acknowledged."""
+    net, primary, secondary, pub = _setup(level)
     for i in range(10):
         net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"x", i))
     net.hold = lambda to, m: (
@@ -483,6 +480,16 @@ def test_level_three_a_demoted_primary_gives_its_new_tertiary_what_it_lacks() ->
     assert net.held and _acked(net, pub) == 9
     net.held.clear()  # lost
     net.hold = lambda to, m: False
+    return net, primary, secondary, pub
+
+
+def test_level_three_a_demoted_primary_gives_its_new_tertiary_what_it_lacks() -> None:
+    # A broker joins closest to the topic: the primary becomes the secondary, its old secondary the tertiary.
+    # The old secondary never got seq 10 (the batch was lost; it was never acknowledged), which the joined
+    # primary pulled from the old one.  The demoted primary's next holder is now its tertiary, the broker it
+    # knew as holding its history: before, it was not back-filled, so the re-send of seq 10, acknowledged at
+    # once by the new primary that holds it, was on two brokers at level 3 and lost when both failed.
+    net, primary, secondary, pub = _only_the_primary_has_seq_10(3)
     joined = net.join(_near(geohash(TOPIC), 0.0005))
     loc = locate(net, TOPIC)
     assert (loc.primary.id, loc.secondary and loc.secondary.id, loc.tertiary and loc.tertiary.id) == (
@@ -508,14 +515,7 @@ def test_a_demoted_primary_offers_again_until_the_new_primary_holds_what_it_kept
     # the demoted primary's offer of what it keeps is repeated until the new primary confirms it holds all of
     # it.  Before, that offer went once: lost, the new primary never got seq 10 (anti-entropy offers from the
     # primary's side only), which is how a healed partition's merge lost acknowledged messages.
-    net, primary, secondary, pub = _setup(2)
-    for i in range(10):
-        net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"x", i))
-    net.hold = lambda to, m: (
-        isinstance(m, Replicate) and to == secondary and m.origin.id == primary and any(r.seq == 10 for r in m.records)
-    )
-    net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
-    net.held.clear()  # lost
+    net, primary, _, _ = _only_the_primary_has_seq_10(2)
     joined = f"n{len(net.nodes)}"
     net.hold = lambda to, m: to == joined and isinstance(m, (Replicate, Offer)) and m.origin.id == primary
     net.join(_near(geohash(TOPIC), 0.0005))
