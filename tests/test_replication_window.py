@@ -16,7 +16,9 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, _near, delivered, grid, locate
 
+from broker.pubsub.replica import Stage
 from broker.pubsub.settings import (
+    ANTI_ENTROPY_INTERVAL,
     OFFER_TIMEOUT,
     PULL_TIMEOUT,
     REDELIVER_WINDOW,
@@ -29,7 +31,7 @@ from client.admin import AdminClient
 from client.client import Client, PublishAck
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import Message, decode_message
-from overlay.pubsub import Ack, Fetch, Fetched, Offer, Publish, Pull, Replicate, Replicated, Subscribe
+from overlay.pubsub import Ack, Fetch, Fetched, Offer, Publish, Pull, Record, Replicate, Replicated, Subscribe
 
 TOPIC = "grid/window/voltage"
 
@@ -527,6 +529,26 @@ def test_a_demoted_primary_offers_again_until_the_new_primary_holds_what_it_kept
         net.tick(OFFER_TIMEOUT + 0.5)
     assert _rows(net, joined) == list(range(11)), "the new primary never got what only the demoted one kept"
     assert net.nodes[primary].ps.replica_states()[TOPIC][2] == 0  # the offer was confirmed
+
+
+def test_a_copy_the_view_no_longer_ranks_hands_its_records_on_and_lets_go() -> None:
+    # Level 2: a broker outside the topic's holders keeps a HOLDING copy (a batch from a primary whose view lagged
+    # made it after this broker's last view change; seen 30 s after a healed partition), with a record the
+    # primary lacks.  At the next anti-entropy round it offers the record to the holders and lets go, as a view
+    # change would have had it; before, it stayed for good, listed as a tertiary at level 2.
+    net, primary, secondary, pub = _setup(2)
+    for i in range(5):
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"x", i))
+    stray = next(n for n in net.nodes if n not in (primary, secondary, pub))
+    ps = net.nodes[stray].ps
+    assert TOPIC not in ps.table.replicas
+    r = ps.holder.replica(TOPIC)  # (made HOLDING: the view does not rank this broker first)
+    r.log.merge([Record(net.clock, "Q", 0, b"only here")], net.clock)
+    assert r.stage is Stage.HOLDING
+    net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
+    net.tick(OFFER_TIMEOUT + 0.5)
+    assert TOPIC not in ps.table.replicas, "the stray copy stayed"
+    assert ("Q", 0) in {(row[1], row[2]) for row in net.nodes[primary].ps.store.get(TOPIC).rows}
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------

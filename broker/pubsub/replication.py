@@ -760,6 +760,13 @@ class ReplicationRole:
                 return
         self._copy_down(r)
 
+    def _stray(self, r: Replica) -> bool:
+        """r is a steady copy that this broker's view does not rank among the topic's holders (not while a
+        broker is leaving: the copies it hands its topics to may rank below the holders until it is gone)."""
+        if r.stage is not Stage.HOLDING or r.offers or self._leaving:
+            return False
+        return not self.keeps(self.t.rank_of_me(r.coord))
+
     def _copy_down(self, r: Replica) -> None:
         """Level 3: a secondary gives its tertiary the history when the tertiary is new to it or a back-fill or
         repair brought it records (one back-fill at a time; what arrives meanwhile goes with the next)."""
@@ -784,6 +791,14 @@ class ReplicationRole:
                 else:
                     view = self.t.ov.view()
                     self.offer(r, [view[nid] for nid in r.offers.values() if nid in view])
+            if anti_entropy and self._stray(r):
+                # A copy the view no longer ranks among the holders yet still HOLDING: made or kept (`settle`
+                # keeps any ranked copy) by a batch from a primary whose view lagged, after this broker's last view
+                # change (seen 30 s after a healed partition at level 2).  It hands its records on and lets go,
+                # as view_changed would have had it.
+                r.rank = self.t.rank_of_me(r.coord)
+                self.retire(r)
+                continue
             # Not while a batch is in flight or stored this turn and not yet sent (`outbox`): the offer would
             # reach the secondary before the batch, which would then pull what is already on its way.
             if anti_entropy and r.unchecked and r.stage is Stage.SERVING and not r.window and not r.outbox:
