@@ -219,3 +219,9 @@ def test_the_copy_machine_offers_only_what_is_wanted_and_reaches_every_stage() -
     c = _copy(CopyStage.HELD)
     c.want(new_holder=True)
     assert (c.stage, c.holder) == (CopyStage.WANTED, None)
+    # A next holder that holds the history or is being given it changes nothing; a new one wants it anew.
+    c = _copy(CopyStage.HELD)
+    assert not c.next_is("n3") and (c.stage, c.holder) == (CopyStage.HELD, "n3")
+    c = _copy(CopyStage.OFFERED)
+    assert not c.next_is("n2") and c.stage is CopyStage.OFFERED
+    assert c.next_is("n9") and (c.stage, c.holder, c.offer) == (CopyStage.OFFERED_WANTED, None, OFFER)

@@ -352,6 +352,14 @@ class Copy:
         """node holds the history, or is being given it."""
         return self.holder == node or (self.offer is not None and self.offer.target == node)
 
+    def next_is(self, node: str) -> bool:
+        """node is the next holder now: unless it holds the history or is being given it, the history is wanted
+        for it (the holder that had it no longer counts).  True if it was new."""
+        if self.knows(node):
+            return False
+        self.want(new_holder=True)
+        return True
+
 
 @dataclass(slots=True)
 class Pulling:

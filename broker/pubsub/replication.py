@@ -124,8 +124,7 @@ class ReplicationRole:
             r.window.clear()
             r.outbox = r.unconfirmed()
             r.meta_dirty = True
-        if not r.copy.knows(sec.id):
-            r.copy.want(new_holder=True)  # a new secondary gets the whole history (module docstring)
+        if r.copy.next_is(sec.id):  # a new secondary gets the whole history (module docstring)
             r.meta_confirmed = False  # (and the meta goes along until a batch that carried it is confirmed)
         self._send_batch(r, sec)
         if r.copy.wanted:
@@ -515,10 +514,9 @@ class ReplicationRole:
 
             r.log.when_durable(on_disk)
         meta, subs, dl, last_seq = m.meta, m.subscribers, m.delegates, m.last_seq
-        if not r.copy.knows(tertiary.id):
-            # A tertiary new to this broker is given the history (`replicate_arrived`): the batches passed on
-            # carry only what is new.
-            r.copy.want(new_holder=True)
+        # A tertiary new to this broker is given the history (`replicate_arrived`): the batches passed on carry
+        # only what is new.
+        r.copy.next_is(tertiary.id)
         if not meta and r.meta_chained_to != tertiary.id:
             # A tertiary that has not had them from this broker gets this broker's (which are the primary's: a
             # records-only batch comes only after this broker confirmed them).
@@ -710,9 +708,8 @@ class ReplicationRole:
                     # that never reached the old tertiary, at level 3): a back-fill, which costs one offer if not.
                     r.copy.want()
                 sec = self.t.secondary(r)
-                if sec is not None and not r.copy.knows(sec.id):
+                if sec is not None and r.copy.next_is(sec.id):
                     # A new secondary gets the whole history, after a failure too (module docstring).
-                    r.copy.want(new_holder=True)
                     if any(b.target != sec.id for b in r.window):
                         r.window.clear()  # re-sent to the new secondary below
                         r.outbox = r.unconfirmed()
@@ -739,8 +736,8 @@ class ReplicationRole:
                     # offer round trip if it lacks nothing).
                     self.offer(r, self.t.holders(r.coord)[:1])
                     r.copy.want()
-                if (nxt := self.next_holder(r)) is not None and not r.copy.knows(nxt.id):
-                    r.copy.want(new_holder=True)  # level 3: a new tertiary gets the history from the secondary
+                if (nxt := self.next_holder(r)) is not None:
+                    r.copy.next_is(nxt.id)  # level 3: a new tertiary gets the history from the secondary
                 self._copy_down(r)
                 queued, r.queued = r.queued, []
                 for access, session, req in queued:
@@ -759,13 +756,6 @@ class ReplicationRole:
                 self.flush(r)
                 return
         self._copy_down(r)
-
-    def _stray(self, r: Replica) -> bool:
-        """r is a steady copy that this broker's view does not rank among the topic's holders (not while a
-        broker is leaving: the copies it hands its topics to may rank below the holders until it is gone)."""
-        if r.stage is not Stage.HOLDING or r.offers or self._leaving:
-            return False
-        return not self.keeps(self.t.rank_of_me(r.coord))
 
     def _copy_down(self, r: Replica) -> None:
         """Level 3: a secondary gives its tertiary the history when the tertiary is new to it or a back-fill or
@@ -791,12 +781,14 @@ class ReplicationRole:
                 else:
                     view = self.t.ov.view()
                     self.offer(r, [view[nid] for nid in r.offers.values() if nid in view])
-            if anti_entropy and self._stray(r):
-                # A copy the view no longer ranks among the holders yet still HOLDING: made or kept (`settle`
-                # keeps any ranked copy) by a batch from a primary whose view lagged, after this broker's last view
-                # change (seen 30 s after a healed partition at level 2).  It hands its records on and lets go,
-                # as view_changed would have had it.
-                r.rank = self.t.rank_of_me(r.coord)
+            # A steady copy the view no longer ranks among the holders: made or kept (`settle` keeps any ranked
+            # copy) by a batch from a primary whose view lagged, after this broker's last view change (seen 30 s
+            # after a healed partition at level 2).  It hands its records on and lets go, as view_changed would
+            # have had it; not while a broker is leaving (the copies it hands its topics to may rank below the
+            # holders until it is gone).
+            steady = anti_entropy and r.stage is Stage.HOLDING and not r.offers and not self._leaving
+            if steady and not self.keeps(rank := self.t.rank_of_me(r.coord)):
+                r.rank = rank
                 self.retire(r)
                 continue
             # Not while a batch is in flight or stored this turn and not yet sent (`outbox`): the offer would
