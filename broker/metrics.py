@@ -81,6 +81,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "syncs": ("sedax_syncs", "Pulls a new, returning or taking-over primary finished before serving a topic."),
     "offers": ("sedax_offers", "Offers of held records to a topic's holders (retiring, demoted, shutdown, repair)."),
     "synced_records": ("sedax_synced_records", "Records sent to another holder that lacked them (re-sync, hand-off)."),
+    "reverse_offers": (
+        "sedax_reverse_offers",
+        "Offers this copy sent to the primary of records it keeps that its primary never held (anti-entropy).",
+    ),
     "lost": ("sedax_lost_messages", "Acknowledged messages found lost (more failures than the level survives)."),
     "delegations": ("sedax_delegations", "Topic hand-overs this broker activated as the new primary (Sec. III)."),
     "moves": ("sedax_moves", "Topics this broker moved away to a new coordinate (Alg. 2 or an operator)."),
