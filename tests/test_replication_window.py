@@ -570,6 +570,10 @@ def test_a_record_only_the_secondary_keeps_reaches_the_primary_at_the_next_anti_
     assert ("Q", 0) in {(r.publisher, r.seq) for r in delivered(net.nodes[pub], "s")}
     assert net.nodes[secondary].ps.counters["reverse_offers"] == 1
     assert net.nodes[secondary].ps.replica_states()[TOPIC][2] == 0  # its offer was confirmed
+    if level == 3:  # and the tertiary too (the primary replicates what it merged; the secondary passes it on)
+        tertiary = locate(net, TOPIC).tertiary
+        assert tertiary is not None
+        assert ("Q", 0) in {(row[1], row[2]) for row in net.nodes[tertiary.id].ps.store.get(TOPIC).rows}
     net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
     assert net.nodes[secondary].ps.counters["reverse_offers"] == 1  # once: the primary holds it now
 
