@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import uvloop
 
@@ -54,28 +55,30 @@ class Counting(asyncio.Protocol):
         self.links = links
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.links.append(transport)
+        # (uvloop's TCPTransport is not an asyncio.Transport subclass: an isinstance check here failed, and the
+        # tcp mode then beat on no links at all)
+        self.links.append(cast(asyncio.Transport, transport))
 
     def data_received(self, data: bytes) -> None:
         pass
 
 
-async def child(mode: str, i: int, n: int, base: int) -> None:
+async def child(mode: str, i: int, ports: list[int]) -> None:
+    n = len(ports)
     loop = asyncio.get_running_loop()
     wall = time.time() - loop.time()
     links: list[asyncio.Transport] = []
     if mode == "tcp":
-        await loop.create_server(lambda: Counting(links), "127.0.0.1", base + i)
+        await loop.create_server(lambda: Counting(links), "127.0.0.1", ports[i])
         await asyncio.sleep(1.0)
         for j in range(1, K + 1):
-            await loop.create_connection(lambda: Counting(links), "127.0.0.1", base + (i + j) % n)
+            await loop.create_connection(lambda: Counting(links), "127.0.0.1", ports[(i + j) % n])
         await asyncio.sleep(1.0)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     if mode == "udp":
-        sock.bind(("127.0.0.1", base + i))
+        sock.bind(("127.0.0.1", ports[i]))
         sock.setblocking(False)
-    peers = [("127.0.0.1", base + (i + j) % n) for j in [*range(1, K + 1), *range(-K, 0)]]
+    peers = [("127.0.0.1", ports[(i + j) % n]) for j in [*range(1, K + 1), *range(-K, 0)]]
     while True:
         await asyncio.sleep(next_beat(loop.time(), wall) - loop.time())
         if mode == "tcp":
@@ -92,9 +95,21 @@ async def child(mode: str, i: int, n: int, base: int) -> None:
                 hmac.compare_digest(hmac.digest(KEY, data[:-16], "sha256")[:16], data[-16:])
 
 
+def free_ports(n: int, kind: socket.SocketKind) -> list[int]:
+    """n ports the OS hands out now on 127.0.0.1 (held open together, so all differ), for the children to bind."""
+    socks = [socket.socket(socket.AF_INET, kind) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def main() -> int:
     if sys.argv[1:2] == ["child"]:  # (how the processes below are started)
-        uvloop.run(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+        uvloop.run(child(sys.argv[2], int(sys.argv[3]), [int(p) for p in sys.argv[4].split(",")]))
         return 0
     parser = argparse.ArgumentParser(
         description="The floor of an idle broker's liveness cost (not a test; docs/benchmarks-scale.md).",
@@ -107,8 +122,8 @@ def main() -> int:
     if args.n <= K:
         parser.error(f"n must be at least {K + 1}: each process links to the {K} next ones on the ring")
     mode, n = args.mode, args.n
-    base = 20000 + (os.getpid() % 1000) * 20
-    procs = [subprocess.Popen([sys.executable, __file__, "child", mode, str(i), str(n), str(base)]) for i in range(n)]
+    ports = ",".join(str(p) for p in free_ports(n, socket.SOCK_DGRAM if mode == "udp" else socket.SOCK_STREAM))
+    procs = [subprocess.Popen([sys.executable, __file__, "child", mode, str(i), ports]) for i in range(n)]
     try:
         time.sleep(5)
         c0, x0, t0 = [cpu(p.pid) for p in procs], [switches(p.pid) for p in procs], time.monotonic()
