@@ -83,7 +83,7 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "synced_records": ("sedax_synced_records", "Records sent to another holder that lacked them (re-sync, hand-off)."),
     "reverse_offers": (
         "sedax_reverse_offers",
-        "Offers this copy sent to the primary of records it keeps that its primary never held (anti-entropy).",
+        "Offers of records this copy keeps and its primary did not, sent back to the primary (anti-entropy).",
     ),
     "lost": ("sedax_lost_messages", "Acknowledged messages found lost (more failures than the level survives)."),
     "delegations": ("sedax_delegations", "Topic hand-overs this broker activated as the new primary (Sec. III)."),

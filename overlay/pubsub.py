@@ -637,7 +637,7 @@ class Offer(Message):
     REPLICATED (corr) when it holds all of it already, else PULL (same corr, its own digest), which the offerer
     answers with the missing records (REPLICATE, sync) and the receiver confirms with REPLICATED (corr).  Used
     when a broker stops holding a topic (a join or leave moved it out of the top ranks, a graceful shutdown),
-    and between primary and replicas to repair gaps (anti-entropy, back-fill)."""
+    and between primary and replicas to repair gaps (anti-entropy)."""
 
     op: ClassVar[Literal["offer"]] = "offer"
     corr: int
@@ -647,7 +647,3 @@ class Offer(Message):
     have: Digest
     # The offerer is shutting down: the receiver ranks itself as if the offerer were gone already.
     leaving: bool = False
-    # From a primary (or a level-3 secondary) to its next holder: every record it ever held, those retention
-    # dropped included.  `have` names only what is kept, so a copy could not tell a record the offerer expired
-    # from one it never had; with `held` it can, and offers the latter to the primary (the reverse check).
-    held: Digest | None = None

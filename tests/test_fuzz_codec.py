@@ -72,7 +72,6 @@ EXAMPLES: list[Message] = [
     ),
     ps.Located(1, "t", (0.1, 0.1), (0.2, 0.2), NODE, None, NODE, (), 10, 2),
     ps.Offer(3, "t", (0.5, 0.5), NODE, {"p": ((0, 5), (7, 9)), "q": ((2, 2),)}, True),
-    ps.Offer(3, "t", (0.5, 0.5), NODE, {"p": ((7, 9),)}, False, {"p": ((0, 9),), "q": ((2, 2),)}),
     ps.Pull(4, "t", (0.5, 0.5), NODE, {"p": ((0, 3),)}),
     p.Suspect(5, "n2"),
     p.Witness(5, "n2", False),

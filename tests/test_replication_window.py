@@ -555,10 +555,10 @@ def test_a_copy_the_view_no_longer_ranks_hands_its_records_on_and_lets_go() -> N
 @pytest.mark.parametrize("level", [2, 3])
 def test_a_record_only_the_secondary_keeps_reaches_the_primary_at_the_next_anti_entropy_round(level: int) -> None:
     # The secondary keeps a record its primary never held (in life: it came back with its disk holding what the
-    # new primary lacked, or a merge's offer was lost).  The anti-entropy offer names what the primary ever
-    # held, so the secondary sees the record is not one the primary expired and offers it to the primary, which
-    # pulls it and delivers it.  Before, the secondary, holding more, confirmed the offer and the record stayed
-    # on one broker for good.
+    # new primary lacked, or a merge's offer was lost).  Offered what the primary keeps at the anti-entropy
+    # round, it offers back what it keeps outside that; the primary, which never held the record, pulls it and
+    # delivers it.  Before, the secondary, holding more, confirmed the offer and the record stayed on one broker
+    # for good.
     net, primary, secondary, pub = _setup_history(level, 5)
     net.nodes[pub].request("s", Subscribe(1, TOPIC))
     net.nodes[secondary].ps.store.get(TOPIC).merge([Record(net.clock, "Q", 0, b"only here")], net.clock)
@@ -578,20 +578,24 @@ def test_a_record_only_the_secondary_keeps_reaches_the_primary_at_the_next_anti_
     assert net.nodes[secondary].ps.counters["reverse_offers"] == 1  # once: the primary holds it now
 
 
-def test_records_the_primary_expired_are_not_offered_back() -> None:
+def test_records_the_primary_expired_are_not_taken_back() -> None:
     # The primary's retention dropped seq 0-4 while its secondary still keeps them (a longer retention there,
-    # or it expires later): they are named in what the primary held, so the copy does not send them back.
+    # or it expires later).  The secondary offers them back (it cannot tell them from records the primary never
+    # had); the primary, which held them, confirms without pulling or storing them again.
     net, primary, secondary, pub = _setup_history(2, 5)
     plog = net.nodes[primary].ps.store.get(TOPIC)
     plog.retention = Retention(max_age=1.0)
     net.clock += 2.0
     plog.expire(net.clock)
     assert _rows(net, primary) == [] and _rows(net, secondary) == [0, 1, 2, 3, 4]
+    syncs = net.nodes[primary].ps.counters["syncs"]
     net.nodes[pub].request("p", Publish(TOPIC, "P", 5, b"x", 5))
     for _ in range(2):
         net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
-    assert net.nodes[secondary].ps.counters["reverse_offers"] == 0
-    assert 0 not in _rows(net, primary)
+    assert net.nodes[secondary].ps.counters["reverse_offers"] >= 1
+    assert net.nodes[secondary].ps.replica_states()[TOPIC][2] == 0  # confirmed
+    assert net.nodes[primary].ps.counters["syncs"] == syncs, "the primary pulled what it had expired"
+    assert not set(_rows(net, primary)) & {0, 1, 2, 3, 4}
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class TopicTable:
             "syncs": 0,  # pulls finished by a new, returning or taking-over primary
             "offers": 0,  # OFFERs sent (retiring, demoted, shutting down, anti-entropy)
             "synced_records": 0,  # records another holder lacked, sent by this one (PULL and OFFER answers)
-            "reverse_offers": 0,  # a copy found records its primary never held and offered them (`_reverse_check`)
+            "reverse_offers": 0,  # a copy offered its primary records the primary did not keep (`_offer_back`)
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event

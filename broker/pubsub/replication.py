@@ -37,7 +37,7 @@ from broker.storage import StorageError
 from broker.store import Missing
 from overlay.protocol import NodeInfo
 from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe
-from overlay.seqset import Digest, SeqRanges, covers, ranges_of
+from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
     from broker.pubsub.holder import HolderRole
@@ -184,8 +184,7 @@ class ReplicationRole:
         corr = self.t.next_corr()
         r.copy.offered(Backfill(corr, sec.id, self.t.ov.now()))
         self.t.counters["offers"] += 1
-        log_ = r.log
-        self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, log_.offerable(), False, log_.digest()))
+        self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, r.log.offerable(), False))
 
     def _backfilled(self, r: Replica, node: str) -> None:
         """The next holder confirmed the back-fill: it holds the history offered, and the batches hold the rest."""
@@ -556,23 +555,19 @@ class ReplicationRole:
         """A broker of this rank keeps a copy of the topic (primary, secondary, tertiary at level 3)."""
         return 1 <= rank <= max(2, self.t.config.resilience) and (rank == 1 or self.t.config.resilience >= 2)
 
-    def offer(
-        self, r: Replica, targets: list[NodeInfo], *, track: bool = True, leaving: bool = False, compare: bool = False
-    ) -> None:
-        """OFFER r's records to targets; tracked offers wait for REPLICATED and are repeated on a time-out.
-        compare: to a copy, which also checks whether it keeps records this broker never held (`held`)."""
+    def offer(self, r: Replica, targets: list[NodeInfo], *, track: bool = True, leaving: bool = False) -> None:
+        """OFFER r's records to targets; tracked offers wait for REPLICATED and are repeated on a time-out."""
         if track:
             r.offers.clear()
             r.offered_at = self.t.ov.now()
         have = r.log.offerable()
-        held = r.log.digest() if compare else None
         me = self.t.ov.me
         self.t.counters["offers"] += len(targets)
         for n in targets:
             corr = self.t.next_corr()
             if track:
                 r.offers[corr] = n.id
-            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving, held))
+            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving))
 
     def offer_arrived(self, m: Offer) -> None:
         """OFFER: confirm when everything offered is here already, else ask for what is missing."""
@@ -581,8 +576,7 @@ class ReplicationRole:
             self._leaving.add(m.origin.id)  # its records are to stay here although the view still ranks it
         r = self.t.replicas.get(m.topic)
         if r is not None and same(r.coord, m.coord) and r.stage is not Stage.GONE:
-            if m.held is not None:
-                self._reverse_check(r, m.held)
+            self._offer_back(r, m)
             if covers(r.log.held, ranges_of(m.have)):
                 self.confirm_on_disk(r, m.origin, m.corr)
                 return
@@ -601,23 +595,24 @@ class ReplicationRole:
         # Nothing of it here (or at another coordinate): ask for all of it; the answer makes the replica.
         self.t.ov.route(m.origin.coord, Pull(m.corr, m.topic, m.coord, me, {}))
 
-    def _reverse_check(self, r: Replica, held: Digest) -> None:
-        """A copy compared with what its primary (or, at level 3, its secondary) ever held: records kept here that
-        the offerer never had are offered to the primary, which pulls them (`sync_learned`).
+    def _offer_back(self, r: Replica, m: Offer) -> None:
+        """The reverse check: a copy offered what a holder ranked above it keeps (the primary's anti-entropy round
+        or back-fill; at level 3 the secondary's back-fill) that itself keeps records outside it offers them to
+        the primary.  The primary judges with everything it ever held: a record its retention dropped is covered
+        (REPLICATED, nothing moves), one it never had is pulled and delivered (`sync_learned`).
 
-        Anti-entropy and the back-fill otherwise compare from the primary's side only: a copy that holds more
-        confirms the offer, and what only it kept (a broker that came back with its disk holding what the
-        primary lacks, a merge's offer lost) stayed there, one failure from being lost.  The offerer's `held`
-        tells a record it expired (named there) from one it never had; the first is not sent back."""
+        Otherwise the comparison ran from the primary's side only: a copy holding more confirmed the offer, and
+        what only it kept (a broker that came back with its disk holding what the primary lacked, a merge's offer
+        that never arrived) stayed on one broker, one failure from being lost.  The copy cannot judge itself: an
+        offer names what is kept, not what was held, and sending that too made the offer as large again
+        (a digest of every publisher of the last day, not only of those with records kept)."""
         if r.stage is not Stage.HOLDING or r.offers:
             return  # retiring or demoted: an offer to the holders is under way already
-        extra = r.log.lacking(ranges_of(held))
-        if not extra:
+        above = self.t.ranked(r.coord)[: max(0, r.rank - 1)]
+        if not any(n.id == m.origin.id for n in above) or not r.log.lacking(ranges_of(m.have)):
             return
-        primary = self.t.holders(r.coord, without_me=True)[:1]
-        log.warning("copy of %s keeps %d records its offerer never held: offering them to the primary", r.name, extra)
         self.t.counters["reverse_offers"] += 1
-        self.offer(r, primary)
+        self.offer(r, above[:1])
 
     def retire(self, r: Replica) -> None:
         """Ranked out of the topic's holders: offer the records to the holders now, let go once confirmed."""
@@ -822,7 +817,7 @@ class ReplicationRole:
                 r.unchecked = False
                 sec = self.t.secondary(r)
                 if sec is not None and r.copy.holder == sec.id:
-                    self.offer(r, [sec], track=False, compare=True)
+                    self.offer(r, [sec], track=False)
             self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
             if live and now - live[0].sent_at > r.rto:
