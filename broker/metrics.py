@@ -104,7 +104,12 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
 }
 # Exported from the start (0 until something happens), so dashboards see every series at once.
 ALWAYS: Final = ("delegations", "moved_bytes", "balance_queries", "balance_query_bytes")
-DROPS: Final = {"dropped_hop_limit": "hop_limit", "dropped_bad_body": "bad_body", "dropped_no_route": "no_route"}
+DROPS: Final = {
+    "dropped_hop_limit": "hop_limit",
+    "dropped_bad_body": "bad_body",
+    "dropped_no_route": "no_route",
+    "dropped_too_large": "too_large",
+}
 _NAME_SAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 

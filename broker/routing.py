@@ -27,6 +27,7 @@ from overlay.protocol import (
     Error,
     Join,
     JoinAccept,
+    LocalProtocolError,
     Message,
     NodeInfo,
     Ping,
@@ -200,7 +201,13 @@ class Routing:
             self._handle_delivered(msg, 0)
             return
         out = self.peers[nh]
-        body = encode_message(msg)
+        try:
+            body = encode_message(msg)
+        except LocalProtocolError as exc:
+            # More than a frame (a topic's subscriber list or publisher table in a REPLICATE, a digest): dropped
+            # as a lost message would be, loudly, and the broker goes on (raised, it stopped this turn's work).
+            self._too_large(msg, exc)
+            return
         if trace.ENABLED:
             trace.mark(f"send {msg.op}", body)
         try:
@@ -209,6 +216,15 @@ class Routing:
             self.stats.dropped_no_route += 1
             return
         self._dirty.add(out)
+
+    def _too_large(self, msg: Message, exc: LocalProtocolError) -> None:
+        self.stats.dropped_too_large += 1
+        topic = getattr(msg, "topic", None)
+        self.log.error(
+            'not sent: %s%s (counted in sedax_dropped_messages_total{reason="too_large"})',
+            exc,
+            f" (topic {topic})" if topic else "",
+        )
 
     def _deliver(self, frame: RoutedFrame) -> None:
         try:

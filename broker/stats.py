@@ -159,10 +159,11 @@ class BrokerStats:
         # Routed messages that ended here (this broker is the closest to their destination): pub/sub and control.
         self.routed_delivered = 0
         # Routed messages dropped: at their hop limit, with a body that does not decode (or nobody handles),
-        # or because the next hop's link broke.
+        # because the next hop's link broke, or, sent from here, because they encode to more than a frame.
         self.dropped_hop_limit = 0
         self.dropped_bad_body = 0
         self.dropped_no_route = 0
+        self.dropped_too_large = 0
         self.failures_detected = 0  # neighbours found dead (reset, silence)
         # Silent links whose peer a common neighbour still heard: no failover (a false one avoided).
         self.suspicions_refuted = 0
@@ -183,6 +184,7 @@ class BrokerStats:
             "dropped_hop_limit": self.dropped_hop_limit,
             "dropped_bad_body": self.dropped_bad_body,
             "dropped_no_route": self.dropped_no_route,
+            "dropped_too_large": self.dropped_too_large,
             "failures_detected": self.failures_detected,
             "suspicions_refuted": self.suspicions_refuted,
             "joins_accepted": self.joins_accepted,

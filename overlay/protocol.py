@@ -65,6 +65,13 @@ MAX_TEXT_LEN: Final = 1024
 # Neighbour lists hold a node's Delaunay neighbours (6 on average, rarely above 20); route paths hold at most
 # 255 hops (u8 hop counter).  1024 bounds both with a wide margin.
 MAX_LIST_LEN: Final = 1024
+# The lists that grow with a topic rather than with the overlay: its subscribers and the publishes waiting for
+# acknowledgement (REPLICATE), its publishers' sequence numbers (REPLICATE's table, the digests of OFFER and
+# PULL), the sessions one DELIVER is for (TOPIC_REPLY).  Held to MAX_LIST_LEN, a topic of 1,025 subscribers or
+# publishers could no longer be replicated or repaired, nor delivered to 1,025 sessions of one access broker.
+# The frame size bounds them in any case; the decoder's own limit only keeps a hostile frame from making more
+# objects than this.
+MAX_LONG_LIST_LEN: Final = 1 << 16
 # The hop counter and limit are u8 in the ROUTED header.
 MAX_HOP_LIMIT: Final = 255
 # Coordinates live in a space of order 1; anything beyond this magnitude is garbage, and bounding it keeps
@@ -434,12 +441,12 @@ def dec_bytes(v: Any) -> bytes:
     return v
 
 
-def dec_list(v: Any) -> list[Any]:
-    """An array from the wire of at most MAX_LIST_LEN entries, else TypeError/ValueError."""
+def dec_list(v: Any, limit: int = MAX_LIST_LEN) -> list[Any]:
+    """An array from the wire of at most limit entries, else TypeError/ValueError."""
     if type(v) is not list:
         raise TypeError(f"expected an array, got {type(v).__name__}")
-    if len(v) > MAX_LIST_LEN:
-        raise ValueError(f"array of {len(v)} entries exceeds {MAX_LIST_LEN}")
+    if len(v) > limit:
+        raise ValueError(f"array of {len(v)} entries exceeds {limit}")
     return v
 
 
@@ -515,8 +522,8 @@ def _tuple_of(codec: _FieldCodec) -> _FieldCodec:
 def _dec_str_int_map(v: Any) -> dict[str, int]:
     if type(v) is not dict:
         raise TypeError(f"expected a map, got {type(v).__name__}")
-    if len(v) > MAX_LIST_LEN:
-        raise ValueError(f"map of {len(v)} entries exceeds {MAX_LIST_LEN}")
+    if len(v) > MAX_LONG_LIST_LEN:  # (a topic's publisher table: one entry per publisher)
+        raise ValueError(f"map of {len(v)} entries exceeds {MAX_LONG_LIST_LEN}")
     return {dec_str(k): dec_int(x) for k, x in v.items()}
 
 
@@ -935,7 +942,8 @@ def decode_message(data: bytes) -> Message:
     """Decode one msgpack-encoded message, raising RemoteProtocolError for anything malformed."""
     try:
         # unpackb derives its max_*_len limits from len(data), which MAX_FRAME_SIZE bounds; the explicit
-        # limits below are tighter where the protocol allows it (no ext types at all, short arrays and maps).
+        # limits below are tighter where the protocol allows it (no ext types at all); each field's decoder then
+        # holds its arrays to MAX_LIST_LEN, or MAX_LONG_LIST_LEN where they grow with a topic.
         wire = msgpack.unpackb(
             data,
             raw=False,
@@ -943,8 +951,8 @@ def decode_message(data: bytes) -> Message:
             use_list=True,
             max_str_len=MAX_FRAME_SIZE,
             max_bin_len=MAX_FRAME_SIZE,
-            max_array_len=MAX_LIST_LEN,
-            max_map_len=MAX_LIST_LEN,
+            max_array_len=MAX_LONG_LIST_LEN,
+            max_map_len=MAX_LONG_LIST_LEN,
             max_ext_len=0,
         )
         return _message_from_wire(wire)

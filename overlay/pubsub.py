@@ -16,6 +16,7 @@ from overlay.protocol import (
     MAX_CORR,
     MAX_FRAME_SIZE,
     MAX_ID_LEN,
+    MAX_LONG_LIST_LEN,
     LocalProtocolError,
     Message,
     NodeInfo,
@@ -172,7 +173,7 @@ register_field_type(
 register_field_type(
     "tuple[SubRef, ...]",
     lambda ss: [[enc_node(s.access), s.session] for s in ss],
-    lambda v: tuple(_dec_subref(x) for x in dec_list(v)),
+    lambda v: tuple(_dec_subref(x) for x in dec_list(v, MAX_LONG_LIST_LEN)),  # a topic's subscribers
 )
 register_field_type(
     "tuple[Delegation, ...]",
@@ -182,7 +183,7 @@ register_field_type(
 register_field_type(
     "tuple[Waiter, ...]",
     lambda ws: [[enc_node(w.access), w.session, w.publisher, w.seq, w.ts] for w in ws],
-    lambda v: tuple(_dec_waiter(x) for x in dec_list(v)),
+    lambda v: tuple(_dec_waiter(x) for x in dec_list(v, MAX_LONG_LIST_LEN)),  # a topic's waiting publishes
 )
 
 
@@ -224,7 +225,7 @@ def _dec_session_requests(v: Any) -> SessionRequests:
 
 def _dec_answer(v: Any) -> Answer:
     sessions, body = dec_list(v)
-    return Answer(tuple(_dec_session_id(s) for s in dec_list(sessions)), dec_bytes(body))
+    return Answer(tuple(_dec_session_id(s) for s in dec_list(sessions, MAX_LONG_LIST_LEN)), dec_bytes(body))
 
 
 # Both are tuples of tuples (and of tuples of str or bytes): msgpack packs them as arrays as they are.
@@ -236,19 +237,18 @@ register_field_type(
 register_field_type("tuple[Answer, ...]", lambda xs: xs, lambda v: tuple(_dec_answer(x) for x in dec_list(v)))
 
 
-# A digest names every publisher of a topic (dedup state is kept for a day), so it may be longer than other
-# lists; the frame size bounds it in any case.
-MAX_DIGEST_ENTRIES: Final = 1 << 16
+# A digest names every publisher of a topic (dedup state is kept for a day): MAX_LONG_LIST_LEN publishers, each
+# with at most as many ranges; the frame size bounds it in any case.
 
 
 def _dec_digest(v: Any) -> Digest:
     if type(v) is not dict:
         raise TypeError(f"a digest is a map, got {type(v).__name__}")
-    if len(v) > MAX_DIGEST_ENTRIES:
-        raise ValueError(f"digest of {len(v)} publishers exceeds {MAX_DIGEST_ENTRIES}")
+    if len(v) > MAX_LONG_LIST_LEN:
+        raise ValueError(f"digest of {len(v)} publishers exceeds {MAX_LONG_LIST_LEN}")
     out: Digest = {}
     for pub, pairs in v.items():
-        if type(pairs) is not list or len(pairs) > MAX_DIGEST_ENTRIES:
+        if type(pairs) is not list or len(pairs) > MAX_LONG_LIST_LEN:
             raise ValueError("a digest maps a publisher to at most 65536 ranges")
         ranges = []
         for pair in pairs:

@@ -598,6 +598,45 @@ def test_records_the_primary_expired_are_not_taken_back() -> None:
     assert not set(_rows(net, primary)) & {0, 1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_a_topic_of_more_than_1024_subscribers_is_delivered_and_replicated(level: int) -> None:
+    # 1,100 sessions of one access broker subscribe.  Before, the subscriber list in the primary's REPLICATE and
+    # the sessions of one DELIVER in its TOPIC_REPLY were held to the wire's 1,024 entries for short lists: the
+    # receiving broker dropped them as bad messages, so nobody got anything and nothing was acknowledged.
+    net, _, secondary, pub = _setup(level)
+    n = 1100
+    for i in range(n):
+        net.nodes[pub].request(f"s{i}", Subscribe(1, TOPIC))
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 0, b"x", 0))
+    assert _acked(net, pub) == 0
+    assert all([r.seq for r in delivered(net.nodes[pub], f"s{i}")] == [0] for i in range(n))
+    if level > 1:
+        assert len(net.nodes[secondary].ps.table.replicas[TOPIC].subscribers) == n
+
+
+def test_a_topic_of_more_than_1024_publishers_is_repaired_copied_and_taken_over() -> None:
+    # 3,000 publishers: the publisher table in a REPLICATE and the digests of OFFER and PULL name each of them.
+    # Before, anything naming more than 1,024 was dropped as a bad message: anti-entropy, the meta batch after
+    # a subscription, a back-fill and a take-over's pull.
+    net, primary, secondary, pub = _setup(2)
+    n = 3000
+    for i in range(n):
+        net.nodes[pub].request("p", Publish(TOPIC, f"device-{i}", 0, b"x", 0))
+    net.nodes[pub].request("s", Subscribe(1, TOPIC))  # a meta batch: the whole publisher table
+    missing = Record(net.clock, "device-x", 0, b"lost batch")
+    net.nodes[primary].ps.store.get(TOPIC).merge([missing], net.clock)  # stored, its batch to the copy lost
+    net.nodes[primary].ps.table.replicas[TOPIC].unchecked = True
+    net.tick(ANTI_ENTROPY_INTERVAL + 0.5)  # the offer names 3,001 publishers; the copy pulls what it lacks
+    assert len(net.nodes[secondary].ps.store.get(TOPIC).rows) == n + 1
+    net.kill(primary)  # the take-over's pull names them too; then the new secondary's back-fill
+    net.tick(PULL_TIMEOUT + 0.5)
+    net.tick(OFFER_TIMEOUT + 0.5)
+    loc = locate(net, TOPIC)
+    assert loc.primary.id == secondary and loc.secondary is not None
+    assert len(net.nodes[loc.secondary.id].ps.store.get(TOPIC).rows) == n + 1
+    assert net.nodes[secondary].ps.replica_states()[TOPIC][0] == "caught_up"
+
+
 # ---- real brokers ---------------------------------------------------------------------------------------------
 
 
