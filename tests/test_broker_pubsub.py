@@ -488,3 +488,37 @@ async def test_cli_pub_sub_locate(cluster10: LocalCluster) -> None:
 
 async def _subscribers(c: Client, topic: str) -> bool:
     return (await c.locate(topic)).subscribers > 0
+
+
+async def test_a_topic_of_1100_subscribers_at_one_access_broker_is_acknowledged_and_delivered(tmp_path: Path) -> None:
+    # Level 2, 1,100 sessions of one access broker subscribed.  Before, the primary's REPLICATE naming them and
+    # the TOPIC_REPLY of one DELIVER for all of them were over the wire's 1,024 entries for short lists: the
+    # secondary dropped every batch as a bad message, so no publish of the topic was ever acknowledged.
+    topic, n = "grid/fanout/wide", 1100
+    args = (*FAST_ARGS, "--max-connections", "2000")
+    async with LocalCluster(4, seed=5, resilience=2, state_dir=tmp_path, broker_args=args, tls=False) as c:
+        await c.wait_converged(30.0)
+        async with Client([bp.listen for bp in c.nodes]) as probe:
+            loc = await probe.locate(topic)
+        assert loc.secondary is not None
+        access = next(bp.listen for bp in c.nodes if bp.node_id not in (loc.primary.id, loc.secondary.id))
+        got = [0] * n
+        subscribers: list[Client] = []
+        try:
+            for i in range(n):
+                sc = Client([access])
+                await sc.__aenter__()
+                subscribers.append(sc)
+
+                def count(m: ReceivedMessage, i: int = i) -> None:
+                    got[i] += 1
+
+                await sc.subscribe(topic, on_message=count)
+            async with Client([access]) as pub:
+                async with asyncio.timeout(20):
+                    await pub.publish(topic, b"to all of them")
+            await wait_for(lambda: sum(got) == n, 20.0, f"the message at all {n} subscribers")
+            assert got == [1] * n
+        finally:
+            for sc in subscribers:
+                await sc.aclose()
