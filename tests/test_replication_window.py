@@ -598,7 +598,7 @@ def test_records_the_primary_expired_are_not_taken_back() -> None:
     assert not set(_rows(net, primary)) & {0, 1, 2, 3, 4}
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [1, 2])  # (level 3 passes the same REPLICATE on: 8.7 s more, no new decoder)
 def test_a_topic_of_more_than_1024_subscribers_is_delivered_and_replicated(level: int) -> None:
     # 1,100 sessions of one access broker subscribe.  Before, the subscriber list in the primary's REPLICATE and
     # the sessions of one DELIVER in its TOPIC_REPLY were held to the wire's 1,024 entries for short lists: the
