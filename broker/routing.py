@@ -206,7 +206,13 @@ class Routing:
         except LocalProtocolError as exc:
             # More than a frame (a topic's subscriber list or publisher table in a REPLICATE, a digest): dropped
             # as a lost message would be, loudly, and the broker goes on (raised, it stopped this turn's work).
-            self._too_large(msg, exc)
+            self.stats.dropped_too_large += 1
+            topic = getattr(msg, "topic", None)
+            self.log.error(  # noqa: TRY400 - a size, not a bug: the message says it, a traceback would not
+                'not sent: %s%s (counted in sedax_dropped_messages_total{reason="too_large"})',
+                exc,
+                f" (topic {topic})" if topic else "",
+            )
             return
         if trace.ENABLED:
             trace.mark(f"send {msg.op}", body)
@@ -216,15 +222,6 @@ class Routing:
             self.stats.dropped_no_route += 1
             return
         self._dirty.add(out)
-
-    def _too_large(self, msg: Message, exc: LocalProtocolError) -> None:
-        self.stats.dropped_too_large += 1
-        topic = getattr(msg, "topic", None)
-        self.log.error(
-            'not sent: %s%s (counted in sedax_dropped_messages_total{reason="too_large"})',
-            exc,
-            f" (topic {topic})" if topic else "",
-        )
 
     def _deliver(self, frame: RoutedFrame) -> None:
         try:

@@ -282,6 +282,11 @@ def _rows(net: Net, nid: str) -> list[int]:
     return sorted(row[2] for row in net.nodes[nid].ps.store.get(TOPIC).rows)
 
 
+def _pairs(net: Net, nid: str) -> set[tuple[str, int]]:
+    """(publisher, seq) of every record nid stores of TOPIC."""
+    return {(row[1], row[2]) for row in net.nodes[nid].ps.store.get(TOPIC).rows}
+
+
 def _setup_history(level: int, n: int) -> tuple[HoldNet, str, str, str]:
     """_setup, with n messages published and acknowledged."""
     net, primary, secondary, pub = _setup(level)
@@ -549,7 +554,7 @@ def test_a_copy_the_view_no_longer_ranks_hands_its_records_on_and_lets_go() -> N
     net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
     net.tick(OFFER_TIMEOUT + 0.5)
     assert TOPIC not in ps.table.replicas, "the stray copy stayed"
-    assert ("Q", 0) in {(row[1], row[2]) for row in net.nodes[primary].ps.store.get(TOPIC).rows}
+    assert ("Q", 0) in _pairs(net, primary)
 
 
 @pytest.mark.parametrize("level", [2, 3])
@@ -565,15 +570,14 @@ def test_a_record_only_the_secondary_keeps_reaches_the_primary_at_the_next_anti_
     net.nodes[pub].request("p", Publish(TOPIC, "P", 5, b"x", 5))  # the topic changed: the next round compares
     net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
     net.tick(OFFER_TIMEOUT + 0.5)
-    rows = {(row[1], row[2]) for row in net.nodes[primary].ps.store.get(TOPIC).rows}
-    assert ("Q", 0) in rows, "the primary never got the record only its secondary kept"
+    assert ("Q", 0) in _pairs(net, primary), "the primary never got the record only its secondary kept"
     assert ("Q", 0) in {(r.publisher, r.seq) for r in delivered(net.nodes[pub], "s")}
     assert net.nodes[secondary].ps.counters["reverse_offers"] == 1
     assert net.nodes[secondary].ps.replica_states()[TOPIC][2] == 0  # its offer was confirmed
     if level == 3:  # and the tertiary too (the primary replicates what it merged; the secondary passes it on)
         tertiary = locate(net, TOPIC).tertiary
         assert tertiary is not None
-        assert ("Q", 0) in {(row[1], row[2]) for row in net.nodes[tertiary.id].ps.store.get(TOPIC).rows}
+        assert ("Q", 0) in _pairs(net, tertiary.id)
     net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
     assert net.nodes[secondary].ps.counters["reverse_offers"] == 1  # once: the primary holds it now
 
