@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.pubsub import PubSub, PubSubConfig
 from overlay.geometry import Coord, closest, geohash
-from overlay.protocol import Message, NodeInfo, decode_message, encode_message
+from overlay.protocol import MAX_LINK_FRAME_SIZE, Message, NodeInfo, decode_message, encode_message
 from overlay.pubsub import Publish, Subscribe
 
 TOPIC = "bench/latency/t1"  # bench_latency's topic
@@ -84,7 +84,7 @@ class Node:
         return self.net.view
 
     def route(self, dest: Coord, msg: Message) -> None:
-        self.net.queue.append((dest, encode_message(msg)))
+        self.net.queue.append((dest, encode_message(msg, MAX_LINK_FRAME_SIZE)))  # as routing.send_routed
 
     def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
         if session not in self.frames_to:

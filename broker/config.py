@@ -22,7 +22,7 @@ from broker.storage import FsyncPolicy
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
 from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 from overlay.protocol import MAX_FRAME_SIZE, MAX_HOP_LIMIT, parse_address
-from overlay.pubsub import MAX_PAYLOAD_SIZE
+from overlay.pubsub import MAX_PAYLOAD_SIZE, MAX_TOPIC_ENTRIES
 
 __all__ = ["BrokerConfig", "ConfigError", "add_broker_arguments", "build_config", "config_from_args"]
 
@@ -119,6 +119,8 @@ class BrokerConfig:
             (too_many_connections).  Broker links do not count.
         max_frame_size: largest frame (bytes) accepted from a client or admin connection.
         max_payload: largest publish payload (bytes); larger ones get NACK too_large.
+        max_topic_entries: subscribers plus publishers (of the last day) one topic holds at its primary; a new
+            one beyond is refused (topic_full).  At most overlay.pubsub.MAX_TOPIC_ENTRIES, what fits a frame.
         publish_rate: publishes per second per client identity (token bucket, NACK rate_limited); 0 = no limit.
         publish_burst: how many publishes a client may send at once before the rate applies.
         client_send_buffer: bytes queued for one client that does not read; beyond it `slow_consumer_policy`
@@ -182,6 +184,7 @@ class BrokerConfig:
     max_connections: int = 1024
     max_frame_size: int = MAX_FRAME_SIZE
     max_payload: int = MAX_PAYLOAD_SIZE
+    max_topic_entries: int = MAX_TOPIC_ENTRIES
     publish_rate: float = 0.0
     publish_burst: int = 1000
     client_send_buffer: int = 16 << 20
@@ -297,6 +300,11 @@ class BrokerConfig:
             )
         if not 0 <= self.max_payload <= MAX_PAYLOAD_SIZE:
             raise ConfigError(f"max_payload must be in 0..{MAX_PAYLOAD_SIZE}, got {self.max_payload}")
+        if not 1 <= self.max_topic_entries <= MAX_TOPIC_ENTRIES:
+            raise ConfigError(
+                f"max_topic_entries must be in 1..{MAX_TOPIC_ENTRIES} (what a frame between brokers holds), "
+                f"got {self.max_topic_entries}"
+            )
         if not (math.isfinite(self.publish_rate) and self.publish_rate >= 0):
             raise ConfigError(f"publish_rate must be >= 0 publishes per second (0 = no limit), got {self.publish_rate}")
         if self.publish_burst < 1:
@@ -427,6 +435,7 @@ _INT_FIELDS: Final = frozenset(
         "max_connections",
         "max_frame_size",
         "max_payload",
+        "max_topic_entries",
         "publish_burst",
         "client_send_buffer",
     }

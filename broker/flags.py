@@ -91,6 +91,9 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", dest="max_connections", type=int, help="client connections (1024)")
     g.add_argument("--max-frame-size", dest="max_frame_size", type=int, help="bytes per client frame (1 MiB)")
     g.add_argument("--max-payload", dest="max_payload", type=int, help="bytes per publish payload (1 MiB - 1 KiB)")
+    g.add_argument(
+        "--max-topic-entries", dest="max_topic_entries", type=int, help="subscribers + publishers per topic (32768)"
+    )
     g.add_argument("--publish-rate", dest="publish_rate", type=float, help="publishes/s per client, 0 = off (0)")
     g.add_argument("--publish-burst", dest="publish_burst", type=int, help="publishes at once per client (1000)")
     g.add_argument(

@@ -36,7 +36,7 @@ from broker.link import NOISY_CLOSES, CloseReason, PeerLink
 from broker.tls import BrokerTls, load_broker_tls
 from net.credentials import ROLE_BROKER, PeerCert
 from overlay.protocol import (
-    MAX_FRAME_SIZE,
+    MAX_LINK_FRAME_SIZE,
     MAX_TOKEN_LEN,
     Hello,
     Join,
@@ -238,7 +238,7 @@ class Guard:
                     )
             link.identity = hello.node
             link.may_route = True
-            link.limit_frames(MAX_FRAME_SIZE)  # routed frames carry publishes of up to MAX_PAYLOAD_SIZE
+            link.limit_frames(MAX_LINK_FRAME_SIZE)  # a topic's meta beside a publish of up to MAX_PAYLOAD_SIZE
             return None
         if clients >= self.config.max_connections:
             self.counters["refused_too_many_connections"] += 1

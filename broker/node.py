@@ -44,6 +44,7 @@ from overlay.delegation import BalancePlan, BalancePlanned, LoadReport, MoveTopi
 from overlay.dt import NeighbourView
 from overlay.protocol import (
     MAX_CORR,
+    MAX_LINK_FRAME_SIZE,
     RATE_WINDOW,
     Coord,
     Join,
@@ -159,6 +160,7 @@ class Broker(Membership, Routing):
                 space=config.space,
                 note_ttl=3 * config.load_report_interval + 1.0,
                 acl=self.guard.acl,
+                max_topic_entries=config.max_topic_entries,
             ),
             TopicStore(retention, disk),
         )
@@ -220,9 +222,9 @@ class Broker(Membership, Routing):
             local_id=self.node_id,
             ticked=True,  # Broker._ticker ticks every link
         )
-        if not outbound:
-            # Until it proves to be a broker, a peer gets the client frame limit (guard.admit lifts it).
-            link.limit_frames(c.max_frame_size)
+        # Until it proves to be a broker, a peer gets the client frame limit (guard.admit lifts it); a link this
+        # broker dials goes to a broker.
+        link.limit_frames(MAX_LINK_FRAME_SIZE if outbound else c.max_frame_size)
         self.links.add(link)
         return link
 

@@ -23,6 +23,7 @@ from net import trace
 from overlay.delegation import CoordOffer, CoordQuery
 from overlay.protocol import (
     FLAG_TRACE,
+    MAX_LINK_FRAME_SIZE,
     Coord,
     Error,
     Join,
@@ -202,9 +203,10 @@ class Routing:
             return
         out = self.peers[nh]
         try:
-            body = encode_message(msg)
+            body = encode_message(msg, MAX_LINK_FRAME_SIZE)
         except LocalProtocolError as exc:
-            # More than a frame (a topic's subscriber list or publisher table in a REPLICATE, a digest): dropped
+            # More than a frame (a topic's subscriber list or publisher table in a REPLICATE beyond what
+            # MAX_TOPIC_ENTRIES lets in, as after two partitions' lists merged): dropped
             # as a lost message would be, loudly, and the broker goes on (raised, it stopped this turn's work).
             self.stats.dropped_too_large += 1
             topic = getattr(msg, "topic", None)

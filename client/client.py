@@ -953,9 +953,9 @@ class Client:
             self._resend_topic(m.topic, from_seq=m.expected)
             return
         # A refusal of the topic as such (ACL, name) fails this and every later publish to it, and so does a full
-        # disk at the holder (none of what followed was stored either); one of a single message (size) fails
-        # that one, and the rest of its batch goes out again at once.
-        whole_topic = m.code in ("not_allowed", "bad_topic", "storage_full")
+        # disk at the holder or a topic that takes no new publisher (none of what followed was stored either);
+        # one of a single message (size) fails that one, and the rest of its batch goes out again at once.
+        whole_topic = m.code in ("not_allowed", "bad_topic", "storage_full", "topic_full")
         for seq in sorted(s for s in per_topic if s >= m.seq) if whole_topic else [m.seq]:
             p = per_topic.pop(seq, None)
             if p is not None:

@@ -44,17 +44,26 @@ import msgpack
 #   2: client requests for other brokers travel in TOPIC_REQUEST / TOPIC_REPLY, one per turn (afe1dea), and
 #      REPLICATE may carry records only (its `meta` field);
 #   3: every message but the handshake's is a msgpack array `[op, field, ...]`, not a map: decoding a PUBLISH
-#      takes half the time (docs/benchmarks-latency.md, "Eleventh round").
-PROTOCOL_VERSION: Final = 3
+#      takes half the time (docs/benchmarks-latency.md, "Eleventh round");
+#   4: frames between brokers may be MAX_LINK_FRAME_SIZE, a topic's subscribers travel grouped by access
+#      broker, and a topic holds at most MAX_TOPIC_ENTRIES subscribers and publishers (`topic_full`).
+PROTOCOL_VERSION: Final = 4
 # The oldest version whose clients and admin tools a broker still admits.  Those of versions 1 and 2 read
-# only maps: they are refused at HELLO (version_mismatch, in the map form they read).  Brokers must speak
-# PROTOCOL_VERSION itself.
-OLDEST_CLIENT_VERSION: Final = 3
+# only maps; those of version 3 cannot read the `topic_full` refusal.  They are refused at HELLO
+# (version_mismatch, in a form they read).  Brokers must speak PROTOCOL_VERSION itself.
+OLDEST_CLIENT_VERSION: Final = 4
 
 # One frame must fit in memory before it is processed, so its size is bounded.  1 MiB is far above the largest
 # control message (a STATUS with MAX_LIST_LEN entries is < 100 KiB) and leaves room for publish payloads of
 # later issues, while a hostile peer announcing a 4 GiB frame is refused before a single body byte is kept.
 MAX_FRAME_SIZE: Final = 1 << 20
+# Frames between brokers (authenticated peers) may be larger: a REPLICATE carries a topic's subscriber list and
+# publisher table besides its records, and a TOPIC_REQUEST or TOPIC_REPLY wraps a client's frame of up to
+# MAX_FRAME_SIZE.  Held to MAX_FRAME_SIZE, one publish of the largest payload to a topic with a few dozen
+# subscribers made a REPLICATE or a TOPIC_REPLY over the frame: it was dropped, the topic's replication
+# stalled and those subscribers never got the message.  Room: the largest record (MAX_FRAME_SIZE) plus a topic's
+# meta at its limit (overlay.pubsub.MAX_TOPIC_ENTRIES), with a margin.
+MAX_LINK_FRAME_SIZE: Final = 4 << 20
 
 # Node ids appear in logs, status output and tie-breaks; 64 printable characters are plenty for a uuid.
 MAX_ID_LEN: Final = 64
@@ -908,14 +917,15 @@ class RoutedFrame(NamedTuple):
 Frame: TypeAlias = ControlFrame | RoutedFrame
 
 
-def encode_message(msg: Message) -> bytes:
-    """The msgpack body of a message (used inside CONTROL frames and as the body of ROUTED frames)."""
+def encode_message(msg: Message, limit: int = MAX_FRAME_SIZE) -> bytes:
+    """The msgpack body of a message (used inside CONTROL frames and as the body of ROUTED frames), at most a
+    frame of `limit` bytes: MAX_FRAME_SIZE for what may reach a client, MAX_LINK_FRAME_SIZE between brokers."""
     enc = _ENCODERS.get(type(msg))
     if enc is None:
         raise LocalProtocolError(f"{type(msg).__name__} is not a registered message type")
     data: bytes = _packb(enc(msg))
-    if len(data) + _ROUTED_PREFIX_LEN > MAX_FRAME_SIZE:
-        raise LocalProtocolError(f"{msg.op} encodes to {len(data)} bytes, over MAX_FRAME_SIZE")
+    if len(data) + _ROUTED_PREFIX_LEN > limit:
+        raise LocalProtocolError(f"{msg.op} encodes to {len(data)} bytes, over the frame limit of {limit}")
     return data
 
 
@@ -949,8 +959,8 @@ def decode_message(data: bytes) -> Message:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_str_len=MAX_FRAME_SIZE,
-            max_bin_len=MAX_FRAME_SIZE,
+            max_str_len=MAX_LINK_FRAME_SIZE,
+            max_bin_len=MAX_LINK_FRAME_SIZE,
             max_array_len=MAX_LONG_LIST_LEN,
             max_map_len=MAX_LONG_LIST_LEN,
             max_ext_len=0,
@@ -982,8 +992,8 @@ def append_routed(
     """Append one ROUTED frame to buf: the cheap way to build a batch of frames for one write()."""
     _check_routed(x, y, hops, hop_limit, flags)
     length = 1 + ROUTED_HEADER.size + len(body)
-    if length > MAX_FRAME_SIZE:
-        raise LocalProtocolError(f"routed frame of {length} bytes is over MAX_FRAME_SIZE")
+    if length > MAX_LINK_FRAME_SIZE:
+        raise LocalProtocolError(f"routed frame of {length} bytes is over MAX_LINK_FRAME_SIZE")
     buf += _PREFIX.pack(length, FrameKind.ROUTED)
     buf += ROUTED_HEADER.pack(x, y, hops, hop_limit, flags)
     buf += body
@@ -1034,8 +1044,8 @@ class FrameDecoder:
     __slots__ = ("_buf", "_eof", "_error", "max_frame_size")
 
     def __init__(self, max_frame_size: int = MAX_FRAME_SIZE) -> None:
-        if not 1 + ROUTED_HEADER.size <= max_frame_size <= MAX_FRAME_SIZE:
-            raise LocalProtocolError(f"max_frame_size must be in {1 + ROUTED_HEADER.size}..{MAX_FRAME_SIZE}")
+        if not 1 + ROUTED_HEADER.size <= max_frame_size <= MAX_LINK_FRAME_SIZE:
+            raise LocalProtocolError(f"max_frame_size must be in {1 + ROUTED_HEADER.size}..{MAX_LINK_FRAME_SIZE}")
         self.max_frame_size = max_frame_size
         self._buf = bytearray()
         self._eof = False

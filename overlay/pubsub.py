@@ -57,6 +57,7 @@ PubSubCode: TypeAlias = Literal[
     "out_of_order",  # a publisher's sequence has a gap the client can fill: re-send from `expected`
     "bad_request",  # anything else the client got wrong
     "rate_limited",  # over the broker's per-client publish rate (--publish-rate): re-send later
+    "topic_full",  # a new subscriber or publisher of a topic that has MAX_TOPIC_ENTRIES (or --max-topic-entries)
 ]
 
 
@@ -71,6 +72,14 @@ def _check_ts(ts: float, what: str) -> None:
     if not math.isfinite(ts):
         raise LocalProtocolError(f"{what} must be a finite number of seconds, got {ts}")
 
+
+# A topic's subscribers plus the publishers in its table (those seen in the last day, overlay.store) at most:
+# both travel in every REPLICATE that carries the topic's meta, beside up to a frame of records, and that must
+# fit a frame between brokers.  With the longest ids (MAX_ID_LEN) a subscriber costs at most 66 bytes there
+# and a publisher 75 (its id and sequence number); 32,768 of them take under 2.5 MB, leaving MAX_LINK_FRAME_SIZE
+# room for the largest record and ~2,000 access brokers' addresses (tests/test_topic_limits.py builds that
+# REPLICATE).  A new subscriber or publisher beyond it is refused (`topic_full`), the topic's others go on.
+MAX_TOPIC_ENTRIES: Final = 1 << 15
 
 # Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
 # plus the id's length is what those cost in the msgpack form used for replication, so L_T(t) counts them.
@@ -146,11 +155,31 @@ def _dec_record(v: Any) -> Record:
     return check_record(Record(dec_float(ts), pub, seq, payload))
 
 
-def _dec_subref(v: Any) -> SubRef:
-    node, session = dec_list(v)
-    if type(session) is not str:
-        raise TypeError("a subscription is [node, session]")
-    return SubRef(dec_node(node), session)
+def _enc_subrefs(subs: tuple[SubRef, ...]) -> list[list[Any]]:
+    """A topic's subscribers as [[access broker, [session, ...]], ...]: the broker once per group, not once per
+    subscriber (~15 bytes a subscriber instead of ~90, which is what lets MAX_TOPIC_ENTRIES fit a frame)."""
+    if not subs:
+        return []
+    groups: dict[NodeInfo, list[str]] = {}
+    for s in subs:
+        g = groups.get(s.access)
+        if g is None:
+            groups[s.access] = [s.session]
+        else:
+            g.append(s.session)
+    return [[enc_node(access), sessions] for access, sessions in groups.items()]
+
+
+def _dec_subrefs(v: Any) -> tuple[SubRef, ...]:
+    out: list[SubRef] = []
+    for group in dec_list(v, MAX_LONG_LIST_LEN):
+        node, sessions = dec_list(group)
+        access = dec_node(node)
+        for session in dec_list(sessions, MAX_LONG_LIST_LEN - len(out)):
+            if type(session) is not str:
+                raise TypeError("a subscriber group is [node, [session, ...]]")
+            out.append(SubRef(access, session))
+    return tuple(out)
 
 
 def _dec_waiter(v: Any) -> Waiter:
@@ -170,11 +199,7 @@ register_field_type(
     lambda rs: rs,  # records are tuples: msgpack packs them as arrays as they are
     lambda v: tuple(_dec_record(x) for x in dec_list(v)),
 )
-register_field_type(
-    "tuple[SubRef, ...]",
-    lambda ss: [[enc_node(s.access), s.session] for s in ss],
-    lambda v: tuple(_dec_subref(x) for x in dec_list(v, MAX_LONG_LIST_LEN)),  # a topic's subscribers
-)
+register_field_type("tuple[SubRef, ...]", _enc_subrefs, _dec_subrefs)  # a topic's subscribers
 register_field_type(
     "tuple[Delegation, ...]",
     lambda ds: [[[d.coord[0], d.coord[1]], d.start] for d in ds],

@@ -209,7 +209,7 @@ def test_local_misuse_is_local_error() -> None:
     with pytest.raises(LocalProtocolError):
         p.encode_routed((0.5, 0.5), b"", hop_limit=4, flags=0x40)
     with pytest.raises(LocalProtocolError):
-        p.encode_routed((0.5, 0.5), b"x" * MAX_FRAME_SIZE, hop_limit=4)
+        p.encode_routed((0.5, 0.5), b"x" * p.MAX_LINK_FRAME_SIZE, hop_limit=4)  # routed: between brokers
     dec = FrameDecoder()
     dec.feed(b"")
     with pytest.raises(LocalProtocolError):

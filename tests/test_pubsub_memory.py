@@ -17,11 +17,20 @@ from broker.pubsub import PubSub, PubSubConfig
 from broker.pubsub.core import chunks, frame_chunks
 from broker.store import Retention
 from overlay.geometry import Coord, closest, geohash
-from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo, decode_message, encode_message
+from overlay.protocol import (
+    MAX_LINK_FRAME_SIZE,
+    ControlFrame,
+    FrameDecoder,
+    Message,
+    NodeInfo,
+    decode_message,
+    encode_message,
+)
 from overlay.pubsub import (
     MAX_BATCH,
     MAX_BATCH_BYTES,
     MAX_PAYLOAD_SIZE,
+    MAX_TOPIC_ENTRIES,
     MESSAGE_OVERHEAD,
     Ack,
     Deliver,
@@ -44,9 +53,15 @@ from overlay.pubsub import (
 
 class Net:
     def __init__(
-        self, coords: list[Coord], resilience: int, acl: Acl | None = None, retention: Retention | None = None
+        self,
+        coords: list[Coord],
+        resilience: int,
+        acl: Acl | None = None,
+        retention: Retention | None = None,
+        max_topic_entries: int = MAX_TOPIC_ENTRIES,
     ) -> None:
         self.clock = 1000.0
+        self.max_topic_entries = max_topic_entries
         self.retention = retention if retention is not None else Retention()
         self.queue: deque[tuple[Coord, bytes]] = deque()
         self.sent: list[tuple[str, Message]] = []  # (sender, message) of every routed message, in order
@@ -117,7 +132,10 @@ class Node:
         self._me = me
         self.alive = True
         self.inbox: dict[str, list[Message]] = {}
-        self.ps = PubSub(self, PubSubConfig(resilience=resilience, acl=net.acl, retention=net.retention))
+        config = PubSubConfig(
+            resilience=resilience, acl=net.acl, retention=net.retention, max_topic_entries=net.max_topic_entries
+        )
+        self.ps = PubSub(self, config)
 
     @property
     def me(self) -> NodeInfo:
@@ -128,7 +146,7 @@ class Node:
 
     def route(self, dest: Coord, msg: Message) -> None:
         self.net.sent.append((self._me.id, msg))
-        self.net.queue.append((dest, encode_message(msg)))
+        self.net.queue.append((dest, encode_message(msg, MAX_LINK_FRAME_SIZE)))  # as routing.send_routed
 
     def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
         if session not in self.inbox or not self.alive:

@@ -9,7 +9,7 @@ loop turn travel in one TOPIC_REQUEST, whichever sessions they come from (each w
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from broker.pubsub.core import TopicTable, control_frame, frame_chunks, same
 from overlay.delegation import MoveTopic
@@ -160,6 +160,8 @@ class AccessRole:
     def local_reply(self, sessions: Sequence[str], reply: bytes, sent: Message | None = None) -> None:
         """An answer (an encoded message) for sessions of this broker, from a TOPIC_REPLY or a local holder (which
         passes the message itself too, as `sent`)."""
+        if reply.startswith(_FAILED_HEAD):
+            self._refused(sessions, reply)
         frame = control_frame(reply)
         to_session = self.t.ov.to_session
         if len(sessions) == 1:  # an ACK, a reply, a DELIVER to one subscriber here: no list per message
@@ -169,6 +171,17 @@ class AccessRole:
         missing = [s for s in sessions if not to_session(s, frame, sent)]
         if missing:
             self._sessions_gone(missing, reply)
+
+    def _refused(self, sessions: Sequence[str], reply: bytes) -> None:
+        """A FAILED for these sessions: a SUBSCRIBE the topic's primary refused (topic_full) is no subscription
+        here either, so the session may ask again later."""
+        try:
+            msg = decode_message(reply)
+        except RemoteProtocolError:
+            return
+        if isinstance(msg, Failed) and msg.code == "topic_full":
+            for s in sessions:
+                self.session_topics.get(s, set()).discard(msg.topic)
 
     def _sessions_gone(self, sessions: Iterable[str], reply: bytes) -> None:
         try:
@@ -191,6 +204,11 @@ class AccessRole:
         frame = control_frame(encode_message(Redirect(m.topic, m.coord)))
         for s in m.sessions:
             self.t.ov.to_session(s, frame)
+
+
+# How every encoded FAILED starts (its array header and op), so an answer passed on as bytes is told apart
+# without decoding the ACKs and DELIVERs around it.
+_FAILED_HEAD: Final = encode_message(Failed(1, "t", "bad_request", ""))[:8]
 
 
 def _request_size(item: tuple[str, bytes]) -> int:

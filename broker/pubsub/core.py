@@ -17,10 +17,24 @@ from broker.pubsub.replica import Replica, Stage, Transition
 from broker.pubsub.settings import SAME_COORD, PubSubConfig
 from broker.store import TopicStore
 from overlay.geometry import Coord, closest, distance, geohash
-from overlay.protocol import FrameKind, Message, NodeInfo, encode_message
+from overlay.protocol import (
+    MAX_FRAME_SIZE,
+    MAX_LINK_FRAME_SIZE,
+    MAX_LONG_LIST_LEN,
+    FrameKind,
+    Message,
+    NodeInfo,
+    encode_message,
+)
 from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Answer, Deliver, Record, SubRef, TopicReply
 
 _CONTROL_PREFIX: Final = struct.Struct(">IB")
+# The sessions one answer of a TOPIC_REPLY names, in bytes: beside a body of up to MAX_FRAME_SIZE (a DELIVER of
+# the largest payload) the answer must fit a frame between brokers.  A DELIVER for more sessions of one access
+# broker travels as several answers (`session_groups`).  Checked only past SESSIONS_CHECKED sessions, which
+# always fit (at most MAX_ID_LEN + 2 bytes each).
+SESSION_BYTES: Final = MAX_LINK_FRAME_SIZE - MAX_FRAME_SIZE - (64 << 10)
+SESSIONS_CHECKED: Final = 1024
 # Coordinates whose ranking TopicTable keeps for the current view (a bound, not a second topic table).
 RANKED_CACHE: Final = 100_000
 
@@ -72,19 +86,30 @@ def no_event(kind: str, **fields: object) -> None:
     """Events go nowhere unless the broker connects its metrics log."""
 
 
-def frame_chunks(items: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
-    """Split items into batches that fit a frame: at most MAX_BATCH items of at most MAX_BATCH_BYTES by size
-    (an item larger than that alone); always at least one (possibly empty) batch."""
+def frame_chunks(
+    items: Iterable[T], size: Callable[[T], int], most: int = MAX_BATCH, budget: int = MAX_BATCH_BYTES
+) -> list[list[T]]:
+    """Split items into batches that fit a frame: at most `most` items of at most `budget` bytes by size (an
+    item larger than that alone); always at least one (possibly empty) batch."""
     out: list[list[T]] = [[]]
     total = 0
     for x in items:
         n = size(x)
-        if out[-1] and (len(out[-1]) >= MAX_BATCH or total + n > MAX_BATCH_BYTES):
+        if out[-1] and (len(out[-1]) >= most or total + n > budget):
             out.append([])
             total = 0
         out[-1].append(x)
         total += n
     return out
+
+
+def session_groups(sessions: list[str]) -> list[list[str]]:
+    """sessions in groups that each fit one answer of a TOPIC_REPLY (SESSION_BYTES, MAX_LONG_LIST_LEN)."""
+    return frame_chunks(sessions, _session_size, MAX_LONG_LIST_LEN, SESSION_BYTES)
+
+
+def _session_size(s: str) -> int:
+    return len(s.encode()) + 2  # (msgpack's string header: 1 byte up to 31, 2 up to 255)
 
 
 def _payload_size(r: Record) -> int:
@@ -152,6 +177,7 @@ class TopicTable:
             "offers": 0,  # OFFERs sent (retiring, demoted, shutting down, anti-entropy)
             "synced_records": 0,  # records another holder lacked, sent by this one (PULL and OFFER answers)
             "reverse_offers": 0,  # a copy offered its primary records the primary did not keep (`_offer_back`)
+            "topic_full": 0,  # new subscribers and publishers refused: the topic had max_topic_entries
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event
@@ -279,4 +305,8 @@ class TopicTable:
             for access, sessions in groups.values():
                 self.counters["delivered"] += len(sessions) * len(batch)
                 self.counters["delivered_bytes"] += len(sessions) * size
-                self.reply_bytes(access, sessions, body)
+                if len(sessions) <= SESSIONS_CHECKED:  # (the common case, without a call per delivery)
+                    self.reply_bytes(access, sessions, body)
+                else:
+                    for group in session_groups(sessions):
+                        self.reply_bytes(access, group, body)

@@ -178,6 +178,9 @@ class HolderRole:
                 self._publish(r, access, session, req)
             case Subscribe():
                 key = (access.id, session)
+                if key not in r.subscribers and (text := self._full(r)):
+                    self.t.reply(access, [session], Failed(req.corr, r.name, "topic_full", text))
+                    return
                 r.subscribers[key] = SubRef(access, session)
                 r.meta_dirty = True
                 if req.since is not None:
@@ -247,6 +250,20 @@ class HolderRole:
             case _:
                 log.warning("dropping unexpected topic request %s", req.op)
 
+    def _full(self, r: Replica) -> str:
+        """Why r takes no new subscriber or publisher (counted), or "" while it has room: its subscriber list and
+        publisher table travel in one frame between brokers (overlay.pubsub.MAX_TOPIC_ENTRIES)."""
+        n, limit = len(r.subscribers) + len(r.log.last_seq), self.t.config.max_topic_entries
+        if n < limit:
+            return ""
+        self.t.counters["topic_full"] += 1
+        return (
+            f"topic {r.name!r} has {len(r.subscribers)} subscribers and {len(r.log.last_seq)} publishers, the most "
+            f"one topic holds ({limit}, --max-topic-entries): use narrower topics (one per feeder, say), or try "
+            "again once some have gone (a publisher is forgotten a day after its last message, once its messages "
+            "expired)"
+        )
+
     def forget_if_empty(self, r: Replica) -> None:
         # A FETCH or LOCATE of a topic nobody published to must not create state that lingers.
         if not r.log.rows and not r.log.last_seq and not r.subscribers and not r.waiting:
@@ -283,8 +300,11 @@ class HolderRole:
     def _publish_one(
         self, r: Replica, access: NodeInfo, session: str, publisher: str, seq: int, payload: bytes, base: int
     ) -> bool:
-        """Store one message (or re-acknowledge a duplicate); False if it is out of order."""
+        """Store one message (or re-acknowledge a duplicate); False if it is out of order or refused."""
         last = r.log.last_seq.get(publisher, -1)
+        if last < 0 and publisher not in r.log.last_seq and (text := self._full(r)):
+            self.t.reply(access, [session], Nack(r.name, publisher, seq, "topic_full", text))
+            return False
         if seq <= last:
             # A re-send (its acknowledgement was lost, or it is still on its way to the replica).
             self.t.counters["duplicates"] += 1

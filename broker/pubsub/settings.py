@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Final
 from broker import defaults
 from broker.store import Retention
 from overlay.geometry import UNIT_SQUARE, Space
+from overlay.pubsub import MAX_TOPIC_ENTRIES
 
 if TYPE_CHECKING:  # broker.acl imports broker.config, which takes its defaults from here
     from broker.acl import Acl
@@ -97,3 +98,6 @@ class PubSubConfig:
     # interval), so a topic that moved away stops weighing on its former tertiary's L3_N at once.
     note_ttl: float = 4.0
     acl: Acl | None = None  # topic ACL the holder enforces (broker/acl.py); None = everything allowed
+    # Subscribers plus publishers in its table one topic holds (overlay.pubsub.MAX_TOPIC_ENTRIES: what a frame
+    # between brokers carries); the primary refuses a new one beyond it (topic_full).
+    max_topic_entries: int = MAX_TOPIC_ENTRIES
