@@ -9,6 +9,7 @@ coordinate, of which it is the closest node.  Registered in the `overlay.protoco
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeAlias
 
@@ -135,6 +136,21 @@ class Delegation:
 
     coord: Coord
     start: float
+
+
+# A topic's delegate list keeps the home's entry and the latest moves, this many in all.  Only the last entry
+# routes requests (Sec. III-B) and a move hands the whole history to the new coordinate, so the older ones
+# hold nothing of the topic; unbounded, the list of a topic moved at every cool-down (30 s) outgrew what a
+# message may carry (MAX_LIST_LEN entries) within nine hours, and every REPLICATE of its meta grew with it.
+MAX_DELEGATES: Final = 64
+
+
+def delegated(dl: Sequence[Delegation], to: Coord, start: float) -> list[Delegation]:
+    """dl with a move to `to` at `start` appended, held to MAX_DELEGATES (the first entry and the latest)."""
+    out = [*dl, Delegation(to, start)]
+    if len(out) > MAX_DELEGATES:
+        out = [out[0], *out[len(out) - MAX_DELEGATES + 1 :]]
+    return out
 
 
 @dataclass(frozen=True, slots=True)

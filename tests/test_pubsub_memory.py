@@ -34,6 +34,7 @@ from overlay.pubsub import (
     MESSAGE_OVERHEAD,
     Ack,
     Deliver,
+    Done,
     Failed,
     Fetch,
     Fetched,
@@ -396,6 +397,29 @@ def test_move_with_requests_in_flight_delivers_and_acks_each_message_once(resili
     # later requests through any broker reach the new primary (via the home or the redirect)
     pub.request("p", Publish(topic, "P", 40, b"after", 0))
     assert [r.seq for r in delivered(sub, "s")][-1] == 40
+
+
+def test_a_primary_that_hands_a_topic_over_and_becomes_its_secondary_confirms_the_next_batch() -> None:
+    # Moved to A, then to B: A, the primary handing over, is B's secondary, and confirmed B's first batch (with
+    # the meta) without taking it, as it holds everything already, but did not count the meta as known: B's next
+    # batch, records only, was left unconfirmed, and the publish waited for the re-send (0.5 s and more).
+    from overlay.delegation import MoveTopic
+
+    net = Net(grid(10, seed=8), resilience=2)
+    topic = "grid/limits/voltage"
+    home = locate(net, topic).coord
+    a, b = [n for n in net.nodes.values() if n.me.coord != home][:2]
+    a.request("s", Subscribe(1, topic))
+    b.request("p", Publish(topic, "P", 0, b"m0", 0))
+    for i, to in enumerate((a, b)):
+        b.request("adm", MoveTopic(100 + i, topic, to.me.coord))
+        assert isinstance(b.inbox["adm"][-1], Done)
+    loc = locate(net, topic)
+    assert (loc.primary.id, getattr(loc.secondary, "id", None)) == (b.me.id, a.me.id)
+    b.request("p", Publish(topic, "P", 1, b"m1", 0))  # no time passes: only what the messages do
+    assert [m.seq for m in b.inbox["p"] if isinstance(m, Ack)] == [0, 1]
+    assert [r.seq for r in delivered(a, "s")] == [0, 1]
+    assert a.ps.counters["replicate_without_meta"] == 0
 
 
 def test_move_to_a_dead_coordinate_is_abandoned_and_the_topic_stays() -> None:

@@ -19,10 +19,12 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, delivered, grid, locate
 
+from broker.defaults import MOVE_COOLDOWN
 from broker.pubsub.core import SESSION_BYTES, session_groups
 from cli.cluster import LocalCluster
 from client.client import Client, ReceivedMessage
 from client.errors import RequestFailed
+from overlay.delegation import MoveTopic
 from overlay.protocol import (
     MAX_ADDR_LEN,
     MAX_ID_LEN,
@@ -33,12 +35,14 @@ from overlay.protocol import (
     encode_message,
 )
 from overlay.pubsub import (
+    MAX_DELEGATES,
     MAX_PAYLOAD_SIZE,
     MAX_TOPIC_ENTRIES,
     Ack,
     Answer,
     Delegation,
     Deliver,
+    Done,
     Failed,
     Nack,
     Publish,
@@ -174,6 +178,30 @@ def test_a_full_topic_refuses_a_new_subscriber_or_publisher_and_serves_the_other
     access.request("p", Publish(TOPIC, "P", 2, b"m2", 0))
     assert [r.seq for r in delivered(access, "s3")] == [2]
     assert len(net.nodes[loc.secondary.id].ps.table.replicas[TOPIC].subscribers) == 2
+
+
+def test_a_topic_moved_more_often_than_its_delegate_list_holds_keeps_its_home_and_latest_moves() -> None:
+    # Before, every move appended to the delegate list for good: moved at every cool-down, a topic's list
+    # outgrew what a message may carry within nine hours, and its meta grew with it in every REPLICATE.
+    net = Net(grid(10, seed=8), resilience=2)
+    home = locate(net, TOPIC).coord
+    sites = [n.me.coord for n in net.nodes.values() if n.me.coord != home][:2]
+    sub, pub = net.nodes["n0"], net.nodes["n1"]
+    sub.request("s", Subscribe(1, TOPIC))
+    pub.request("p", Publish(TOPIC, "P", 0, b"m0", 0))
+    moves = MAX_DELEGATES + 6
+    for i in range(moves):
+        pub.request("adm", MoveTopic(100 + i, TOPIC, sites[i % 2]))
+        assert isinstance(pub.inbox["adm"][-1], Done), pub.inbox["adm"][-1]
+        net.tick(MOVE_COOLDOWN + 1.0)
+    loc = locate(net, TOPIC)
+    assert len(loc.delegates) == MAX_DELEGATES
+    assert loc.delegates[0].coord == home and loc.delegates[-1].coord == sites[(moves - 1) % 2] == loc.coord
+    starts = [d.start for d in loc.delegates]
+    assert starts == sorted(starts) and starts[1] > starts[0]
+    pub.request("p", Publish(TOPIC, "P", 1, b"m1", 0))
+    assert [r.seq for r in delivered(sub, "s")] == [0, 1]
+    assert [m.seq for m in pub.inbox["p"] if isinstance(m, Ack)][-1] == 1
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------

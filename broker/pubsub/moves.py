@@ -18,7 +18,7 @@ from broker.pubsub.replica import Move, Replica, Stage, Staged, Transition, Wait
 from overlay.delegation import Activate, Lease, Leased, Release
 from overlay.geometry import Coord
 from overlay.protocol import NodeInfo
-from overlay.pubsub import Ack, Delegation, Done, Failed, Replicate, Replicated, Waiter
+from overlay.pubsub import Ack, Done, Failed, Replicate, Replicated, Waiter, delegated
 
 if TYPE_CHECKING:
     from broker.pubsub.holder import HolderRole
@@ -110,7 +110,7 @@ class MoveRole:
             Waiter(w.access, w.session, w.record.publisher, w.record.seq, w.record.ts) for w in last.values()
         )
         delivered_upto = r.delivered_mark
-        dl = (*r.delegates, Delegation(mv.to, self.t.ov.now()))
+        dl = tuple(delegated(r.delegates, mv.to, self.t.ov.now()))
         subs, _, last_seq = r.meta()  # the delegates go as dl: the list with this move appended
         batches = chunks(r.log.records())
         me = self.t.ov.me
@@ -220,7 +220,7 @@ class MoveRole:
         for access, session, req in queued:
             self.holder.forward_request(access, session, req, mv.to, via_home=True)
         self._redirect_all(r, mv.to)
-        dl = [*r.delegates, Delegation(mv.to, now)]
+        dl = delegated(r.delegates, mv.to, now)
         self.home.set_delegates(r.name, dl)
         self._forward[r.name] = (mv.to, now + self.t.config.forward_ttl)
         self._release_old(r.name, old, mv.to)
@@ -247,7 +247,7 @@ class MoveRole:
         old = r.coord
         r.enter(Transition.MOVED_LOCALLY)
         r.coord = mv.to
-        r.delegates = [*r.delegates, Delegation(mv.to, now)]
+        r.delegates = delegated(r.delegates, mv.to, now)
         r.moved_at = now
         self.home.set_delegates(r.name, r.delegates)
         self._redirect_all(r, mv.to)

@@ -278,7 +278,11 @@ class ReplicationRole:
         r = self.t.replicas.get(m.topic)
         if r is not None and r.stage is Stage.HANDING_OVER:
             # The topic's new primary picked this node as its secondary while the move is under way: this node
-            # already holds everything it is sent, and becomes the replica when the move completes.
+            # already holds everything it is sent, and becomes the replica when the move completes.  That includes
+            # the meta it handed over: known, so the records-only batches after it count (before, the first of
+            # them was left unconfirmed when the broker handing a topic over became the new primary's secondary,
+            # and the topic's ACKs waited for the re-send, a replication time-out later).
+            r.meta_known = True
             if m.corr:
                 self.t.ov.route(m.origin.coord, Replicated(m.corr, m.topic, self.t.ov.me.id))
             return
