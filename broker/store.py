@@ -33,6 +33,8 @@ from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks, r
 PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
 # How soon a silent publisher whose records are still kept is looked at again (TopicLog._forget_idle).
 PUBLISHER_FORGET_RECHECK: Final = 60.0
+# Publishers a topic remembers having forgotten or refused (TopicLog.forgotten), the oldest dropped beyond.
+FORGOTTEN_KEEP: Final = 4096
 
 
 class StoreError(Exception):
@@ -99,6 +101,12 @@ class TopicLog:
     # what a peer lacks of the rows can be counted from ranges alone (missing_from).
     expired: dict[str, SeqRanges] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # publisher -> when it last published
+    # Publishers this copy knowingly holds nothing of: forgotten after a day of silence (`_forget_idle`), or
+    # refused as new to a full topic (holder: topic_full).  One that comes back with a sequence number past 0
+    # is taken up where it is, not counted as having lost what came before (that expired, or was never
+    # accepted): before, every such return counted its whole past in sedax_lost_messages_total and logged
+    # acknowledged messages as lost.  An ordered set, FORGOTTEN_KEEP at most; not kept across a restart.
+    forgotten: dict[str, None] = field(default_factory=dict)
     # The earliest moment a publisher can have been idle for PUBLISHER_IDLE_FORGET (expire): the oldest last_seen
     # at the last look, plus that.  last_seen only moves forward, so none goes stale sooner.  Looking at every
     # publisher on every append cost 27 µs a message on a topic of 1,000 publishers (1.8 µs with 30).
@@ -289,7 +297,16 @@ class TopicLog:
                 self.last_seq.pop(p, None)
                 self.held.pop(p, None)
                 self.expired.pop(p, None)
+                self.mark_forgotten(p)
         self._forget_at = next_at
+
+    def mark_forgotten(self, publisher: str) -> None:
+        """Remember that this copy holds nothing of publisher on purpose (`forgotten`)."""
+        f = self.forgotten
+        f.pop(publisher, None)
+        f[publisher] = None
+        if len(f) > FORGOTTEN_KEEP:
+            del f[next(iter(f))]
 
     def since(self, ts: float, limit: int | None = None) -> list[StoredMessage]:
         """Stored messages with timestamp > ts, oldest first, at most limit of them."""

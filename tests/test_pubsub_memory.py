@@ -422,6 +422,37 @@ def test_a_primary_that_hands_a_topic_over_and_becomes_its_secondary_confirms_th
     assert a.ps.counters["replicate_without_meta"] == 0
 
 
+def test_a_publisher_back_after_a_day_of_silence_is_not_counted_as_loss_and_a_real_loss_still_is() -> None:
+    # A topic of more than 64 publishers forgets one silent for a day once its messages expired.  Coming back,
+    # its next message carries base 5 (0-4 acknowledged long ago): before, the primary logged those five as
+    # acknowledged messages lost and counted them in sedax_lost_messages_total.
+    topic = "grid/forget/voltage"
+    net = Net(grid(10, seed=3), resilience=2, retention=Retention(max_age=3600.0))
+    primary = net.nodes[locate(net, topic).primary.id]
+    pub, sub = net.nodes["n1"], net.nodes["n2"]
+    sub.request("s", Subscribe(1, topic))
+    for i in range(70):
+        pub.request(f"p{i}", Publish(topic, f"P{i}", 0, b"x", 0))
+    for k in range(1, 5):
+        pub.request("p0", Publish(topic, "P0", k, b"x", k))
+    for _ in range(26):
+        net.tick(3600.0)  # a day and more: P0's messages expired, then P0 itself was forgotten
+    assert "P0" not in primary.ps.store.get(topic).last_seq
+    pub.request("p0", Publish(topic, "P0", 5, b"back", 5))
+    assert [m.seq for m in pub.inbox["p0"] if isinstance(m, Ack)][-1] == 5
+    assert [r.seq for r in delivered(sub, "s") if r.publisher == "P0"][-1] == 5
+    assert primary.ps.counters["lost"] == 0
+    # A publisher whose acknowledged messages died with the only broker holding them (level 1) is counted.
+    net1 = Net(grid(10, seed=3), resilience=1)
+    first = locate(net1, topic).primary.id
+    device = next(n for nid, n in net1.nodes.items() if nid != first)
+    for k in range(3):
+        device.request("p", Publish(topic, "D", k, b"x", k))
+    net1.kill(first)
+    device.request("p", Publish(topic, "D", 3, b"after", 3))
+    assert net1.nodes[locate(net1, topic).primary.id].ps.counters["lost"] == 3
+
+
 def test_move_to_a_dead_coordinate_is_abandoned_and_the_topic_stays() -> None:
     from overlay.delegation import MoveTopic
 

@@ -178,6 +178,13 @@ def test_a_full_topic_refuses_a_new_subscriber_or_publisher_and_serves_the_other
     access.request("p", Publish(TOPIC, "P", 2, b"m2", 0))
     assert [r.seq for r in delivered(access, "s3")] == [2]
     assert len(net.nodes[loc.secondary.id].ps.table.replicas[TOPIC].subscribers) == 2
+    # The refused publisher, let in once there is room, goes on from its next number: what was refused is not
+    # counted as lost.
+    access.request("s3", Unsubscribe(6, TOPIC))
+    access.request("q", Publish(TOPIC, "Q", 1, b"q1", 1))
+    assert [m.seq for m in access.inbox["q"] if isinstance(m, Ack)] == [1]
+    assert [(r.publisher, r.seq) for r in delivered(access, "s1")][-1] == ("Q", 1)
+    assert primary.counters["lost"] == 0
 
 
 def test_a_topic_moved_more_often_than_its_delegate_list_holds_keeps_its_home_and_latest_moves() -> None:

@@ -303,6 +303,7 @@ class HolderRole:
         """Store one message (or re-acknowledge a duplicate); False if it is out of order or refused."""
         last = r.log.last_seq.get(publisher, -1)
         if last < 0 and publisher not in r.log.last_seq and (text := self._full(r)):
+            r.log.mark_forgotten(publisher)  # (when it is let in later, what it sent meanwhile was not lost)
             self.t.reply(access, [session], Nack(r.name, publisher, seq, "topic_full", text))
             return False
         if seq <= last:
@@ -324,15 +325,20 @@ class HolderRole:
                 self._wait(r, Record(r.last_ts, publisher, seq, b""), access, session)
             return True
         if seq > last + 1 and base > last + 1:
-            # The publisher had [last + 1, base) acknowledged, yet this broker never got them: they were lost
-            # with a failed broker (resilience level 1, or more failures than the level survives).  Count and
-            # log the loss, then continue the sequence after it so subscribers see the gap.
-            lost = base - last - 1
-            self.t.counters["lost"] += lost
-            log.warning(
-                "topic %s: %d acknowledged message(s) of publisher %s before seq %d are lost", r.name, lost,
-                publisher, base,
-            )  # fmt: skip
+            if last < 0 and publisher in r.log.forgotten:
+                # A publisher forgotten after a day of silence (its messages expired) or refused while the topic
+                # was full: nothing of it is missing here, its sequence goes on where it is.
+                del r.log.forgotten[publisher]
+            else:
+                # The publisher had [last + 1, base) acknowledged, yet this broker never got them: they were lost
+                # with a failed broker (resilience level 1, or more failures than the level survives).  Count and
+                # log the loss, then continue the sequence after it so subscribers see the gap.
+                lost = base - last - 1
+                self.t.counters["lost"] += lost
+                log.warning(
+                    "topic %s: %d acknowledged message(s) of publisher %s before seq %d are lost", r.name, lost,
+                    publisher, base,
+                )  # fmt: skip
             last = base - 1
             r.log.last_seq[publisher] = last
             r.meta_dirty = True  # a publisher table entry no record carries: the secondary needs the table
