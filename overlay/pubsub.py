@@ -74,12 +74,12 @@ def _check_ts(ts: float, what: str) -> None:
         raise LocalProtocolError(f"{what} must be a finite number of seconds, got {ts}")
 
 
-# A topic's subscribers plus the publishers in its table (those seen in the last day, overlay.store) at most:
-# both travel in every REPLICATE that carries the topic's meta, beside up to a frame of records, and that must
-# fit a frame between brokers.  With the longest ids (MAX_ID_LEN) a subscriber costs at most 66 bytes there
-# and a publisher 75 (its id and sequence number); 32,768 of them take under 2.5 MB, leaving MAX_LINK_FRAME_SIZE
-# room for the largest record and ~2,000 access brokers' addresses (tests/test_topic_limits.py builds that
-# REPLICATE).  A new subscriber or publisher beyond it is refused (`topic_full`), the topic's others go on.
+# A topic's subscribers plus the publishers in its table (a broker forgets one silent for a day) at most: both
+# travel in every REPLICATE that carries the topic's meta, beside up to a frame of records, and that must fit a
+# frame between brokers.  With the longest ids (MAX_ID_LEN) a subscriber costs at most 66 bytes there and a
+# publisher 75 (its id and sequence number); 32,768 of them take under 2.5 MB, leaving MAX_LINK_FRAME_SIZE room
+# for the largest record and 1,000 access brokers with the longest ids and addresses (tests/test_topic_limits.py
+# builds that REPLICATE).  A new subscriber or publisher beyond it is refused (`topic_full`), the topic's others go on.
 MAX_TOPIC_ENTRIES: Final = 1 << 15
 
 # Besides its payload a stored message keeps a timestamp, a sequence number and the publisher id; 24 bytes
