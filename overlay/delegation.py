@@ -43,7 +43,7 @@ from overlay.protocol import (
     register_field_type,
     register_message,
 )
-from overlay.pubsub import Delegation
+from overlay.pubsub import Delegation, Sessions
 
 Coord: TypeAlias = tuple[float, float]
 QueryKind: TypeAlias = Literal["indcoord", "bestlocal", "flood"]
@@ -351,6 +351,6 @@ class TopicMoved(Message):
 
     op: ClassVar[Literal["topic_moved"]] = "topic_moved"
     access: str
-    sessions: tuple[str, ...]
+    sessions: Sessions  # (a topic's subscribers and waiting publishers there: more than MAX_LIST_LEN may be)
     topic: str
     coord: Coord

@@ -259,6 +259,16 @@ def _dec_session_id(v: Any) -> str:
     return v
 
 
+def _dec_sessions(v: Any) -> tuple[str, ...]:
+    """The sessions of one access broker that a message is for: they grow with a topic (MAX_LONG_LIST_LEN)."""
+    return tuple(_dec_session_id(s) for s in dec_list(v, MAX_LONG_LIST_LEN))
+
+
+# A field of the sessions a topic's message is for at one access broker (TOPIC_MOVED).
+Sessions: TypeAlias = tuple[str, ...]
+register_field_type("Sessions", list, _dec_sessions)
+
+
 def _dec_session_requests(v: Any) -> SessionRequests:
     session, identity, requests = dec_list(v)
     return SessionRequests(_dec_session_id(session), dec_str(identity), _dec_bytes_tuple(requests))
@@ -266,7 +276,7 @@ def _dec_session_requests(v: Any) -> SessionRequests:
 
 def _dec_answer(v: Any) -> Answer:
     sessions, body = dec_list(v)
-    return Answer(tuple(_dec_session_id(s) for s in dec_list(sessions, MAX_LONG_LIST_LEN)), dec_bytes(body))
+    return Answer(_dec_sessions(sessions), dec_bytes(body))
 
 
 # Both are tuples of tuples (and of tuples of str or bytes): msgpack packs them as arrays as they are.

@@ -47,6 +47,7 @@ from overlay.pubsub import (
     Nack,
     Publish,
     Record,
+    Redirect,
     Replicate,
     SubRef,
     Subscribe,
@@ -209,6 +210,23 @@ def test_a_topic_moved_more_often_than_its_delegate_list_holds_keeps_its_home_an
     pub.request("p", Publish(TOPIC, "P", 1, b"m1", 0))
     assert [r.seq for r in delivered(sub, "s")] == [0, 1]
     assert [m.seq for m in pub.inbox["p"] if isinstance(m, Ack)][-1] == 1
+
+
+def test_a_topic_with_more_than_1024_sessions_at_one_access_broker_redirects_each_of_them_when_it_moves() -> None:
+    # TOPIC_MOVED names the sessions of one access broker that the moved topic concerns; its decoder held them
+    # to 1,024, so a move of a topic with 1,100 subscribers there was dropped as a bad message at that broker.
+    net = Net(grid(10, seed=8), resilience=2)
+    loc = locate(net, TOPIC)
+    access = next(n for nid, n in net.nodes.items() if nid not in (loc.primary.id, getattr(loc.secondary, "id", "")))
+    to = next(n.me.coord for n in net.nodes.values() if n is not access and n.me.id != loc.primary.id)
+    sessions = _broker_sessions(1100)
+    for s in sessions:
+        access.request(s, Subscribe(1, TOPIC))
+    access.request("adm", MoveTopic(2, TOPIC, to))
+    assert isinstance(access.inbox["adm"][-1], Done)
+    assert all(any(isinstance(m, Redirect) and m.coord == to for m in access.inbox[s]) for s in sessions)
+    access.request("p", Publish(TOPIC, "P", 0, b"after the move", 0))
+    assert all([r.seq for r in delivered(access, s)] == [0] for s in sessions)
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------
