@@ -15,6 +15,7 @@ import pytest
 from broker.acl import Acl, parse_acl
 from broker.pubsub import PubSub, PubSubConfig
 from broker.pubsub.core import chunks, frame_chunks
+from broker.pubsub.settings import EMPTY_TOPIC_SWEEP
 from broker.store import Retention
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import (
@@ -49,6 +50,7 @@ from overlay.pubsub import (
     Subscribed,
     TopicReply,
     TopicRequest,
+    Unsubscribe,
 )
 
 
@@ -736,3 +738,91 @@ def test_chunks_splits_records_as_frame_chunks_does(count: int, size: int) -> No
     got = chunks(recs)
     assert got == frame_chunks(recs, lambda r: len(r.payload))
     assert all(b is not recs for b in got)  # batches are lists of their own, not the caller's list
+
+
+def held_by(net: Net, topic: str) -> list[str]:
+    """The brokers holding a replica of topic, by id."""
+    return sorted(nid for nid, n in net.nodes.items() if n.alive and topic in n.ps.table.replicas)
+
+
+@pytest.mark.parametrize("resilience", [1, 2, 3])
+def test_a_topic_left_with_nothing_in_it_is_forgotten_by_every_holder_and_one_in_use_is_not(resilience: int) -> None:
+    # A subscription taken and dropped (or a LOCATE of a name nobody used, which made the primary forget it but
+    # not its copies) left a replica on each holder, and with a data directory a file, for ever: any client
+    # could grow every broker's memory and disk by subscribing to names it made up.
+    net = Net(grid(10, seed=2), resilience=resilience)
+    client, pub = net.nodes["n1"], net.nodes["n4"]
+    names = [f"grid/empty/{i}" for i in range(20)]
+    for i, t in enumerate(names):
+        client.request("s", Subscribe(i + 1, t))
+    pub.request("p", Publish("grid/used/voltage", "P", 0, b"kept", 0))
+    client.request("s", Subscribe(100, "grid/watched/voltage"))
+    for i, t in enumerate(names):
+        client.request("s", Unsubscribe(200 + i, t))
+    locate(net, "grid/watched/voltage")
+    locate(net, names[1])  # the primary forgets an empty topic it is asked about; its copies did not
+    for t in names:
+        assert len(held_by(net, t)) == resilience - (t == names[1])
+    net.tick(EMPTY_TOPIC_SWEEP)
+    # One sweep found them empty; the next forgets them.
+    assert all(len(held_by(net, t)) == resilience - (t == names[1]) for t in names)
+    net.tick(EMPTY_TOPIC_SWEEP)
+    assert [t for t in names if held_by(net, t)] == []
+    assert sum(n.ps.counters["empty_forgotten"] for n in net.nodes.values()) == 20 * resilience - 1
+    # Topics with a message, a publisher or a subscriber stay, on every holder.
+    for _ in range(3):
+        net.tick(EMPTY_TOPIC_SWEEP)
+    assert len(held_by(net, "grid/used/voltage")) == resilience
+    assert len(held_by(net, "grid/watched/voltage")) == resilience
+    # A forgotten topic is made again by the next request, as the first time.
+    client.request("s", Subscribe(300, names[0]))
+    pub.request("p", Publish(names[0], "P", 0, b"again", 0))
+    assert [m.seq for m in pub.inbox["p"] if isinstance(m, Ack)] == [0, 0]
+    assert [r.payload for r in delivered(client, "s")] == [b"again"]
+    assert len(held_by(net, names[0])) == resilience
+
+
+def test_a_primary_keeps_an_emptied_topic_until_its_secondary_confirmed_the_empty_list() -> None:
+    # Forgotten before the batch that empties the list reached the secondary, the secondary would keep the
+    # subscriber for ever (and deliver to it after a failover).
+    net = Net(grid(10, seed=2), resilience=2)
+    topic = "grid/empty/late"
+    loc = locate(net, topic)
+    client = next(n for nid, n in net.nodes.items() if nid not in (loc.primary.id, loc.secondary.id))
+    client.request("s", Subscribe(1, topic))
+    net.blackhole.add(loc.secondary.coord)
+    client.request("s", Unsubscribe(2, topic))
+    for _ in range(3):
+        net.tick(EMPTY_TOPIC_SWEEP)
+    assert held_by(net, topic) == sorted([loc.primary.id, loc.secondary.id])
+    assert net.nodes[loc.secondary.id].ps.table.replicas[topic].subscribers  # it never heard
+    net.blackhole.discard(loc.secondary.coord)
+    for _ in range(3):
+        net.tick(EMPTY_TOPIC_SWEEP)  # the re-send arrives, is confirmed; two sweeps later both forgot it
+    assert held_by(net, topic) == []
+    assert net.nodes[loc.primary.id].ps.counters["replication_resends"] >= 1
+
+
+def test_at_level_3_a_session_that_unsubscribed_is_not_delivered_to_after_the_primary_fails() -> None:
+    # The secondary passes the primary's batches on to the tertiary as syncs, and the tertiary added a sync's
+    # subscribers to its own: it kept every subscriber that had unsubscribed.  The secondary taking over pulled
+    # them back, and a session that had unsubscribed (still connected) got the re-delivery and new messages.
+    net = Net(grid(10, seed=2), resilience=3)
+    topic = "grid/l3/voltage"
+    loc = locate(net, topic)
+    assert loc.tertiary is not None
+    holders = {loc.primary.id, loc.secondary.id, loc.tertiary.id}
+    sub, pub = [n for nid, n in sorted(net.nodes.items()) if nid not in holders][:2]
+    sub.request("gone", Subscribe(1, topic))
+    sub.request("kept", Subscribe(2, topic))
+    pub.request("p", Publish(topic, "P", 0, b"a", 0))
+    sub.request("gone", Unsubscribe(3, topic))
+    pub.request("p", Publish(topic, "P", 1, b"b", 1))
+    tertiary = net.nodes[loc.tertiary.id].ps.table.replicas[topic]
+    assert sorted(s for _, s in tertiary.subscribers) == ["kept"]
+    net.kill(loc.primary.id)
+    for _ in range(10):
+        net.tick(0.5)
+    pub.request("p", Publish(topic, "P", 2, b"c", 2))
+    assert [r.seq for r in delivered(sub, "gone")] == [0]
+    assert sorted({r.seq for r in delivered(sub, "kept")}) == [0, 1, 2]

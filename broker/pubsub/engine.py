@@ -198,13 +198,14 @@ class PubSub:
         self.replication.view_changed(failed)
 
     def tick(self) -> None:
-        """Timers: replication, pull and move time-outs, delegate-list re-sends, notes, retention."""
+        """Timers: replication, pull and move time-outs, delegate-list re-sends, notes, retention, empty topics."""
         now = self.table.ov.now()
         self.replication.tick(now)
         self.moves.tick(now)
         self.home.tick(now)
         self.accounting.tick(now)
         self.store.expire(now)
+        self.holder.sweep_empty(now)
         self.store.sync_due(now)
 
     def _flush_turn(self) -> None:

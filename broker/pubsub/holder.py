@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
-from broker.pubsub.replica import Replica, Stage, Transition, Waiting
-from broker.pubsub.settings import TS_EPSILON
+from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting
+from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, TS_EPSILON
 from broker.storage import StorageError, StorageFull, TopicMeta
 from overlay.delegation import MoveTopic, TopicMoved
 from overlay.geometry import Coord
@@ -66,6 +66,9 @@ class HolderRole:
         self.replication: ReplicationRole
         self.moves: MoveRole
         self.home: HomeRole
+        # Topics the last sweep found empty (`sweep_empty`), and when the next sweep is due.
+        self._empty: set[str] = set()
+        self._sweep_at = 0.0
 
     def replica(self, topic: str, coord: Coord | None = None) -> Replica:
         """The topic's replica here, made (HOLDING or SERVING by rank) if this broker held none."""
@@ -268,6 +271,43 @@ class HolderRole:
         # A FETCH or LOCATE of a topic nobody published to must not create state that lingers.
         if not r.log.rows and not r.log.last_seq and not r.subscribers and not r.waiting:
             self.t.drop(r)
+
+    def sweep_empty(self, now: float) -> None:
+        """Forget the replicas found empty (`_empty`) by two sweeps in a row, EMPTY_TOPIC_SWEEP apart.
+
+        Each holder sweeps on its own clock, as it forgets idle publishers: a copy forgotten just before its
+        primary takes a new subscriber is made again by the next batch, which carries the meta (a new
+        secondary is given it), and a primary forgotten before a new request makes it again, as it made it
+        the first time.  The primary waits until its copies confirmed the meta that emptied the topic, so a
+        copy never keeps a subscriber its primary forgot.
+        """
+        if now < self._sweep_at:
+            return
+        self._sweep_at = now + EMPTY_TOPIC_SWEEP
+        empty = {name for name, r in self.t.replicas.items() if self._empty_here(r)}
+        for name in empty & self._empty:
+            r = self.t.replicas[name]
+            self.t.drop(r)
+            self.t.counters["empty_forgotten"] += 1
+            log.debug("topic %s: forgotten, nothing in it since the last sweep", name)
+        self._empty = empty - self._empty
+
+    def _empty_here(self, r: Replica) -> bool:
+        """Nothing in r: no record kept, no publisher remembered (nor one forgotten or refused, whose return must
+        not count as a loss), no subscriber, nothing waiting, being copied or under way; and at its home, never
+        moved (a delegated topic's home keeps its list, and the delegate must stay where that list points)."""
+        log_ = r.log
+        if log_.rows or log_.last_seq or log_.forgotten or r.subscribers:
+            return False
+        if r.stage is not Stage.SERVING and r.stage is not Stage.HOLDING:
+            return False
+        if r.waiting or r.outbox or r.window or r.undelivered or r.queued or r.offers or r.meta_dirty:
+            return False
+        if r.copy.stage is CopyStage.OFFERED or r.copy.stage is CopyStage.OFFERED_WANTED:
+            return False
+        if r.rank == 1 and not r.meta_confirmed and r.copy.stage is not CopyStage.ALONE:
+            return False  # the copies may still list a subscriber: wait for the batch that told them
+        return same(r.coord, r.home) and len(r.delegates) <= 1 and r.name not in self.home.delegate_lists
 
     def session_gone_arrived(self, m: SessionGone) -> None:
         """SESSION_GONE: an access broker lost a subscriber's session; stop delivering to it."""

@@ -320,11 +320,15 @@ class ReplicationRole:
             theirs = pull.offered.pop(m.origin.id, None) if pull is not None else None
             if theirs is not None and r.rank == 1:
                 self._catch_up_newcomers(r, [s for k, s in subs.items() if k not in r.subscribers], theirs)
-            if r.rank == 1 or m.sync:
+            # A copy takes its primary's lists as they are: from the primary's batch, or at level 3 from the
+            # secondary, which passes the batches on (`_chain`) and back-fills the tertiary as syncs.  Other
+            # syncs only add (the sender need not be the primary); so does a primary.
+            upstream = not m.sync or self._from_secondary(m)
+            if r.rank == 1 or not upstream:
                 r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
             else:
                 r.subscribers = subs
-            if not m.sync or created:
+            if upstream or created:
                 r.delegates = list(m.delegates)
             r.meta_known = True
         r.coord = m.coord
@@ -356,6 +360,14 @@ class ReplicationRole:
             self.retire(r)  # offered by a broker whose view ranks this one, but ours does not (yet)
         elif m.sync and created:
             self.sync_learned(r)
+
+    def _from_secondary(self, m: Replicate) -> bool:
+        """m comes from the topic's secondary and this broker is its tertiary (level 3: a batch passed on, or
+        the secondary's back-fill).  Before, the tertiary added the subscribers of such a sync to its own, so it
+        kept every subscriber that ever unsubscribed; a secondary taking over pulled them back from it, and a
+        session that had unsubscribed was delivered to again after one failure."""
+        ranked = self.t.ranked(m.coord)
+        return len(ranked) > 2 and ranked[1].id == m.origin.id and ranked[2].id == self.t.ov.me.id
 
     # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------
     def sync_learned(self, r: Replica, offered: tuple[int, NodeInfo] | None = None) -> Pulling | None:

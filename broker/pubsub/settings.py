@@ -74,6 +74,11 @@ MAX_CHAINED: Final = 4096
 # A graceful shutdown waits at most this long for the topics' next holders to confirm they hold everything
 # (with the links' drain time it stays within the 10 s a supervisor such as Docker grants before SIGKILL).
 HANDOFF_TIMEOUT: Final = 2.5
+# A topic with nothing in it (no message kept, no publisher remembered, no subscriber, nothing under way) is
+# forgotten by each of its holders once a sweep found it so twice, EMPTY_TOPIC_SWEEP apart: a subscription
+# taken and dropped, or a FETCH of a name nobody used, must not leave a replica (and a file in the data
+# directory) on two or three brokers for ever.
+EMPTY_TOPIC_SWEEP: Final = 60.0
 # Coordinates closer than this are the same coordinate (they travel as floats through JSON and msgpack).
 SAME_COORD: Final = 1e-12
 
