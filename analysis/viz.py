@@ -400,10 +400,13 @@ def render(pic: OverlayPicture, out: str | Path, level: str = "L1") -> Path:
     """Write the picture to out; the format follows the suffix (.svg or .png)."""
     path = Path(out)
     suffix = path.suffix.lower()
-    if suffix == ".svg":
-        path.write_text(draw_svg(pic, level), encoding="utf-8")
-    elif suffix == ".png":
-        draw_png(pic, path, level)
-    else:
-        raise VizError(f"output must end in .svg or .png, got {path.name!r}")
+    try:
+        if suffix == ".svg":
+            path.write_text(draw_svg(pic, level), encoding="utf-8")
+        elif suffix == ".png":
+            draw_png(pic, path, level)
+        else:
+            raise VizError(f"output must end in .svg or .png, got {path.name!r}")
+    except OSError as exc:  # a directory that does not exist, a read-only one, a full disk
+        raise VizError(f"cannot write {path}: {exc.strerror or exc}: choose another --out") from None
     return path

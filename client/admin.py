@@ -12,7 +12,7 @@ import uuid
 from types import TracebackType
 from typing import Final, Self
 
-from client.errors import ClientError, ConnectError, RequestFailed
+from client.errors import ClientError, ConnectError, RequestFailed, describe
 from net.connection import READ_CHUNK, HandshakeRefused, Requests, open_handshake
 from net.credentials import Credentials
 from net.transport import Transport, connect_broker
@@ -93,7 +93,7 @@ class AdminClient:
             async with asyncio.timeout(timeout):
                 transport = await connect_broker(host, port, ctx, timeout)
         except (OSError, TimeoutError) as exc:
-            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {describe(exc)}") from exc
         return await cls.over(transport, addr, timeout=timeout, role=role, token=creds.token or "")
 
     @classmethod
@@ -120,7 +120,7 @@ class AdminClient:
             raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc} ({HANDSHAKE_HINT})") from exc
         except (OSError, TimeoutError, ProtocolError) as exc:
             transport.abort()
-            raise BrokerUnavailable(f"cannot reach broker at {addr}: {exc!r}") from exc
+            raise BrokerUnavailable(f"cannot reach broker at {addr}: {describe(exc)}") from exc
         client = cls(transport, ok.node, request_timeout=timeout)
         client._decoder = decoder
         return client

@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 from client.admin import HANDSHAKE_HINT
-from client.errors import ClientClosed, ClientError, ConnectError, RequestFailed
+from client.errors import ClientClosed, ClientError, ConnectError, RequestFailed, describe
 from net.connection import CLIENT_WRITE_HIGH_WATER, HandshakeRefused, Heartbeat, Requests, open_handshake
 from net.credentials import Credentials
 from net.transport import Transport, connect_broker
@@ -543,7 +543,7 @@ class Client:
             try:
                 await self._connect_one(addr)
             except (OSError, TimeoutError, ProtocolError, ConnectError) as exc:
-                errors.append(f"{addr}: {exc}")
+                errors.append(f"{addr}: {describe(exc)}")
             else:
                 return
         raise ConnectError("no broker reachable: " + "; ".join(errors))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from client.admin import DEFAULT_TIMEOUT, AdminClient, AdminError, BrokerUnavailable
+from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import Status
 
@@ -53,7 +54,9 @@ async def crawl(
         for (node_id, addr), res in zip(frontier, results, strict=True):
             if isinstance(res, AdminError | OSError | TimeoutError):
                 if node_id is None:
-                    raise BrokerUnavailable(f"cannot reach broker at {addr}: {res}")
+                    if isinstance(res, BrokerUnavailable):
+                        raise res  # (it names the address already)
+                    raise BrokerUnavailable(f"cannot reach broker at {addr}: {describe(res)}")
                 found.unreachable[node_id] = reported.get(node_id, (0.0, 0.0))
                 continue
             if isinstance(res, BaseException):

@@ -29,3 +29,9 @@ class RequestFailed(ClientError):
         super().__init__(f"{code}: {text}")
         self.code = code
         self.text = text
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one line for an error message: its text, or its type where it has none (a bare
+    TimeoutError printed as nothing: "no broker reachable: 127.0.0.1:7000: ")."""
+    return str(exc) or type(exc).__name__

@@ -87,6 +87,10 @@ class LinkClosed(ConnectionError):
         self.detail = detail
 
 
+# What a handshake that times out or reads something else than SeDAX frames most likely means.
+NOT_A_BROKER: Final = "is this the --listen port of a SeDAX broker (not its --metrics endpoint, nor another service)?"
+
+
 class HandshakeRefused(ConnectionError):
     """The peer answered our HELLO with REFUSE; `code` and `text` say why and what to change."""
 
@@ -109,15 +113,23 @@ async def open_handshake(
     closed the connection first) and TimeoutError (no answer within timeout seconds).
     """
     transport.write(encode_control(hello))
-    async with asyncio.timeout(timeout):
-        await transport.drain()
-        while True:
-            data = await transport.read(READ_CHUNK)
-            frames = decoder.feed(data)
-            if frames:
-                break
-            if not data:
-                raise ConnectionResetError("the peer closed the connection during the handshake")
+    try:
+        async with asyncio.timeout(timeout):
+            await transport.drain()
+            while True:
+                data = await transport.read(READ_CHUNK)
+                try:
+                    frames = decoder.feed(data)
+                except RemoteProtocolError as exc:
+                    # A web server, the broker's metrics port, a TLS server spoken to in plain TCP: name what
+                    # came back, not only the frame length its first bytes make.
+                    raise RemoteProtocolError(f"{exc}; it sent {bytes(data[:24])!r}: {NOT_A_BROKER}") from None
+                if frames:
+                    break
+                if not data:
+                    raise ConnectionResetError("the peer closed the connection during the handshake")
+    except TimeoutError:
+        raise TimeoutError(f"no answer to HELLO within {timeout:g} s: {NOT_A_BROKER}") from None
     first, rest = frames[0], frames[1:]
     if isinstance(first, ControlFrame) and isinstance(first.message, HelloOk):
         return first.message, rest

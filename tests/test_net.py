@@ -25,6 +25,7 @@ from overlay.protocol import (
     Hello,
     Ping,
     Refuse,
+    RemoteProtocolError,
     Status,
     StatusReq,
     encode_control,
@@ -104,12 +105,21 @@ async def test_heartbeat_declares_a_silent_peer_gone_and_not_a_talking_one() -> 
 async def test_open_handshake_times_out_and_sees_a_close() -> None:
     a, _silent_peer = memory_pair()
     hello = Hello(PROTOCOL_VERSION, "t", "client")
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"no answer to HELLO within 0\.05 s: is this the --listen port"):
         await open_handshake(a, hello, FrameDecoder(), 0.05)  # nobody answers
     c, d = memory_pair()
     d.close()
     with pytest.raises(ConnectionResetError):
         await open_handshake(c, hello, FrameDecoder(), 1.0)
+
+
+async def test_a_handshake_answered_by_something_else_than_a_broker_says_what_came_back() -> None:
+    # A web server, or the broker's --metrics endpoint: before, "frame length 1213486160 exceeds the limit".
+    a, b = memory_pair()
+    b.write(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+    hello = Hello(PROTOCOL_VERSION, "t", "client")
+    with pytest.raises(RemoteProtocolError, match=r"it sent b'HTTP/1.0 400 Bad Request.*--listen port of a SeDAX"):
+        await open_handshake(a, hello, FrameDecoder(), 1.0)
 
 
 # ---- a real broker, reached over memory -----------------------------------------------------------------------

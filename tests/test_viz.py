@@ -129,6 +129,12 @@ def test_cli_viz(logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "log directory not found" in capsys.readouterr().err
     assert cli_analysis.main(["viz", "--log-dir", str(logs), "--out", str(tmp_path / "v.gif")]) == 2
     assert ".svg or .png" in capsys.readouterr().err
+    # A directory that does not exist: one line naming the file and the fix (it was "failed unexpectedly").
+    for name in ("v.svg", "v.png"):
+        assert cli_analysis.main(["viz", "--log-dir", str(logs), "--out", str(tmp_path / "no" / name)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write {tmp_path / 'no' / name}: No such file or directory" in err, err
+        assert err.count("\n") == 1
     # Nothing listens on port 1: the live path fails with a clear message, not a traceback.
     assert cli_analysis.main(["viz", "--broker", "127.0.0.1:1", "--out", str(out), "--timeout", "2"]) == 1
     assert "cannot reach broker" in capsys.readouterr().err
