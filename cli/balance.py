@@ -90,7 +90,16 @@ async def run_load(
     }
 
 
+# The topics' sizes are drawn up front: 10^8 took a gigabyte before the first message left, silently.
+MAX_LOAD_TOPICS: Final = 1_000_000
+
+
 def _cmd_load(args: argparse.Namespace) -> int:
+    if args.topics > MAX_LOAD_TOPICS:
+        return fail(
+            f"--topics {args.topics}: at most {MAX_LOAD_TOPICS:,} per run; run it again with another --prefix for more",
+            EXIT_USAGE,
+        )
     try:
         addrs = brokers(args)
         validate_topic(f"{args.prefix}/0000")

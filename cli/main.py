@@ -121,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout now points at /dev/null so that the interpreter's last flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # what a shell reports for a tool ended by SIGPIPE
+    except MemoryError as exc:
+        # Asked for more than the machine holds (a simulation or a load of that size): the size, not sedax.
+        print(f"sedax: error: {args.command} ran out of memory ({exc or 'MemoryError'}): ask for less", file=sys.stderr)
+        return 1
     except Exception as exc:
         if args.log_level == "DEBUG":
             raise

@@ -82,6 +82,10 @@ def _one_line_error(err: str) -> str:
         (["cluster", "up", "--coords", "/nonexistent"], 1, "cannot read --coords"),
         (["cluster", "down", "--state-dir", "/nonexistent"], 1, "no readable cluster state"),
         (["completion", "fish"], 2, "invalid choice"),
+        # Sizes beyond what the machine holds: one line, not a MemoryError reported as a bug.
+        (["sim", "static", "--topics-per-node", "1000000000"], 2, "more than the simulator holds"),
+        (["sim", "growth", "--nodes", "100000", "--topics-per-node", "1000"], 2, "lower --nodes or --topics-per-node"),
+        (["load", "--topics", "100000000", "--broker", DEAD], 2, "at most 1,000,000 per run"),
     ],
 )
 def test_bad_input_is_one_line_with_the_right_exit_code(
@@ -261,3 +265,19 @@ def test_analyze_over_garbage_is_one_line_before_spark_starts(tmp_path: Path) ->
     assert "no metrics-log records" in line and "2 *.jsonl file(s)" in line and "--log-dir" in line
     assert res.stderr.strip() == line
     assert not out.exists()
+
+
+def test_running_out_of_memory_is_one_line_that_says_so_not_a_bug_report() -> None:
+    # The largest simulation the simulator takes, in a process held to 700 MB of address space: numpy's
+    # MemoryError was reported as "failed unexpectedly ... this is a bug in sedax".
+    import resource
+
+    def small() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (700 * 2**20, 700 * 2**20))
+
+    argv = [SEDAX, "sim", "static", "--nodes", "100", "--topics-per-node", "100000"]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=small, env=env, check=False)
+    assert res.returncode == 1, res.stderr
+    assert "sim ran out of memory" in _one_line_error(res.stderr)
+    assert "bug" not in res.stderr
