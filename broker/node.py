@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, TypeAlias
 
 from broker.balancer import Balancer
-from broker.config import BrokerConfig
+from broker.config import BrokerConfig, ConfigError
 from broker.eventlog import EventLog
 from broker.guard import Guard
 from broker.link import TICK_SLACK, CloseReason, LinkClosed, PeerLink
@@ -35,7 +35,7 @@ from broker.memory import HeapTrimmer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
-from broker.storage import DiskStore
+from broker.storage import DataDirInUse, DiskStore, lock_data_dir, unlock_data_dir
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
@@ -150,7 +150,19 @@ class Broker(Membership, Routing):
         self._redial_handle: asyncio.TimerHandle | None = None
         self.port = PubSubPort(self)
         retention = Retention(config.retention_seconds, config.retention_bytes)
-        disk = DiskStore(Path(config.data_dir), config.fsync_policy) if config.on_disk and config.data_dir else None
+        disk, self._data_lock = None, None
+        if config.on_disk and config.data_dir:
+            data_dir = Path(config.data_dir)
+            try:
+                self._data_lock = lock_data_dir(data_dir)
+                disk = DiskStore(data_dir, config.fsync_policy)
+            except DataDirInUse as exc:
+                raise ConfigError(str(exc)) from None
+            except OSError as exc:  # a file, a directory this user may not write, /proc
+                why = "not a directory" if data_dir.exists() and not data_dir.is_dir() else exc.strerror or exc
+                raise ConfigError(
+                    f"cannot use --data-dir {data_dir}: {why}: give a directory this user may write"
+                ) from None
         self.pubsub = PubSub(
             self.port,
             PubSubConfig(
@@ -263,6 +275,9 @@ class Broker(Membership, Routing):
             self.log.warning("links did not drain within %.1f s; closing anyway", self.config.drain_timeout)
         await self.tasks.cancel_all("broker shut down")
         self.pubsub.close()
+        if self._data_lock is not None:
+            unlock_data_dir(self._data_lock)
+            self._data_lock = None
         await self._stop_observability()
         self.log.info("left the overlay")
 

@@ -182,3 +182,34 @@ async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_k
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+async def test_a_data_directory_serves_one_broker_at_a_time_and_a_crash_frees_it(tmp_path: Path) -> None:
+    # Two brokers started on one --data-dir (a copied command line) appended to the same segments and each read
+    # the other's records back as its own.  The second is refused in one line that names the first; a SIGKILL
+    # of the first frees the directory, so a broker restarted after a crash starts.
+    async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=FAST_ARGS, data_dirs=True, tls=False) as c:
+        first = c.nodes[0]
+        second = [
+            sys.executable, "-m", "broker", "--coord", "0.25,0.25", "--listen", "127.0.0.1:0", "--insecure",
+            "--data-dir", str(c.data_dir(0)),
+        ]  # fmt: skip
+        res = await asyncio.to_thread(subprocess.run, second, capture_output=True, text=True, timeout=60, check=False)
+        assert res.returncode == 2, res.stderr
+        lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+        assert lines == [
+            f"sedax broker: error: data directory {c.data_dir(0)} is in use by another broker (pid {first.pid}): "
+            "give each broker its own --data-dir"
+        ], res.stderr
+        assert first.alive
+        await c.kill(0)
+        again = await c.restart(0)  # the same directory, after a crash
+        assert again.alive and again.listen
+    # A file where the directory should be: one line, exit 2.
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    res = await asyncio.to_thread(
+        subprocess.run, [*second[:-1], str(not_a_dir)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert res.returncode == 2 and f"cannot use --data-dir {not_a_dir}: " in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr

@@ -9,6 +9,8 @@ docs/storage.md.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 from broker.storage.commit import GroupCommit
@@ -28,6 +30,7 @@ from broker.storage.disklog import (
 )
 
 __all__ = [
+    "DataDirInUse",
     "DiskLog",
     "DiskStore",
     "FsyncMode",
@@ -38,7 +41,49 @@ __all__ = [
     "StorageFull",
     "SyncFailed",
     "TopicMeta",
+    "lock_data_dir",
+    "unlock_data_dir",
 ]
+
+# The lock file of a data directory, beside topics/ (docs/storage.md).
+LOCK_FILE = "LOCK"
+
+
+class DataDirInUse(StorageError):
+    """Another process holds the data directory: two brokers writing one directory would append to the same
+    segments and each read the other's records back as its own."""
+
+    def __init__(self, data_dir: Path, holder: str) -> None:
+        who = f" (pid {holder})" if holder.isdigit() else ""
+        super().__init__(
+            f"data directory {data_dir} is in use by another broker{who}: give each broker its own --data-dir"
+        )
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take the data directory for this process, as Kafka's log directories and Pulsar's bookies do: an exclusive
+    flock on <data-dir>/LOCK, which holds our pid.  The kernel releases it when the process ends, SIGKILL
+    included, so a broker restarted after a crash finds it free.  Returns the descriptor (`unlock_data_dir`).
+
+    Raises DataDirInUse if another process holds it, OSError if the directory cannot be made or written.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise DataDirInUse(data_dir, holder) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_data_dir(fd: int) -> None:
+    """Give the data directory up (a broker that stopped; a process that ends gives it up anyway)."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 class DiskStore:
