@@ -983,12 +983,24 @@ class Client:
     async def publish_nowait(self, topic: str, payload: bytes | str) -> asyncio.Future[PublishAck]:
         """Send a publish and return a future for its acknowledgement; waits only when too many are in flight.
 
-        Raises ValueError at once for an invalid topic name or an oversized payload.  The future fails with
-        ClientClosed if the client is closed before the acknowledgement comes (`aclose`).
+        Raises ValueError at once for an invalid topic name or an oversized payload, TypeError for a payload that
+        is neither bytes nor str.  The future fails with ClientClosed if the client is closed before the
+        acknowledgement comes (`aclose`).
         """
         if topic not in self._seq:
             validate_topic(topic)
-        data = payload.encode() if isinstance(payload, str) else bytes(payload)
+        if type(payload) is bytes:  # (the common case first: no conversion, no call)
+            data = payload
+        elif isinstance(payload, str):
+            data = payload.encode()
+        elif isinstance(payload, bytes | bytearray | memoryview):
+            data = bytes(payload)
+        else:
+            # bytes(230) is 230 zero bytes, and bytes(10**10) ten gigabytes: a number is not a payload.
+            raise TypeError(
+                f"payload must be bytes or str, got {type(payload).__name__}: encode it first "
+                "(str(value), json.dumps(value), struct.pack)"
+            )
         if len(data) > MAX_PAYLOAD_SIZE:
             raise ValueError(f"payload of {len(data)} bytes is over the limit of {MAX_PAYLOAD_SIZE}")
         if not self._inflight.take():

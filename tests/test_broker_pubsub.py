@@ -422,6 +422,10 @@ async def test_bad_input_gets_clear_errors(cluster10: LocalCluster) -> None:
     async with Client(addr) as c:
         with pytest.raises(ValueError, match="empty level"):
             await c.publish("bad//name", "x")
+        # A number is no payload: bytes(230) was 230 zero bytes, published and acknowledged.
+        with pytest.raises(TypeError, match="payload must be bytes or str, got int: encode it first"):
+            await c.publish("grid/ok", 230)  # type: ignore[arg-type]
+        assert (await c.publish("grid/ok", bytearray(b"ba"))).seq == 0  # bytes-like payloads are taken as bytes
         sub = await c.subscribe("grid/ok")
         with pytest.raises(RequestFailed, match="already_subscribed"):
             await c.subscribe("grid/ok")
@@ -446,7 +450,7 @@ async def test_bad_input_gets_clear_errors(cluster10: LocalCluster) -> None:
         assert nacks == ["bad_topic", "too_large"]
         writer.close()
         # and the broker still serves everyone
-        assert (await c.publish("grid/ok", "still fine")).seq == 0
+        assert (await c.publish("grid/ok", "still fine")).seq == 1
 
 
 def sedax(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
