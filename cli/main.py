@@ -128,6 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.log_level == "DEBUG":
             raise
+        if isinstance(exc, OSError) and exc.filename is not None:
+            # A directory that does not exist or may not be written (--state-dir, --dir): the machine, not sedax.
+            print(
+                f"sedax: error: {args.command}: cannot use {exc.filename}: {exc.strerror or exc}: choose another path",
+                file=sys.stderr,
+            )
+            return 1
         print(
             f"sedax: error: {args.command} failed unexpectedly: {type(exc).__name__}: {exc} "
             "(this is a bug in sedax: please report it with the output of --log-level DEBUG)",

@@ -86,6 +86,13 @@ def _one_line_error(err: str) -> str:
         (["sim", "static", "--topics-per-node", "1000000000"], 2, "more than the simulator holds"),
         (["sim", "growth", "--nodes", "100000", "--topics-per-node", "1000"], 2, "lower --nodes or --topics-per-node"),
         (["load", "--topics", "100000000", "--broker", DEAD], 2, "at most 1,000,000 per run"),
+        # A path the machine refuses: one line naming it (it was "failed unexpectedly ... a bug in sedax").
+        (["certs", "init", "--dir", "/proc/no/such"], 1, "certs: cannot use /proc/no: No such file or directory"),
+        (
+            ["cluster", "up", "--nodes", "2", "--insecure", "--state-dir", "/proc/no/such"],
+            1,
+            "cluster: cannot use /proc",
+        ),
     ],
 )
 def test_bad_input_is_one_line_with_the_right_exit_code(
