@@ -826,3 +826,34 @@ def test_at_level_3_a_session_that_unsubscribed_is_not_delivered_to_after_the_pr
     pub.request("p", Publish(topic, "P", 2, b"c", 2))
     assert [r.seq for r in delivered(sub, "gone")] == [0]
     assert sorted({r.seq for r in delivered(sub, "kept")}) == [0, 1, 2]
+
+
+def test_a_level_3_secondary_gives_its_tertiary_the_history_only_once_it_holds_its_primarys_lists() -> None:
+    # The tertiary takes the secondary's subscriber list as it is.  A secondary read back from disk holds no list
+    # until its primary's batch brings one; its back-fill before that would have emptied the tertiary's list, and
+    # had the primary and the secondary then failed together the tertiary would have served no subscriber.
+    net = Net(grid(10, seed=2), resilience=3)
+    topic = "grid/l3/restarted"
+    loc = locate(net, topic)
+    assert loc.tertiary is not None
+    holders = {loc.primary.id, loc.secondary.id, loc.tertiary.id}
+    sub, pub = [n for nid, n in sorted(net.nodes.items()) if nid not in holders][:2]
+    sub.request("s", Subscribe(1, topic))
+    pub.request("p", Publish(topic, "P", 0, b"a", 0))
+    sec = net.nodes[loc.secondary.id].ps.table.replicas[topic]
+    ter = net.nodes[loc.tertiary.id].ps.table.replicas[topic]
+    # The secondary as a restart from its data directory leaves it: records, no lists, the tertiary to be given
+    # the history.
+    sec.subscribers.clear()
+    sec.meta_known = False
+    sec.copy.want()
+    pub.request("p", Publish(topic, "P", 1, b"b", 1))  # a records-only batch: the secondary does not confirm it
+    assert [s for _, s in ter.subscribers] == ["s"]
+    net.tick(1.0)  # the primary's re-send brings the lists; then the back-fill
+    assert [s for _, s in sec.subscribers] == ["s"] and [s for _, s in ter.subscribers] == ["s"]
+    net.kill(loc.primary.id)
+    net.kill(loc.secondary.id)
+    for _ in range(10):
+        net.tick(0.5)
+    pub.request("p", Publish(topic, "P", 2, b"c", 2))
+    assert 2 in {r.seq for r in delivered(sub, "s")}

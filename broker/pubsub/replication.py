@@ -795,10 +795,12 @@ class ReplicationRole:
 
     def _copy_down(self, r: Replica) -> None:
         """Level 3: a secondary gives its tertiary the history when the tertiary is new to it or a back-fill or
-        repair brought it records (one back-fill at a time; what arrives meanwhile goes with the next)."""
+        repair brought it records (one back-fill at a time; what arrives meanwhile goes with the next).  Only once
+        it holds its primary's lists (`meta_known`): the tertiary takes the secondary's subscriber list as it is
+        (`_from_secondary`), and a secondary read back from disk has none until its primary's batch brings it."""
         if self.t.config.resilience < 3:
             return  # (checked first: every replica passes here at every tick)
-        idle = r.copy.stage is CopyStage.WANTED and r.rank == 2 and r.stage is Stage.HOLDING
+        idle = r.copy.stage is CopyStage.WANTED and r.rank == 2 and r.stage is Stage.HOLDING and r.meta_known
         if idle and (nxt := self.next_holder(r)) is not None:
             self.backfill(r, nxt)
 
