@@ -803,16 +803,23 @@ def test_a_primary_keeps_an_emptied_topic_until_its_secondary_confirmed_the_empt
     assert net.nodes[loc.primary.id].ps.counters["replication_resends"] >= 1
 
 
-def test_at_level_3_a_session_that_unsubscribed_is_not_delivered_to_after_the_primary_fails() -> None:
-    # The secondary passes the primary's batches on to the tertiary as syncs, and the tertiary added a sync's
-    # subscribers to its own: it kept every subscriber that had unsubscribed.  The secondary taking over pulled
-    # them back, and a session that had unsubscribed (still connected) got the re-delivery and new messages.
+def level3_with_clients(topic: str) -> tuple[Net, Located, Node, Node]:
+    """Ten brokers at level 3 and two of them that hold nothing of topic, for a subscriber and a publisher."""
     net = Net(grid(10, seed=2), resilience=3)
-    topic = "grid/l3/voltage"
     loc = locate(net, topic)
     assert loc.tertiary is not None
     holders = {loc.primary.id, loc.secondary.id, loc.tertiary.id}
     sub, pub = [n for nid, n in sorted(net.nodes.items()) if nid not in holders][:2]
+    return net, loc, sub, pub
+
+
+def test_at_level_3_a_session_that_unsubscribed_is_not_delivered_to_after_the_primary_fails() -> None:
+    # The secondary passes the primary's batches on to the tertiary as syncs, and the tertiary added a sync's
+    # subscribers to its own: it kept every subscriber that had unsubscribed.  The secondary taking over pulled
+    # them back, and a session that had unsubscribed (still connected) got the re-delivery and new messages.
+    topic = "grid/l3/voltage"
+    net, loc, sub, pub = level3_with_clients(topic)
+    assert loc.tertiary is not None
     sub.request("gone", Subscribe(1, topic))
     sub.request("kept", Subscribe(2, topic))
     pub.request("p", Publish(topic, "P", 0, b"a", 0))
@@ -832,12 +839,9 @@ def test_a_level_3_secondary_gives_its_tertiary_the_history_only_once_it_holds_i
     # The tertiary takes the secondary's subscriber list as it is.  A secondary read back from disk holds no list
     # until its primary's batch brings one; its back-fill before that would have emptied the tertiary's list, and
     # had the primary and the secondary then failed together the tertiary would have served no subscriber.
-    net = Net(grid(10, seed=2), resilience=3)
     topic = "grid/l3/restarted"
-    loc = locate(net, topic)
+    net, loc, sub, pub = level3_with_clients(topic)
     assert loc.tertiary is not None
-    holders = {loc.primary.id, loc.secondary.id, loc.tertiary.id}
-    sub, pub = [n for nid, n in sorted(net.nodes.items()) if nid not in holders][:2]
     sub.request("s", Subscribe(1, topic))
     pub.request("p", Publish(topic, "P", 0, b"a", 0))
     sec = net.nodes[loc.secondary.id].ps.table.replicas[topic]
