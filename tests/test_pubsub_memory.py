@@ -861,3 +861,23 @@ def test_a_level_3_secondary_gives_its_tertiary_the_history_only_once_it_holds_i
         net.tick(0.5)
     pub.request("p", Publish(topic, "P", 2, b"c", 2))
     assert 2 in {r.seq for r in delivered(sub, "s")}
+
+
+def test_a_locate_keeps_a_topic_that_remembers_publishers_it_forgot() -> None:
+    # A LOCATE (or FETCH) forgets a topic with nothing in it at once; it checked records, publishers and
+    # subscribers, but not the publishers the topic remembers having forgotten, so a LOCATE after a day of
+    # silence dropped those marks and the next return of such a publisher was counted as lost (the sweep of
+    # empty topics already kept them).
+    topic = "grid/forget/located"
+    net = Net(grid(10, seed=3), resilience=2, retention=Retention(max_age=3600.0))
+    primary = net.nodes[locate(net, topic).primary.id]
+    pub = net.nodes["n1"]
+    for i in range(70):
+        pub.request(f"p{i}", Publish(topic, f"P{i}", 0, b"x", 0))
+    for _ in range(26):
+        net.tick(3600.0)  # a day and more: every message expired, every publisher forgotten
+    assert not primary.ps.store.get(topic).last_seq
+    locate(net, topic)
+    pub.request("p0", Publish(topic, "P0", 1, b"back", 1))
+    assert [m.seq for m in pub.inbox["p0"] if isinstance(m, Ack)][-1] == 1
+    assert net.nodes[locate(net, topic).primary.id].ps.counters["lost"] == 0

@@ -56,6 +56,13 @@ def _ts(rec: Record) -> float:
     return rec.ts
 
 
+def _holds_nothing(r: Replica) -> bool:
+    """No record kept, no publisher remembered (nor one forgotten or refused: its return must not count as a
+    loss, TopicLog.forgotten), no subscriber: what a broker may forget of a topic without losing anything."""
+    log_ = r.log
+    return not (log_.rows or log_.last_seq or log_.forgotten or r.subscribers)
+
+
 class HolderRole:
     """Requests at the topic's holders (see the module docstring)."""
 
@@ -269,7 +276,7 @@ class HolderRole:
 
     def forget_if_empty(self, r: Replica) -> None:
         # A FETCH or LOCATE of a topic nobody published to must not create state that lingers.
-        if not r.log.rows and not r.log.last_seq and not r.subscribers and not r.waiting:
+        if _holds_nothing(r) and not r.waiting:
             self.t.drop(r)
 
     def sweep_empty(self, now: float) -> None:
@@ -293,11 +300,9 @@ class HolderRole:
         self._empty = empty - self._empty
 
     def _empty_here(self, r: Replica) -> bool:
-        """Nothing in r: no record kept, no publisher remembered (nor one forgotten or refused, whose return must
-        not count as a loss), no subscriber, nothing waiting, being copied or under way; and at its home, never
+        """Nothing in r (`_holds_nothing`), nothing waiting, being copied or under way; and at its home, never
         moved (a delegated topic's home keeps its list, and the delegate must stay where that list points)."""
-        log_ = r.log
-        if log_.rows or log_.last_seq or log_.forgotten or r.subscribers:
+        if not _holds_nothing(r):
             return False
         if r.stage is not Stage.SERVING and r.stage is not Stage.HOLDING:
             return False
