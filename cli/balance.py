@@ -30,6 +30,7 @@ from cli.args import (
     target,
 )
 from client.client import Client, ClientError, PublishAck, RequestFailed
+from client.errors import describe
 from net.credentials import Credentials
 from overlay.pubsub import MESSAGE_OVERHEAD
 from overlay.topics import BadTopic, validate_topic
@@ -122,7 +123,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
             )
         )
     except (ClientError, TimeoutError, OSError) as exc:
-        return fail(f"load failed: {exc or f'not acknowledged within {args.timeout} s'}", EXIT_FAILED)
+        return fail(f"load failed: {describe(exc, f'not acknowledged within {args.timeout} s')}", EXIT_FAILED)
     if not args.json:
         out.pop("sizes")
     print(json.dumps(out))
@@ -151,7 +152,7 @@ def _cmd_move(args: argparse.Namespace) -> int:
             )
         return fail(f"move failed: {exc}", EXIT_FAILED)
     except (ClientError, TimeoutError, OSError) as exc:
-        return fail(f"move failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
+        return fail(f"move failed: {describe(exc, f'no answer within {args.timeout} s')}", EXIT_FAILED)
     print(f"moved {args.topic} to {args.to[0]},{args.to[1]}")
     return 0
 
@@ -169,7 +170,7 @@ def _cmd_balance(args: argparse.Namespace) -> int:
     try:
         plans = asyncio.run(_plan(addrs, args.all, args.timeout, creds))
     except (ClientError, TimeoutError, OSError) as exc:
-        return fail(f"dry run failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
+        return fail(f"dry run failed: {describe(exc, f'no answer within {args.timeout} s')}", EXIT_FAILED)
     if args.json:
         print(json.dumps(plans))
         return 0

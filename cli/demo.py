@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from cli.args import EXIT_FAILED, fail, positive_int
 from client.client import Client, ClientError, PublishAck
+from client.errors import describe
 
 if TYPE_CHECKING:  # cli.cluster imports numpy: `sedax --help` and the light commands must not pay for it
     from cli.cluster import LocalCluster
@@ -141,7 +142,7 @@ def _cmd(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics, args.insecure))
     except (ClusterError, ClientError, TimeoutError, OSError) as exc:
-        return fail(f"the demo failed: {exc or type(exc).__name__}", EXIT_FAILED)
+        return fail(f"the demo failed: {describe(exc)}", EXIT_FAILED)
 
 
 def register(subparsers: Any) -> None:

@@ -21,6 +21,7 @@ from cli import demo
 from cli import overlay as cli_overlay
 from cli import pubsub as cli_pubsub
 from cli import topics as cli_topics
+from client.errors import describe
 
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
 # `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
@@ -123,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + 13  # what a shell reports for a tool ended by SIGPIPE
     except MemoryError as exc:
         # Asked for more than the machine holds (a simulation or a load of that size): the size, not sedax.
-        print(f"sedax: error: {args.command} ran out of memory ({exc or 'MemoryError'}): ask for less", file=sys.stderr)
+        print(f"sedax: error: {args.command} ran out of memory ({describe(exc)}): ask for less", file=sys.stderr)
         return 1
     except Exception as exc:
         if args.log_level == "DEBUG":

@@ -29,6 +29,7 @@ from cli.args import (
     timestamp,
 )
 from client.client import Client, ClientError, ConnectError, PublishAck, ReceivedMessage, RequestFailed
+from client.errors import describe
 from overlay.pubsub import MAX_PAYLOAD_SIZE
 from overlay.topics import BadTopic, validate_topic
 
@@ -99,7 +100,7 @@ def _cmd_pub(args: argparse.Namespace) -> int:
     except ConnectError as exc:
         return fail(str(exc), EXIT_FAILED)
     except (ClientError, TimeoutError, OSError) as exc:
-        return fail(f"publish failed: {exc or type(exc).__name__}", EXIT_FAILED)
+        return fail(f"publish failed: {describe(exc)}", EXIT_FAILED)
 
 
 # --------------------------------------------------------------------------------------------------- sub
@@ -157,7 +158,7 @@ def _cmd_sub(args: argparse.Namespace) -> int:
     except RequestFailed as exc:
         return fail(f"subscribe refused: {exc}", EXIT_FAILED)
     except (ClientError, TimeoutError, OSError) as exc:
-        return fail(str(exc) or type(exc).__name__, EXIT_FAILED)
+        return fail(describe(exc), EXIT_FAILED)
 
 
 # ------------------------------------------------------------------------------------------------ locate
@@ -194,7 +195,7 @@ def _cmd_locate(args: argparse.Namespace) -> int:
     try:
         out = asyncio.run(_locate(args, addrs))
     except (ClientError, TimeoutError, OSError) as exc:
-        return fail(f"locate failed: {exc or f'no answer within {args.timeout} s'}", EXIT_FAILED)
+        return fail(f"locate failed: {describe(exc, f'no answer within {args.timeout} s')}", EXIT_FAILED)
     if args.json:
         print(json.dumps(out))
     else:

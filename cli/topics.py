@@ -25,6 +25,7 @@ from cli.args import (
 from client.admin import AdminError
 from client.client import Client, ClientError
 from client.crawl import crawl
+from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import RATE_WINDOW
 
@@ -67,7 +68,7 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
                 try:
                     loc = await c.locate(topic)
                 except (ClientError, TimeoutError) as exc:  # a topic in hand-over or whose holder just failed
-                    return {"topic": topic, "error": str(exc) or type(exc).__name__}
+                    return {"topic": topic, "error": describe(exc)}
             return {
                 "topic": topic,
                 "coord": list(loc.coord),
@@ -95,7 +96,7 @@ def _cmd_topics(args: argparse.Namespace) -> int:
     try:
         rows = asyncio.run(list_topics(addrs, creds, args.timeout))
     except (AdminError, ClientError, OSError, TimeoutError) as exc:
-        return fail(str(exc) or type(exc).__name__, EXIT_FAILED)
+        return fail(describe(exc), EXIT_FAILED)
     if args.json:
         print(json.dumps(rows))
         return 0

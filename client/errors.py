@@ -31,7 +31,8 @@ class RequestFailed(ClientError):
         self.text = text
 
 
-def describe(exc: BaseException) -> str:
-    """An exception as one line for an error message: its text, or its type where it has none (a bare
-    TimeoutError printed as nothing: "no broker reachable: 127.0.0.1:7000: ")."""
-    return str(exc) or type(exc).__name__
+def describe(exc: BaseException, empty: str = "") -> str:
+    """An exception as one line for an error message: its text, or where it has none `empty` (what it means
+    there: "no answer within 5 s") or its type.  A bare TimeoutError printed as nothing ("no broker reachable:
+    127.0.0.1:7000: "), and `f"{exc or ...}"` never takes the alternative: an exception is always true."""
+    return str(exc) or empty or type(exc).__name__

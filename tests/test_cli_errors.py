@@ -288,3 +288,13 @@ def test_running_out_of_memory_is_one_line_that_says_so_not_a_bug_report() -> No
     assert res.returncode == 1, res.stderr
     assert "sim ran out of memory" in _one_line_error(res.stderr)
     assert "bug" not in res.stderr
+
+
+def test_an_exception_without_text_is_described_by_what_it_means_there() -> None:
+    # `f"{exc or 'no answer within 5 s'}"` printed "locate failed: " for a bare TimeoutError: an exception is
+    # always true, so the alternative was never taken.
+    from client.errors import describe
+
+    assert describe(TimeoutError(), "no answer within 5 s") == "no answer within 5 s"
+    assert describe(TimeoutError()) == "TimeoutError"
+    assert describe(ConnectionResetError("gone"), "unused") == "gone"
