@@ -458,6 +458,13 @@ class Membership:
     def _answer_join(self, join: Join) -> JoinAccept | Refuse:
         node = join.node
         known = self.view.nodes.get(node.id)
+        if (node.id, node.listen, tuple(node.coord)) == (self.node_id, self.info.listen, tuple(self.info.coord)):
+            # This broker's own JOIN, routed to its coordinate, that is here: it was started again at once after
+            # a crash, and the neighbours of its previous life redialled its address (their tombstone lapsed)
+            # before the JOIN got through.  It is where it asked to be: accepted, by itself.  (Only this process
+            # listens at this address; another broker with this id is refused below.)
+            self.log.info("my own JOIN was routed to me: the overlay already reaches me")
+            return JoinAccept(join.corr, self.info, tuple(self.view.infos(self.peers)))
         # The same broker asking again (its first JOIN's answer was late) is accepted again; another broker
         # with a live broker's id is not.
         if node.id == self.node_id or (known is not None and tuple(known.coord) != tuple(node.coord)):

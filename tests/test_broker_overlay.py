@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from conftest import FAST_ARGS
 import overlay.delegation
 import overlay.pubsub  # noqa: F401
 from cli.cluster import LocalCluster
+from client.admin import AdminClient
 from overlay.geometry import distance
 from overlay.protocol import (
     PROTOCOL_VERSION,
@@ -25,6 +27,7 @@ from overlay.protocol import (
     FrameDecoder,
     Hello,
     HelloOk,
+    Join,
     JoinAccept,
     Message,
     Neighbours,
@@ -184,6 +187,77 @@ async def test_a_newcomer_whose_join_answer_is_lost_goes_on_once_a_neighbour_lin
             await cluster.wait_converged(20.0)
         assert swallowed, "the relay passed the JOIN's answer"
         assert "answered late" in newcomer.err_path.read_text()
+        for t in relays:
+            t.cancel()
+
+
+async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tmp_path: Path) -> None:
+    # A crashed broker started again at once (systemd's Restart=always) at its address and coordinate.  Its
+    # former neighbours redial a lost neighbour's address once its tombstone lapses (2 s): the new life
+    # answers and links before its own JOIN has got through (here a relay of ours holds the JOIN until a
+    # neighbour has linked, as a slow path does), so the JOIN is routed to the broker's own coordinate, that
+    # is to itself.  It used to refuse itself as a duplicate node id and exit (found by benchmarks/chaos.py).
+    async with LocalCluster(4, seed=3, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
+        await cluster.wait_converged(20.0)
+        host, port = cluster.nodes[0].listen.rsplit(":", 1)
+        relays: set[asyncio.Future[Any]] = set()
+        release = asyncio.Event()
+        held: list[str] = []
+
+        async def up(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            frames = FrameDecoder()
+            while data := await src.read(65536):
+                for frame in frames.feed(data):
+                    assert isinstance(frame, ControlFrame)
+                    if isinstance(frame.message, Join):
+                        held.append(frame.message.node.id)
+                        await release.wait()
+                    dst.write(encode_control(frame.message))
+            dst.close()
+
+        async def down(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            relays.add(asyncio.gather(up(reader, up_writer), down(up_reader, writer), return_exceptions=True))
+
+        server = await asyncio.start_server(relay, "127.0.0.1", 0)
+        async with server:
+            relay_port = server.sockets[0].getsockname()[1]
+            # The others' STATUS, over connections opened beforehand: the JOIN must go on within JOIN_ANSWER_GRACE
+            # (1 s) of the first link, or the newcomer stops waiting for its answer (and counts itself joined, as
+            # it should) before the bug can show.  (The new life reports ready only once it joined.)
+            creds = cluster.credentials()
+            async with contextlib.AsyncExitStack() as stack:
+                admins = [
+                    await stack.enter_async_context(await AdminClient.connect(b.listen, timeout=5.0, credentials=creds))
+                    for b in cluster.nodes[:3]
+                ]
+
+                async def linked() -> bool:
+                    for a in admins:
+                        if any(n.id == "n3" for n in (await a.status()).neighbours):
+                            return True
+                    return False
+
+                old = cluster.nodes[3]
+                await cluster.kill(3)
+
+                async def forgotten() -> bool:
+                    return not await linked()
+
+                await wait_for(forgotten, 20.0, "the old life's failure noticed")
+                again = cluster.spawn(old.coord, [f"127.0.0.1:{relay_port}"], index=3, listen=old.listen)
+                await wait_for(lambda: held == ["n3"], 20.0, "the new life's JOIN at the relay")
+                await wait_for(linked, 20.0, "a former neighbour redialling the new life")
+            release.set()
+            await cluster.wait_ready(again)  # ClusterError with its log if it exits instead
+            # Its JOIN was answered (not given up on as late, which would not have tested the case).
+            assert log_has(again, "joined via"), again.stderr_tail()
+            await cluster.wait_converged(20.0)
         for t in relays:
             t.cancel()
 

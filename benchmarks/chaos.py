@@ -1,0 +1,432 @@
+"""Randomised faults against a real cluster under load, checking what docs/storage.md promises (not a test).
+
+    .venv/bin/python benchmarks/chaos.py [--seed 1] [--level 2] [--disks] [--faults 12] [--brokers 7]
+                                         [--topics 8] [--publishers 3] [--subscribers 3] [--rate 40]
+                                         [--kinds kill,term,replace,pause,isolate,full]
+
+Real broker processes over mutual TLS on 127.0.0.(10 + i), each publisher and subscriber a `Client` that
+reconnects to other brokers as its own goes away.  Publishers publish to every topic (one PUBLISH per message,
+paced at --rate per publisher), subscribers each take a random half of the topics.  Faults come one at a time
+(docs/storage.md: "every acknowledged message survives any single change" at level 2); at level 3 the kinds
+that fail a broker fail two at once.  After each fault the run waits until the overlay is exact again, every
+publish sent before it is acknowledged, and every topic's replicas show `caught_up` in STATUS; then the next.
+
+Kinds (a broker is never one of the first --anchors, whose addresses every client tries first):
+  kill     SIGKILL a broker, start it again at its address (with --disks it reads its data back)
+  term     SIGTERM (a graceful leave with hand-over), start it again
+  replace  SIGKILL a broker and start a new one at a random coordinate
+  pause    SIGSTOP for 0.3-3 s (long past failure detection), then SIGCONT: a stale primary comes back
+  isolate  nftables drops every packet between a broker and the others for 1-4 s (clients still reach it, so
+           both sides acknowledge), then heals: the histories merge
+  full     with --disks, every broker SIGKILLed at once and started again (needs all anchors to come back)
+  move     an operator moves a random topic to a random coordinate (a delegation: the records follow it)
+
+Checked at the end, once publishing stopped and every subscriber is given 90 s to catch up:
+  - every acknowledged message is in its topic's history (a FETCH), once, with the payload it was sent with;
+  - every subscriber got every acknowledged message of its topics, once, in order per publisher.
+Prints one line per fault and a JSON summary; exit status 1 if anything was lost, duplicated or out of order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_ROOT))
+
+from cli.cluster import LocalCluster  # noqa: E402
+from client.client import Client, PublishAck, Subscription  # noqa: E402
+from tests import netcut  # noqa: E402
+
+# As the tests run brokers: failure detection within ~2 s of silence, clients that notice a dead broker quickly.
+BROKER_ARGS = ("--hello-timeout", "2.0", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8",
+               "--client-timeout", "3.0")  # fmt: skip
+KINDS = ("kill", "term", "replace", "pause", "isolate", "full", "move")
+HEAL_WITHIN = 60.0  # seconds for the overlay, the acknowledgements and the replicas after one fault
+DRAIN_WITHIN = 90.0  # seconds for every subscriber to get every acknowledged message at the end
+
+
+class Stuck(RuntimeError):
+    """The cluster did not get back to a healthy state within the deadline: reported with what was waited for."""
+
+
+async def wait_for(cond: object, within: float, what: str) -> float:
+    """Poll `cond` (a function, maybe async) until true; the seconds it took, or Stuck."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while True:
+        ok = cond()  # type: ignore[operator]
+        if asyncio.iscoroutine(ok):
+            ok = await ok
+        if ok:
+            return loop.time() - start
+        if loop.time() - start > within:
+            raise Stuck(f"not within {within:g} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Publisher:
+    """One client publishing to every topic in turn; remembers what each acknowledgement numbered."""
+
+    name: str
+    topics: list[str]
+    rate: float
+    sent: int = 0
+    acked: int = 0
+    failed: list[str] = field(default_factory=list)
+    # (topic, seq) -> the payload sent under it: the history must hold that record with that payload
+    ack_payload: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    publisher_id: str = ""
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self, client: Client) -> None:
+        self.publisher_id = client.publisher_id
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not self.stop.is_set():
+            topic = self.topics[self.sent % len(self.topics)]
+            payload = f"{self.name}/{topic}/{self.sent}".encode()
+            fut = await client.publish_nowait(topic, payload)
+            fut.add_done_callback(lambda f, t=topic, p=payload: self._done(f, t, p))
+            self.sent += 1
+            # Paced, not synchronised: the next message is due at start + sent / rate.
+            await asyncio.sleep(max(0.0, start + self.sent / self.rate - loop.time()))
+
+    def _done(self, fut: asyncio.Future[PublishAck], topic: str, payload: bytes) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.failed.append(f"{topic}: {exc!r}")
+            return
+        ack = fut.result()
+        self.acked += 1
+        self.ack_payload[(topic, ack.seq)] = payload
+
+
+@dataclass
+class Subscriber:
+    """One client subscribed to some topics; what it got, per topic, in arrival order."""
+
+    name: str
+    topics: list[str]
+    got: dict[str, list[tuple[str, int, bytes]]] = field(default_factory=lambda: defaultdict(list))
+    errors: list[str] = field(default_factory=list)
+
+    async def receive(self, topic: str, sub: Subscription) -> None:
+        try:
+            async for m in sub:
+                self.got[topic].append((m.publisher, m.seq, m.payload))
+        except Exception as exc:
+            self.errors.append(f"{topic}: {exc!r}")
+
+
+@dataclass
+class Fault:
+    kind: str
+    brokers: list[int]
+    detail: str = ""
+    healed_s: float = 0.0
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace, state_dir: Path) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.cluster = LocalCluster(
+            args.brokers, seed=args.seed, resilience=args.level, state_dir=state_dir,
+            broker_args=BROKER_ARGS, data_dirs=args.disks, hosts=True,
+        )  # fmt: skip
+        self.topics = [f"grid/chaos/{i}/voltage" for i in range(args.topics)]
+        self.pubs = [Publisher(f"meter-{i}", self.rng.sample(self.topics, len(self.topics)), args.rate)
+                     for i in range(args.publishers)]  # fmt: skip
+        self.subs = [Subscriber(f"scada-{i}", sorted(self.rng.sample(self.topics, max(1, len(self.topics) // 2))))
+                     for i in range(args.subscribers)]  # fmt: skip
+        self.faults: list[Fault] = []
+
+    # ------------------------------------------------------------------------------------------ health
+
+    def _victims(self) -> list[int]:
+        return [bp.index for bp in self.cluster.live() if bp.index >= self.args.anchors]
+
+    async def _replicas_settled(self) -> bool:
+        try:
+            statuses = await self.cluster.statuses(within=3.0)
+        except Exception:
+            return False
+        held = defaultdict(list)
+        for st in statuses.values():
+            for h in st.held:
+                if h.role in ("primary", "delegate", "secondary", "tertiary"):
+                    held[h.topic].append(h)
+        for topic in self.topics:
+            hs = held.get(topic, [])
+            if len(hs) < min(self.args.level, len(statuses)) or any(
+                (h.state, h.pending) != ("caught_up", 0) for h in hs
+            ):
+                return False
+        return True
+
+    async def heal(self) -> float:
+        """Wait until the overlay is exact, what was sent is acknowledged, and the replicas caught up."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await self.cluster.wait_converged(HEAL_WITHIN)
+        targets = [(p, p.sent) for p in self.pubs]
+        await wait_for(lambda: all(p.acked >= n for p, n in targets), HEAL_WITHIN, "acknowledgements")
+        await wait_for(self._replicas_settled, HEAL_WITHIN, "every topic's replicas caught_up")
+        return loop.time() - start
+
+    # ------------------------------------------------------------------------------------------ faults
+
+    def _pick(self, k: int) -> list[int]:
+        victims = self._victims()
+        return self.rng.sample(victims, min(k, len(victims)))
+
+    async def fault(self, kind: str) -> Fault:
+        c = self.cluster
+        k = 2 if self.args.level >= 3 and kind in ("kill", "term", "replace", "pause") else 1
+        picked = [] if kind == "full" else self._pick(k)
+        f = Fault(kind, picked)
+        if kind == "kill":
+            for i in picked:
+                await c.kill(i)
+            await asyncio.sleep(self.rng.uniform(0.0, 3.0))  # down for a while: the failover may or may not run
+            for i in picked:
+                await c.restart(i)
+        elif kind == "term":
+            for i in picked:
+                code = await c.stop(i)
+                f.detail += f"n{i} exit {code} "
+            for i in picked:
+                await c.restart(i)
+        elif kind == "replace":
+            for i in picked:
+                await c.kill(i)
+            for _ in picked:
+                bp = await c.add()
+                f.detail += f"new n{bp.index} "
+        elif kind == "pause":
+            seconds = self.rng.uniform(0.3, 3.0)
+            f.detail = f"{seconds:.1f} s"
+            for i in picked:
+                os.kill(c.nodes[i].pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(seconds)  # the fault itself lasts this long
+            finally:
+                for i in picked:
+                    os.kill(c.nodes[i].pid, signal.SIGCONT)
+        elif kind == "isolate":
+            seconds = self.rng.uniform(1.0, 4.0)
+            f.detail = f"{seconds:.1f} s"
+            i = picked[0]
+            others = [c.host(bp.index) for bp in c.live() if bp.index != i]
+            with netcut.Cut() as cut:
+                cut.cut([c.host(i)], others)
+                await asyncio.sleep(seconds)  # the fault itself lasts this long
+        elif kind == "move":
+            topic = self.rng.choice(self.topics)
+            to = (self.rng.random(), self.rng.random())
+            f.detail = f"{topic} to ({to[0]:.2f}, {to[1]:.2f}) "
+            async with Client([bp.listen for bp in c.live()], credentials=c.credentials()) as admin:
+                try:
+                    await admin.move(topic, to)
+                except Exception as exc:  # a refusal is reported, not a failure of the run
+                    f.detail += f"refused: {exc} "
+        elif kind == "full":
+            live = [bp.index for bp in c.live()]
+            for bp in c.live():
+                bp.proc.send_signal(signal.SIGKILL)
+            for i in live:
+                await c.wait_exit(c.nodes[i], 10.0)
+            # Every broker starts again, the anchors first (the others join through them).
+            for i in sorted(live):
+                await c.restart(i)
+            f.brokers = live
+        f.healed_s = await self.heal()
+        return f
+
+    # ------------------------------------------------------------------------------------------ run
+
+    async def run(self) -> dict[str, object]:
+        args = self.args
+        c = self.cluster
+        await c.start()
+        try:
+            await c.wait_converged(60.0)
+            creds = c.credentials()
+            addrs = [bp.listen for bp in c.nodes]
+            clients: list[Client] = []
+            tasks: list[asyncio.Task[None]] = []
+
+            def order(first: int) -> list[str]:
+                return [addrs[first], *(a for a in addrs if a != addrs[first])]
+
+            async with contextlib.AsyncExitStack() as stack:
+                for s in self.subs:
+                    sc = await stack.enter_async_context(
+                        Client(order(self.rng.randrange(len(addrs))), credentials=creds, heartbeat_interval=0.25)
+                    )
+                    clients.append(sc)
+                    for t in s.topics:
+                        sub = await sc.subscribe(t)
+                        tasks.append(asyncio.create_task(s.receive(t, sub)))
+                for p in self.pubs:
+                    pc = await stack.enter_async_context(
+                        Client(order(self.rng.randrange(len(addrs))), client_id=p.name, credentials=creds,
+                               heartbeat_interval=0.25, batch_publishes=False)
+                    )  # fmt: skip
+                    clients.append(pc)
+                    tasks.append(asyncio.create_task(p.run(pc)))
+                await wait_for(lambda: all(p.acked >= 10 for p in self.pubs), 30.0, "the first acknowledgements")
+                kinds = [k for k in args.kinds.split(",") if k != "full" or args.disks]
+                t0 = time.monotonic()
+                for n in range(args.faults):
+                    kind = self.rng.choice(kinds)
+                    f = await self.fault(kind)
+                    self.faults.append(f)
+                    print(
+                        f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
+                        f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}healed in {f.healed_s:.1f} s; "
+                        f"sent {sum(p.sent for p in self.pubs)}, acked {sum(p.acked for p in self.pubs)}",
+                        flush=True,
+                    )
+                for p in self.pubs:
+                    p.stop.set()
+                await wait_for(lambda: all(p.acked >= p.sent for p in self.pubs), HEAL_WITHIN, "final acks")
+                drained = True
+                try:
+                    await wait_for(self._drained, DRAIN_WITHIN, "every subscriber has every acknowledged message")
+                except Stuck:
+                    drained = False
+                report = await self.check(drained)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            return report
+        finally:
+            await c.close()
+
+    def _acked(self) -> dict[str, dict[tuple[str, int], bytes]]:
+        """topic -> (publisher id, seq) -> payload of every acknowledged message."""
+        out: dict[str, dict[tuple[str, int], bytes]] = defaultdict(dict)
+        for p in self.pubs:
+            for (t, seq), payload in p.ack_payload.items():
+                out[t][(p.publisher_id, seq)] = payload
+        return out
+
+    def _drained(self) -> bool:
+        acked = self._acked()
+        for s in self.subs:
+            for t in s.topics:
+                have = {(pub, seq) for pub, seq, _ in s.got[t]}
+                if not acked[t].keys() <= have:
+                    return False
+        return True
+
+    async def check(self, drained: bool) -> dict[str, object]:
+        acked = self._acked()
+        problems: list[str] = []
+        c = self.cluster
+        async with Client([bp.listen for bp in c.live()], credentials=c.credentials()) as reader:
+            for t in self.topics:
+                history = await reader.fetch(t, 0.0)
+                keys = [(r.publisher, r.seq) for r in history]
+                if len(keys) != len(set(keys)):
+                    dup = [k for k in set(keys) if keys.count(k) > 1]
+                    problems.append(f"{t}: history holds {len(dup)} messages twice, e.g. {dup[:3]}")
+                by_key = {(r.publisher, r.seq): r.payload for r in history}
+                lost = [k for k in acked[t] if k not in by_key]
+                if lost:
+                    problems.append(
+                        f"{t}: {len(lost)} acknowledged messages not in the history, e.g. {sorted(lost)[:5]}"
+                    )
+                wrong = [k for k, p in acked[t].items() if k in by_key and by_key[k] != p]
+                if wrong:
+                    problems.append(f"{t}: {len(wrong)} records with another payload than acknowledged: {wrong[:3]}")
+        for s in self.subs:
+            for t in s.topics:
+                got = s.got[t]
+                keys = [(pub, seq) for pub, seq, _ in got]
+                if len(keys) != len(set(keys)):
+                    problems.append(f"{s.name} {t}: {len(keys) - len(set(keys))} messages delivered twice")
+                last: dict[str, int] = {}
+                disorder = 0
+                for pub, seq, _ in got:
+                    if seq <= last.get(pub, -1):
+                        disorder += 1
+                    last[pub] = max(seq, last.get(pub, -1))
+                if disorder:
+                    problems.append(f"{s.name} {t}: {disorder} messages out of order")
+                missing = acked[t].keys() - set(keys)
+                if missing:
+                    problems.append(f"{s.name} {t}: {len(missing)} acknowledged messages never delivered, "
+                                    f"e.g. {sorted(missing)[:5]}")  # fmt: skip
+            problems += [f"{s.name}: {e}" for e in s.errors]
+        for p in self.pubs:
+            problems += [f"{p.name}: publish failed: {e}" for e in p.failed[:5]]
+        return {
+            "seed": self.args.seed,
+            "level": self.args.level,
+            "disks": self.args.disks,
+            "faults": [f"{f.kind}:{','.join(map(str, f.brokers))}" for f in self.faults],
+            "heal_s_max": round(max((f.healed_s for f in self.faults), default=0.0), 1),
+            "sent": sum(p.sent for p in self.pubs),
+            "acked": sum(p.acked for p in self.pubs),
+            "drained": drained,
+            "problems": problems,
+        }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--level", type=int, choices=(2, 3), default=2)
+    ap.add_argument("--disks", action="store_true", help="every broker keeps its topics in a data directory")
+    ap.add_argument("--faults", type=int, default=12)
+    ap.add_argument("--brokers", type=int, default=7)
+    ap.add_argument("--anchors", type=int, default=2, help="brokers never faulted (clients try them first)")
+    ap.add_argument("--topics", type=int, default=8)
+    ap.add_argument("--publishers", type=int, default=3)
+    ap.add_argument("--subscribers", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=40.0, help="messages per second per publisher")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to draw from: {','.join(KINDS)}")
+    ap.add_argument("--keep", action="store_true", help="keep the cluster's logs and data directories")
+    args = ap.parse_args()
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
+    if "isolate" in args.kinds.split(",") and netcut.unavailable():
+        ap.error(f"isolate needs nftables: {netcut.unavailable()} (or leave it out of --kinds)")
+    state = Path(tempfile.mkdtemp(prefix=f"sedax-chaos-{args.seed}-"))
+    try:
+        report = asyncio.run(Chaos(args, state).run())
+    except Stuck as exc:
+        print(f"stuck: {exc}; logs in {state}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1))
+    if report["problems"]:
+        print(f"FAILED: logs in {state}", file=sys.stderr)
+        return 1
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(state, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
