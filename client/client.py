@@ -116,6 +116,13 @@ REPAIR_FETCH_TIMEOUT: Final = 2.0
 REPAIR_MIN_ATTEMPTS: Final = 3
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
+# A subscription restored after a reconnect whose SUBSCRIBE (or catch-up FETCH) goes unanswered or is refused for
+# a while (RESUBSCRIBE_TRANSIENT: the overlay heals around the failure that cost the connection) is asked again,
+# RESUBSCRIBE_RETRY apart at first and doubling up to RESUBSCRIBE_RETRY_MAX, for as long as it is open and the
+# connection lasts (a later reconnect restores it anew).  A refusal that will not change ends its iteration.
+RESUBSCRIBE_RETRY: Final = 0.2
+RESUBSCRIBE_RETRY_MAX: Final = 2.0
+RESUBSCRIBE_TRANSIENT: Final = frozenset({"unreachable", "timeout", "shutting_down", "unknown_topic"})
 # Publishes sent back to back before publish_nowait lets the event loop run once.
 YIELD_EVERY: Final = 256
 # Payload bytes in one batched PUBLISH (Publish.more), well under the frame limit.
@@ -211,6 +218,7 @@ class Subscription:
         self._room = asyncio.Event()
         self._want_room = False
         self.catching_up = False
+        self.restoring = False  # a task catches it up and subscribes it again (Client._resubscribe)
         self._error: Exception | None = None
 
     def _fail(self, exc: Exception) -> None:
@@ -745,7 +753,7 @@ class Client:
         pending = [m for corr, m in self._request_msgs.items() if corr in self._requests]
         subscribing = {m.topic for m in pending if isinstance(m, Subscribe)}
         for sub in list(self._subs.values()):
-            if not sub.closed and sub.topic not in subscribing and not sub.catching_up:
+            if not sub.closed and sub.topic not in subscribing and not sub.catching_up and not sub.restoring:
                 self._spawn(self._resubscribe(sub))
         self._resend_all()
         conn = self._conn
@@ -753,16 +761,54 @@ class Client:
             for msg in pending:
                 conn.send(encode_control(msg))
 
-    async def _resubscribe(self, sub: Subscription) -> None:
+    async def _resubscribe(self, sub: Subscription, what: str = "re-subscribing") -> None:
+        """Catch sub up and SUBSCRIBE again (after a reconnect, or the rest of a catch-up begun by subscribe()).
+
+        No answer in time, or a refusal of RESUBSCRIBE_TRANSIENT, is asked again with a growing pause while the
+        subscription is open (it used to be given up after one time-out, and the subscription then stayed
+        silent for good); a refusal that will not change (not_allowed, topic_full, ...) ends the subscription's
+        iteration with it.  One such task per subscription (`restoring`): its requests outlive a reconnect
+        (they are sent again), so a reconnect meanwhile leaves the subscription to it."""
+        sub.restoring = True
+        delay = RESUBSCRIBE_RETRY
         try:
-            await self._catch_up_and_subscribe(sub)
-        except (RequestFailed, TimeoutError, ClientError) as exc:
-            log.warning("re-subscribing %s failed: %s", sub.topic, exc)
+            while not sub.closed and not self._closing:
+                try:
+                    await self._catch_up_and_subscribe(sub)
+                except RequestFailed as exc:
+                    if exc.code == "already_subscribed":
+                        return  # the SUBSCRIBE of an attempt that timed out got there after all
+                    if exc.code not in RESUBSCRIBE_TRANSIENT:
+                        log.warning("%s %s failed: %s", what, sub.topic, exc)
+                        if self._subs.get(sub.topic) is sub:
+                            del self._subs[sub.topic]
+                        sub._fail(exc)
+                        return
+                    why = describe(exc)
+                except TimeoutError as exc:
+                    why = describe(exc, f"no answer within {self.request_timeout:g} s")
+                except ClientError as exc:  # the client closed
+                    log.debug("%s %s stopped: %s", what, sub.topic, describe(exc))
+                    return
+                else:
+                    return
+                log.warning("%s %s failed (%s); asking again in %.1f s", what, sub.topic, why, delay)
+                await asyncio.sleep(delay)  # a pause before asking again, not synchronisation
+                delay = min(2 * delay, RESUBSCRIBE_RETRY_MAX)
+        finally:
+            sub.restoring = False
 
     async def _catch_up_and_subscribe(self, sub: Subscription) -> None:
         await self._catch_up(sub)
         if not sub.closed:
-            await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+            await self._send_subscribe(sub)
+
+    async def _send_subscribe(self, sub: Subscription) -> None:
+        reply = await self._request(Subscribe(next(self._corr), sub.topic, sub.since))
+        if sub.since is None and isinstance(reply, Subscribed) and reply.last_ts is not None:
+            # Nothing handed out yet: what a reconnect catches up with starts where the subscription began, so
+            # messages lost on the way with a failed access broker before the first one arrived are fetched.
+            sub.since = reply.last_ts
 
     async def _repair(self, sub: Subscription) -> None:
         """Fetch what the live stream of sub lost before the messages it holds back (`Subscription._deliver`).
@@ -860,15 +906,8 @@ class Client:
             sub.catching_up = False
 
     async def _finish_subscribe(self, sub: Subscription) -> None:
-        # The rest of a catch-up that did not fit the queue at subscribe time, then the SUBSCRIBE itself;
-        # a refusal ends the iteration with that error.
-        try:
-            await self._catch_up_and_subscribe(sub)
-        except (RequestFailed, TimeoutError, ClientError) as exc:
-            log.warning("subscribing %s failed: %s", sub.topic, exc)
-            if self._subs.get(sub.topic) is sub:
-                del self._subs[sub.topic]
-            sub._fail(exc)
+        # The rest of a catch-up that did not fit the queue at subscribe time, then the SUBSCRIBE itself.
+        await self._resubscribe(sub, "subscribing")
 
     def _fail_all(self, exc: Exception) -> None:
         self._requests.fail_all(exc)
@@ -1182,9 +1221,9 @@ class Client:
         self._subs[topic] = sub
         try:
             if await self._catch_up(sub, wait=False):
-                await self._request(Subscribe(next(self._corr), topic, sub.since))
+                await self._send_subscribe(sub)
             else:
-                sub.catching_up = True  # until _finish_subscribe is done; a reconnect leaves it alone
+                sub.restoring = True  # until _finish_subscribe is done; a reconnect leaves it alone
                 self._spawn(self._finish_subscribe(sub))
         except BaseException:
             self._subs.pop(topic, None)

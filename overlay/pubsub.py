@@ -362,12 +362,22 @@ class Subscribe(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class Subscribed(Message):
-    """The topic's primary registered the subscription; `coord` is the topic's current coordinate C(t)."""
+    """The topic's primary registered the subscription; `coord` is the topic's current coordinate C(t).
+
+    `last_ts` is the primary's newest timestamp when it registered the subscription: every message stored after
+    it reaches the subscriber, so a client whose access broker fails before the subscription delivered anything
+    catches up from there (None from a broker that predates the field).
+    """
 
     op: ClassVar[Literal["subscribed"]] = "subscribed"
     corr: int
     topic: str
     coord: Coord
+    last_ts: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.last_ts is not None:
+            _check_ts(self.last_ts, "last_ts")
 
 
 @register_message

@@ -1,4 +1,4 @@
-"""Helpers for the broker tests: condition polling with a deadline, raw connections, expected routes."""
+"""Helpers for the broker tests: condition polling with a deadline, raw connections, expected routes, a relay."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
 
 import numpy as np
 
@@ -14,7 +16,7 @@ from cli.cluster import BrokerProcess, LocalCluster
 from client.admin import AdminClient
 from net.credentials import Credentials
 from overlay.geometry import closest, geohash
-from overlay.protocol import parse_address
+from overlay.protocol import ControlFrame, FrameDecoder, Message, encode_control, parse_address
 
 POLL = 0.02
 
@@ -106,3 +108,56 @@ def topics_per_broker(coords: dict[str, tuple[float, float]], per: int, prefix: 
             want[owner] -= 1
             out.append(topic)
     return out
+
+
+class Relay:
+    """A TCP relay of ours in front of a broker, for clients of a plain-TCP cluster (`tls=False`): it passes
+    every frame both ways but those `drop(message, upstream)` is true for (upstream: client -> broker), as a
+    lossy path or a dying broker does, and `cut()` breaks every connection it carries at once."""
+
+    def __init__(self, target: str, drop: Callable[[Message, bool], bool] = lambda m, up: False) -> None:
+        self.target = parse_address(target)
+        self.drop = drop
+        self.address = ""
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pumps: set[asyncio.Future[Any]] = set()
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.cut()
+        for p in self._pumps:
+            p.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    def cut(self) -> None:
+        """Close every connection through the relay (both sides see the end of the stream)."""
+        for w in self._writers:
+            w.transport.abort()
+        self._writers.clear()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers += [writer, up_writer]
+        self._pumps.add(
+            asyncio.gather(
+                self._pump(reader, up_writer, True), self._pump(up_reader, writer, False), return_exceptions=True
+            )
+        )
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
+        frames = FrameDecoder()
+        while data := await src.read(65536):
+            for frame in frames.feed(data):
+                assert isinstance(frame, ControlFrame)
+                if not self.drop(frame.message, up):
+                    dst.write(encode_control(frame.message))
+        dst.close()

@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import wait_for
+from cluster import Relay, wait_for
 from conftest import FAST_ARGS
 
 from cli.cluster import LocalCluster
 from client.client import Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
 from client.errors import ClientClosed
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
-from overlay.pubsub import Located
+from overlay.pubsub import Deliver, Located, Subscribe
 
 pytestmark = pytest.mark.slow
 
@@ -399,6 +399,73 @@ async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalC
         rest = await drain(sub, 200, 30)
         assert [seq for _, seq in first + rest] == list(range(300))
         assert s.reconnects == 1 and sub.gaps == 0
+
+
+async def test_a_message_lost_with_the_access_broker_before_the_first_delivery_is_fetched(tmp_path: Path) -> None:
+    # The subscriber's access broker dies with the subscription's first message on its way (a relay of ours
+    # drops the DELIVER, then cuts the connection).  The client re-subscribes elsewhere from where the
+    # subscription began (SUBSCRIBED's last_ts), so the message arrives; it used to re-subscribe from "now",
+    # having handed out nothing to resume from, and the message never came (benchmarks/chaos.py found it).
+    async with LocalCluster(3, seed=31, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/first/lost"
+        dropped: list[Deliver] = []
+
+        def drop(m: object, up: bool) -> bool:
+            if not up and isinstance(m, Deliver):
+                dropped.append(m)
+                return True
+            return False
+
+        async with (
+            Relay(c.nodes[0].listen, drop) as relay,
+            Client([relay.address, c.nodes[1].listen]) as sc,
+            Client(c.nodes[2].listen) as pub,
+        ):
+            sub = await sc.subscribe(topic)
+            assert sub.since is not None, "SUBSCRIBED carries where the subscription began"
+            await pub.publish(topic, "m0")
+            await wait_for(lambda: dropped, 20.0, "the DELIVER of m0 at the relay")
+            relay.cut()
+            await wait_for(lambda: sc.reconnects == 1, 20.0, "the subscriber's reconnect")
+            await pub.publish(topic, "m1")
+            got = await drain(sub, 2, 20.0)
+        assert [q for _, q in got] == [0, 1]
+        assert sub.gaps == 0
+
+
+async def test_a_resubscribe_that_goes_unanswered_is_asked_again(tmp_path: Path) -> None:
+    # After a reconnect the client catches up and SUBSCRIBEs again; here the first two SUBSCRIBEs at the new
+    # access broker are lost on the way (a relay of ours drops them), as a routed request is while the overlay
+    # heals.  The client asks again until one is answered, and the subscription goes on; it used to log one
+    # warning and leave the subscription silent for good (benchmarks/chaos.py found it).
+    async with LocalCluster(3, seed=32, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/resubscribe/lost"
+        seen: list[Subscribe] = []
+
+        def drop_two(m: object, up: bool) -> bool:
+            if up and isinstance(m, Subscribe):
+                seen.append(m)
+                return len(seen) <= 2
+            return False
+
+        async with (
+            Relay(c.nodes[0].listen) as first,
+            Relay(c.nodes[1].listen, drop_two) as second,
+            Client([first.address, second.address], request_timeout=1.0) as sc,
+            Client(c.nodes[2].listen) as pub,
+        ):
+            sub = await sc.subscribe(topic)
+            await pub.publish(topic, "m0")
+            assert [q for _, q in await drain(sub, 1, 20.0)] == [0]
+            first.cut()
+            # Published once a third SUBSCRIBE went through (with m0's timestamp: the holder pushes what came
+            # after it), so only a restored subscription delivers it.
+            await wait_for(lambda: len(seen) >= 3, 20.0, "a SUBSCRIBE after the two dropped at the new access broker")
+            assert not sub.closed
+            await pub.publish(topic, "m1")
+            assert [q for _, q in await drain(sub, 1, 20.0)] == [1]
 
 
 async def test_backlog_larger_than_the_queue_is_pulled_not_dropped(cluster10: LocalCluster) -> None:

@@ -195,7 +195,7 @@ class HolderRole:
                 r.meta_dirty = True
                 if req.since is not None:
                     self.t.deliver_to([SubRef(access, session)], r.name, list(r.log.since(req.since)))
-                self.t.reply(access, [session], Subscribed(req.corr, r.name, r.coord))
+                self.t.reply(access, [session], Subscribed(req.corr, r.name, r.coord, r.last_ts))
                 self.t.mark(r)
             case Unsubscribe():
                 if r.subscribers.pop((access.id, session), None) is None:
