@@ -1,15 +1,18 @@
 """Randomised faults against a real cluster under load, checking what docs/storage.md promises (not a test).
 
     .venv/bin/python benchmarks/chaos.py [--seed 1] [--level 2] [--disks] [--faults 12] [--brokers 7]
-                                         [--topics 8] [--publishers 3] [--subscribers 3] [--rate 40]
-                                         [--kinds kill,term,replace,pause,isolate,full]
+                                         [--topics 8] [--publishers 3] [--subscribers 3] [--late 2] [--rate 40]
+                                         [--kinds kill,term,replace,pause,isolate,full,move] [--stagger]
 
 Real broker processes over mutual TLS on 127.0.0.(10 + i), each publisher and subscriber a `Client` that
 reconnects to other brokers as its own goes away.  Publishers publish to every topic (one PUBLISH per message,
-paced at --rate per publisher), subscribers each take a random half of the topics.  Faults come one at a time
+paced at --rate per publisher), subscribers each take a random half of the topics; halfway through, --late more
+subscribe from the beginning (the stored history, then the live stream).  Faults come one at a time
 (docs/storage.md: "every acknowledged message survives any single change" at level 2); at level 3 the kinds
-that fail a broker fail two at once.  After each fault the run waits until the overlay is exact again, every
-publish sent before it is acknowledged, and every topic's replicas show `caught_up` in STATUS; then the next.
+that fail a broker fail two at once (or, with --stagger, one and then another one before the first healed).
+Most faults hit the holders of one topic (its primary first).  After each fault the run waits until the overlay
+is exact again, every publish sent before it is acknowledged, and every topic's replicas show `caught_up` in
+STATUS; then the next.
 
 Kinds (a broker is never one of the first --anchors, whose addresses every client tries first):
   kill     SIGKILL a broker, start it again at its address (with --disks it reads its data back)
@@ -46,8 +49,9 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-from cli.cluster import LocalCluster  # noqa: E402
+from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client, PublishAck, Subscription  # noqa: E402
+from client.errors import ClientClosed  # noqa: E402
 from tests import netcut  # noqa: E402
 
 # As the tests run brokers: failure detection within ~2 s of silence, clients that notice a dead broker quickly.
@@ -91,6 +95,8 @@ class Publisher:
     ack_payload: dict[tuple[str, int], bytes] = field(default_factory=dict)
     publisher_id: str = ""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # topic -> publishes not yet answered
+    unanswered: set[int] = field(default_factory=set)  # the numbers (0, 1, ...) of those publishes
 
     async def run(self, client: Client) -> None:
         self.publisher_id = client.publisher_id
@@ -99,13 +105,24 @@ class Publisher:
         while not self.stop.is_set():
             topic = self.topics[self.sent % len(self.topics)]
             payload = f"{self.name}/{topic}/{self.sent}".encode()
-            fut = await client.publish_nowait(topic, payload)
-            fut.add_done_callback(lambda f, t=topic, p=payload: self._done(f, t, p))
+            try:
+                fut = await client.publish_nowait(topic, payload)
+            except ClientClosed:
+                return  # the run is over (or failed): the client closed under it
+            fut.add_done_callback(lambda f, t=topic, p=payload, n=self.sent: self._done(f, t, p, n))
+            self.pending[topic] += 1
+            self.unanswered.add(self.sent)
             self.sent += 1
             # Paced, not synchronised: the next message is due at start + sent / rate.
             await asyncio.sleep(max(0.0, start + self.sent / self.rate - loop.time()))
 
-    def _done(self, fut: asyncio.Future[PublishAck], topic: str, payload: bytes) -> None:
+    def answered_before(self, n: int) -> bool:
+        """Every publish numbered below n has its answer (an acknowledgement or an error)."""
+        return min(self.unanswered, default=n) >= n
+
+    def _done(self, fut: asyncio.Future[PublishAck], topic: str, payload: bytes, n: int) -> None:
+        self.pending[topic] -= 1
+        self.unanswered.discard(n)
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -146,9 +163,12 @@ class Chaos:
     def __init__(self, args: argparse.Namespace, state_dir: Path) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
+        # Each broker's events (takeover, sync, handoff, move, retire: docs/logs.md) go to state_dir/events, for
+        # the post-mortem of a failed run.
+        events = ("--log-dir", str(state_dir / "events"), "--log-interval", "1")
         self.cluster = LocalCluster(
             args.brokers, seed=args.seed, resilience=args.level, state_dir=state_dir,
-            broker_args=BROKER_ARGS, data_dirs=args.disks, hosts=True,
+            broker_args=(*BROKER_ARGS, *events), data_dirs=args.disks, hosts=True,
         )  # fmt: skip
         self.topics = [f"grid/chaos/{i}/voltage" for i in range(args.topics)]
         self.pubs = [Publisher(f"meter-{i}", self.rng.sample(self.topics, len(self.topics)), args.rate)
@@ -186,20 +206,36 @@ class Chaos:
         start = loop.time()
         await self.cluster.wait_converged(HEAL_WITHIN)
         targets = [(p, p.sent) for p in self.pubs]
-        await wait_for(lambda: all(p.acked >= n for p, n in targets), HEAL_WITHIN, "acknowledgements")
+        await wait_for(lambda: all(p.answered_before(n) for p, n in targets), HEAL_WITHIN, "acknowledgements")
         await wait_for(self._replicas_settled, HEAL_WITHIN, "every topic's replicas caught_up")
         return loop.time() - start
 
     # ------------------------------------------------------------------------------------------ faults
 
-    def _pick(self, k: int) -> list[int]:
+    async def _pick(self, k: int) -> list[int]:
+        """k brokers to fault: most of the time holders of one topic (its primary first), else any."""
         victims = self._victims()
+        if self.rng.random() < 0.7:
+            topic = self.rng.choice(self.topics)
+            rank = {"primary": 0, "delegate": 0, "secondary": 1, "tertiary": 2}
+            try:
+                statuses = await self.cluster.statuses(within=3.0)
+            except Exception:  # a broker still starting: fault anyone
+                statuses = {}
+            held = sorted(
+                (rank[h.role], int(node[1:])) for node, st in statuses.items() for h in st.held
+                if h.topic == topic and h.role in rank
+            )  # fmt: skip
+            holders = [i for _, i in held if i in victims]
+            if holders:
+                return holders[:k]
         return self.rng.sample(victims, min(k, len(victims)))
 
-    async def fault(self, kind: str) -> Fault:
+    async def fault(self, kind: str, k: int) -> Fault:
+        """Inject one fault on k brokers (those kinds that take brokers); the caller waits for the heal."""
         c = self.cluster
-        k = 2 if self.args.level >= 3 and kind in ("kill", "term", "replace", "pause") else 1
-        picked = [] if kind == "full" else self._pick(k)
+        k = k if kind in ("kill", "term", "replace", "pause") else 1
+        picked = [] if kind in ("full", "move") else await self._pick(k)
         f = Fault(kind, picked)
         if kind == "kill":
             for i in picked:
@@ -256,69 +292,112 @@ class Chaos:
             for i in sorted(live):
                 await c.restart(i)
             f.brokers = live
-        f.healed_s = await self.heal()
         return f
 
     # ------------------------------------------------------------------------------------------ run
 
     async def run(self) -> dict[str, object]:
-        args = self.args
         c = self.cluster
         await c.start()
         try:
-            await c.wait_converged(60.0)
-            creds = c.credentials()
-            addrs = [bp.listen for bp in c.nodes]
-            clients: list[Client] = []
-            tasks: list[asyncio.Task[None]] = []
-
-            def order(first: int) -> list[str]:
-                return [addrs[first], *(a for a in addrs if a != addrs[first])]
-
-            async with contextlib.AsyncExitStack() as stack:
-                for s in self.subs:
-                    sc = await stack.enter_async_context(
-                        Client(order(self.rng.randrange(len(addrs))), credentials=creds, heartbeat_interval=0.25)
-                    )
-                    clients.append(sc)
-                    for t in s.topics:
-                        sub = await sc.subscribe(t)
-                        tasks.append(asyncio.create_task(s.receive(t, sub)))
-                for p in self.pubs:
-                    pc = await stack.enter_async_context(
-                        Client(order(self.rng.randrange(len(addrs))), client_id=p.name, credentials=creds,
-                               heartbeat_interval=0.25, batch_publishes=False)
-                    )  # fmt: skip
-                    clients.append(pc)
-                    tasks.append(asyncio.create_task(p.run(pc)))
-                await wait_for(lambda: all(p.acked >= 10 for p in self.pubs), 30.0, "the first acknowledgements")
-                kinds = [k for k in args.kinds.split(",") if k != "full" or args.disks]
-                t0 = time.monotonic()
-                for n in range(args.faults):
-                    kind = self.rng.choice(kinds)
-                    f = await self.fault(kind)
-                    self.faults.append(f)
-                    print(
-                        f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
-                        f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}healed in {f.healed_s:.1f} s; "
-                        f"sent {sum(p.sent for p in self.pubs)}, acked {sum(p.acked for p in self.pubs)}",
-                        flush=True,
-                    )
-                for p in self.pubs:
-                    p.stop.set()
-                await wait_for(lambda: all(p.acked >= p.sent for p in self.pubs), HEAL_WITHIN, "final acks")
-                drained = True
-                try:
-                    await wait_for(self._drained, DRAIN_WITHIN, "every subscriber has every acknowledged message")
-                except Stuck:
-                    drained = False
-                report = await self.check(drained)
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            return report
+            return await self._run()
+        except Stuck as exc:
+            await self._dump(str(exc))
+            raise
         finally:
             await c.close()
+
+    async def _dump(self, why: str) -> None:
+        """What a stuck run leaves for the reader: the topics still waiting and every broker's STATUS."""
+        assert self.cluster.state_dir is not None
+        waiting = {t: n for p in self.pubs for t, n in p.pending.items() if n}
+        lines = [f"stuck: {why}", f"publishes not answered, per topic: {json.dumps(waiting)}"]
+        try:
+            statuses = await self.cluster.statuses(within=5.0)
+        except Exception as exc:  # the dump is best effort: say what failed
+            lines.append(f"STATUS failed: {exc!r}")
+        else:
+            for node, st in sorted(statuses.items()):
+                held = [f"{h.topic}:{h.role}:{h.state}:behind={h.behind}:pending={h.pending}" for h in st.held]
+                lines.append(f"{node} neighbours={sorted(n.id for n in st.neighbours)} held={held}")
+        (self.cluster.state_dir / "stuck.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:2]), file=sys.stderr)
+
+    async def _run(self) -> dict[str, object]:
+        args = self.args
+        c = self.cluster
+        await c.wait_converged(60.0)
+        creds = c.credentials()
+        addrs = [bp.listen for bp in c.nodes]
+        clients: list[Client] = []
+        tasks: list[asyncio.Task[None]] = []
+
+        def order(first: int) -> list[str]:
+            return [addrs[first], *(a for a in addrs if a != addrs[first])]
+
+        async with contextlib.AsyncExitStack() as stack:
+
+            async def attach(s: Subscriber, since: float | None) -> None:
+                sc = await stack.enter_async_context(
+                    Client(order(self.rng.randrange(len(addrs))), credentials=creds, heartbeat_interval=0.25)
+                )
+                clients.append(sc)
+                for t in s.topics:
+                    sub = await sc.subscribe(t, since)
+                    tasks.append(asyncio.create_task(s.receive(t, sub)))
+
+            for s in self.subs:
+                await attach(s, None)
+            for p in self.pubs:
+                pc = await stack.enter_async_context(
+                    Client(order(self.rng.randrange(len(addrs))), client_id=p.name, credentials=creds,
+                           heartbeat_interval=0.25, batch_publishes=False)
+                )  # fmt: skip
+                clients.append(pc)
+                tasks.append(asyncio.create_task(p.run(pc)))
+            await wait_for(lambda: all(p.acked >= 10 for p in self.pubs), 30.0, "the first acknowledgements")
+            kinds = [k for k in args.kinds.split(",") if k != "full" or args.disks]
+            t0 = time.monotonic()
+            # At level 3 two changes may overlap: together (k=2), or --stagger: one, then another before
+            # the first healed (the second lands in the failover, sync or back-fill of the first).
+            together = 1 if args.level < 3 or args.stagger else 2
+            for n in range(args.faults):
+                if n == args.faults // 2:
+                    # Late subscribers, from the beginning: the stored history, then the live stream, while
+                    # faults go on; they must end with the same messages as the others.
+                    for i in range(args.late):
+                        late = Subscriber(f"late-{i}", sorted(self.rng.sample(self.topics, len(self.topics) // 2)))
+                        self.subs.append(late)
+                        await attach(late, 0.0)
+                kind = self.rng.choice(kinds)
+                f = await self.fault(kind, together)
+                if args.stagger and args.level >= 3 and n % 2 == 0 and kind != "full":
+                    await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # the gap between the two changes
+                    self.faults.append(f)
+                    print(f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
+                          f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}(not healed)", flush=True)  # fmt: skip
+                    continue
+                f.healed_s = await self.heal()
+                self.faults.append(f)
+                print(
+                    f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
+                    f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}healed in {f.healed_s:.1f} s; "
+                    f"sent {sum(p.sent for p in self.pubs)}, acked {sum(p.acked for p in self.pubs)}",
+                    flush=True,
+                )
+            for p in self.pubs:
+                p.stop.set()
+            await wait_for(lambda: all(not p.unanswered for p in self.pubs), HEAL_WITHIN, "final acks")
+            drained = True
+            try:
+                await wait_for(self._drained, DRAIN_WITHIN, "every subscriber has every acknowledged message")
+            except Stuck:
+                drained = False
+            report = await self.check(drained)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return report
 
     def _acked(self) -> dict[str, dict[tuple[str, int], bytes]]:
         """topic -> (publisher id, seq) -> payload of every acknowledged message."""
@@ -402,8 +481,10 @@ def main() -> int:
     ap.add_argument("--topics", type=int, default=8)
     ap.add_argument("--publishers", type=int, default=3)
     ap.add_argument("--subscribers", type=int, default=3)
+    ap.add_argument("--late", type=int, default=2, help="subscribers from the beginning, halfway through")
     ap.add_argument("--rate", type=float, default=40.0, help="messages per second per publisher")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to draw from: {','.join(KINDS)}")
+    ap.add_argument("--stagger", action="store_true", help="level 3: a second change before the first healed")
     ap.add_argument("--keep", action="store_true", help="keep the cluster's logs and data directories")
     args = ap.parse_args()
     unknown = set(args.kinds.split(",")) - set(KINDS)
@@ -416,6 +497,9 @@ def main() -> int:
         report = asyncio.run(Chaos(args, state).run())
     except Stuck as exc:
         print(f"stuck: {exc}; logs in {state}", file=sys.stderr)
+        return 1
+    except ClusterError as exc:  # a broker that exited instead of starting: a finding, with its log
+        print(f"a broker failed: {exc}\nlogs in {state}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=1))
     if report["problems"]:
