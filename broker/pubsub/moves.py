@@ -313,7 +313,10 @@ class MoveRole:
             self.holder.redirect(access, sorted(sessions), r.name, to)
 
     def _release_old(self, topic: str, old: Coord, new: Coord) -> None:
-        keep = {n.id for n in self.t.ranked(new)}
+        # The new coordinate's holders are its N1 .. N_level: ranked() names three at every level, and an old
+        # copy at the new N3 at level 2 was spared, kept the history up to the move, and took the topic over at
+        # its old coordinate with it when the home's broker failed.
+        keep = {n.id for n in self.t.ranked(new)[: self.t.config.resilience]}
         me = self.t.ov.me
         for n in self.t.ranked(old)[1:]:
             if n.id not in keep:
