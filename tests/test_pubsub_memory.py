@@ -916,3 +916,36 @@ def test_a_locate_keeps_a_topic_that_remembers_publishers_it_forgot() -> None:
     pub.request("p0", Publish(topic, "P0", 1, b"back", 1))
     assert [m.seq for m in pub.inbox["p0"] if isinstance(m, Ack)][-1] == 1
     assert net.nodes[locate(net, topic).primary.id].ps.counters["lost"] == 0
+
+
+def test_a_home_that_holds_the_delegates_copy_and_lost_its_list_forwards_instead_of_storing() -> None:
+    # The home of a moved topic is also the delegate coordinate's secondary.  Its delegate list lives in memory
+    # and did not survive a full restart (cleared below), so a request that reaches the home finds only the
+    # copy it holds for the delegate coordinate.  It served the request on that copy: a PUBLISH stored there was
+    # never acknowledged (benchmarks/chaos.py: a topic whose publishes stayed unacknowledged after a move and a
+    # full restart).  The copy says where the topic lives: the request goes there.
+    from overlay.delegation import MoveTopic
+
+    net = Net(grid(10, seed=7), resilience=2)
+    topic = "grid/home/copy"
+    sites = {k: v.coord for k, v in net.live().items()}
+    home = closest(sites, geohash(topic))[0]
+    candidates = [(x / 50, y / 50) for x in range(1, 50) for y in range(1, 50)]
+    to = next(c for c in candidates if closest(sites, c, 2)[1] == home)
+    pub = net.nodes[closest(sites, to)[0]]
+    pub.inbox["p"] = []
+    for i in range(5):
+        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    pub.inbox["a"] = []
+    pub.request("a", MoveTopic(5, topic, to))
+    assert any(isinstance(m, Done) for m in pub.inbox["a"])
+    assert home in _holders(net, topic), "the home holds the delegate's copy"
+    for n in net.nodes.values():
+        # As after a full restart: the delegate lists and the old primary's forwarding were in memory only.
+        n.ps.home.delegate_lists.clear()
+        n.ps.moves._forward.clear()
+    fresh = net.nodes[next(nid for nid in sites if nid not in (home, closest(sites, to)[0]))]
+    fresh.inbox["q"] = []
+    fresh.request("q", Publish(topic, "Q", 0, b"through the home", 0))
+    assert [m.seq for m in fresh.inbox["q"] if isinstance(m, Ack)] == [0]
+    assert _fetch_all(pub, topic) == [0, 0, 1, 2, 3, 4]

@@ -148,6 +148,12 @@ class HolderRole:
             return
         at = dest if (via_home and dest is not None and not me_home) else home
         r = self.replica(topic, at)
+        if r.rank != 1 and not same(r.coord, at):
+            # A copy held here for another coordinate: the topic lives there.  (This broker is, say, the home and
+            # also the delegate's secondary, and the home's delegate list, kept in memory, did not survive a full
+            # restart.)  It used to serve the request on the copy: a PUBLISH stored there was never acknowledged.
+            self.forward_request(access, session, req, r.coord, via_home=True)
+            return
         if self.replication.start_pull(r, takeover=False):
             r.queued.append((access, session, req))  # served once the previous holders answered
             return
