@@ -50,7 +50,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
 from cli.cluster import ClusterError, LocalCluster  # noqa: E402
-from client.client import Client, PublishAck, Subscription  # noqa: E402
+from client.client import Client, PublishAck, RequestFailed, Subscription  # noqa: E402
 from client.errors import ClientClosed  # noqa: E402
 from tests import netcut  # noqa: E402
 
@@ -301,9 +301,6 @@ class Chaos:
         await c.start()
         try:
             return await self._run()
-        except Stuck as exc:
-            await self._dump(str(exc))
-            raise
         finally:
             await c.close()
 
@@ -343,7 +340,14 @@ class Chaos:
                 )
                 clients.append(sc)
                 for t in s.topics:
-                    sub = await sc.subscribe(t, since)
+                    for attempt in range(10):  # as an application does: a subscribe refused mid-fault is retried
+                        try:
+                            sub = await sc.subscribe(t, since)
+                            break
+                        except (TimeoutError, RequestFailed) as exc:
+                            print(f"{s.name} subscribing {t} failed ({exc!r}); again", flush=True)
+                            if attempt == 9:
+                                raise
                     tasks.append(asyncio.create_task(s.receive(t, sub)))
 
             for s in self.subs:
@@ -356,38 +360,42 @@ class Chaos:
                 clients.append(pc)
                 tasks.append(asyncio.create_task(p.run(pc)))
             await wait_for(lambda: all(p.acked >= 10 for p in self.pubs), 30.0, "the first acknowledgements")
-            kinds = [k for k in args.kinds.split(",") if k != "full" or args.disks]
-            t0 = time.monotonic()
-            # At level 3 two changes may overlap: together (k=2), or --stagger: one, then another before
-            # the first healed (the second lands in the failover, sync or back-fill of the first).
-            together = 1 if args.level < 3 or args.stagger else 2
-            for n in range(args.faults):
-                if n == args.faults // 2:
-                    # Late subscribers, from the beginning: the stored history, then the live stream, while
-                    # faults go on; they must end with the same messages as the others.
-                    for i in range(args.late):
-                        late = Subscriber(f"late-{i}", sorted(self.rng.sample(self.topics, len(self.topics) // 2)))
-                        self.subs.append(late)
-                        await attach(late, 0.0)
-                kind = self.rng.choice(kinds)
-                f = await self.fault(kind, together)
-                if args.stagger and args.level >= 3 and n % 2 == 0 and kind != "full":
-                    await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # the gap between the two changes
+            try:
+                kinds = [k for k in args.kinds.split(",") if k != "full" or args.disks]
+                t0 = time.monotonic()
+                # At level 3 two changes may overlap: together (k=2), or --stagger: one, then another before
+                # the first healed (the second lands in the failover, sync or back-fill of the first).
+                together = 1 if args.level < 3 or args.stagger else 2
+                for n in range(args.faults):
+                    if n == args.faults // 2:
+                        # Late subscribers, from the beginning: the stored history, then the live stream, while
+                        # faults go on; they must end with the same messages as the others.
+                        for i in range(args.late):
+                            late = Subscriber(f"late-{i}", sorted(self.rng.sample(self.topics, len(self.topics) // 2)))
+                            self.subs.append(late)
+                            await attach(late, 0.0)
+                    kind = self.rng.choice(kinds)
+                    f = await self.fault(kind, together)
+                    if args.stagger and args.level >= 3 and n % 2 == 0 and kind != "full":
+                        await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # the gap between the two changes
+                        self.faults.append(f)
+                        print(f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
+                              f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}(not healed)", flush=True)  # fmt: skip
+                        continue
+                    f.healed_s = await self.heal()
                     self.faults.append(f)
-                    print(f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
-                          f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}(not healed)", flush=True)  # fmt: skip
-                    continue
-                f.healed_s = await self.heal()
-                self.faults.append(f)
-                print(
-                    f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
-                    f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}healed in {f.healed_s:.1f} s; "
-                    f"sent {sum(p.sent for p in self.pubs)}, acked {sum(p.acked for p in self.pubs)}",
-                    flush=True,
-                )
-            for p in self.pubs:
-                p.stop.set()
-            await wait_for(lambda: all(not p.unanswered for p in self.pubs), HEAL_WITHIN, "final acks")
+                    print(
+                        f"{time.monotonic() - t0:7.1f} s  fault {n + 1}/{args.faults}: {f.kind} "
+                        f"{','.join(f'n{i}' for i in f.brokers)} {f.detail}healed in {f.healed_s:.1f} s; "
+                        f"sent {sum(p.sent for p in self.pubs)}, acked {sum(p.acked for p in self.pubs)}",
+                        flush=True,
+                    )
+                for p in self.pubs:
+                    p.stop.set()
+                await wait_for(lambda: all(not p.unanswered for p in self.pubs), HEAL_WITHIN, "final acks")
+            except Stuck as exc:  # what the clients still wait for, before they close
+                await self._dump(str(exc))
+                raise
             drained = True
             try:
                 await wait_for(self._drained, DRAIN_WITHIN, "every subscriber has every acknowledged message")
