@@ -500,12 +500,20 @@ def main() -> int:
         ap.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
     if "isolate" in args.kinds.split(",") and netcut.unavailable():
         ap.error(f"isolate needs nftables: {netcut.unavailable()} (or leave it out of --kinds)")
+    if not netcut.unavailable():
+        for table in netcut.sweep_stale():
+            print(f"deleted the nftables table {table} a killed run left behind", file=sys.stderr)
+    # SIGTERM (a run stopped from outside) ends the run as Ctrl-C does: the cut heals and the brokers stop.
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
     state = Path(tempfile.mkdtemp(prefix=f"sedax-chaos-{args.seed}-"))
     try:
         report = asyncio.run(Chaos(args, state).run())
     except Stuck as exc:
         print(f"stuck: {exc}; logs in {state}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the cut healed and the brokers stopped on the way out
+        print(f"interrupted; logs in {state}", file=sys.stderr)
+        return 130
     except ClusterError as exc:  # a broker that exited instead of starting: a finding, with its log
         print(f"a broker failed: {exc}\nlogs in {state}", file=sys.stderr)
         return 1

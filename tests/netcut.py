@@ -58,3 +58,17 @@ class Cut:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.heal()
+
+
+def sweep_stale() -> list[str]:
+    """Delete the cut tables of processes that are gone (one killed while a cut was in place never healed it,
+    and its rules would partition the next run's brokers); returns the tables deleted."""
+    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False).stdout
+    gone = []
+    for line in listed.splitlines():
+        name = line.split()[-1] if line.startswith("table inet sedax_cut_") else ""
+        parts = name.split("_")
+        if len(parts) == 4 and parts[3].isdigit() and parts[2].isdigit() and not os.path.exists(f"/proc/{parts[2]}"):
+            subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, check=False)
+            gone.append(name)
+    return gone
