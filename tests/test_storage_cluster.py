@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.cluster import ClusterError, LocalCluster
+from cli.cluster import LocalCluster
 from client.client import Client, PublishAck
 from client.errors import RequestFailed
 from net.credentials import Credentials
@@ -213,45 +213,3 @@ async def test_a_data_directory_serves_one_broker_at_a_time_and_a_crash_frees_it
     )
     assert res.returncode == 2 and f"cannot use --data-dir {not_a_dir}: " in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
-
-
-async def test_a_moved_topic_is_found_where_it_moved_after_a_full_restart(tmp_path: Path) -> None:
-    # An operator moved a topic (a delegation), then every broker was SIGKILLed and started again with its data
-    # directory.  The topic's copies come back at the coordinate it moved to; the home's delegate list, which
-    # says so, lived in memory only: a subscriber new after the restart (its SUBSCRIBE goes to the home) was
-    # registered on a replica the home made afresh at the home coordinate, while the publishes went where the
-    # topic lives, and it got nothing (benchmarks/chaos.py).  The home keeps its lists in the data directory.
-    topic = "grid/moved/restart"
-    async with LocalCluster(5, seed=51, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, data_dirs=True) as c:
-        await c.wait_converged(20.0)
-        addrs = [bp.listen for bp in c.nodes]
-        async with Client(addrs, client_id="meter-8", credentials=c.credentials()) as pub:
-            me = pub.publisher_id
-            for k in range(10):
-                await pub.publish(topic, f"before the move {k}")
-            home = (await pub.locate(topic)).home
-            to = (1.0 - home[0], 1.0 - home[1])
-            await pub.move(topic, to)
-            for k in range(10, 20):
-                await pub.publish(topic, f"after the move {k}")
-            for bp in c.nodes:
-                bp.proc.send_signal(signal.SIGKILL)
-            for bp in c.nodes:
-                await c.wait_exit(bp, 10.0)
-            await _restart_all(c)
-            async with Client(addrs, credentials=c.credentials()) as fresh:
-                sub = await fresh.subscribe(topic)
-                assert (await fresh.locate(topic)).coord == to
-                await pub.publish(topic, "after the restart 20")
-                async with asyncio.timeout(20.0):
-                    got = await anext(sub)
-                assert (got.publisher, got.seq) == (me, 20)
-        assert await _history(c, topic) == [(me, k) for k in range(21)]
-        # A damaged list file stops the broker with one line that says what to do, not a traceback.
-        keeper = next(i for i in range(len(c.nodes)) if (c.data_dir(i) / "delegates.json").exists())
-        await c.kill(keeper)
-        (c.data_dir(keeper) / "delegates.json").write_text("{not json")
-        with pytest.raises(ClusterError) as err:
-            await c.restart(keeper)
-        assert "unreadable delegate lists" in str(err.value) and "move the file away" in str(err.value)
-        assert "Traceback" not in str(err.value)

@@ -171,7 +171,6 @@ class PubSub:
     def recover(self) -> RecoveryReport:
         """Read the data directory back (none: nothing); the topics wait in RECOVERING until `resume`."""
         metas, report = self.store.recover(self.table.ov.now())
-        self.home.recovered(self.store.load_delegates())  # first: the recovered replicas take their lists
         self.holder.recovered(metas)
         return report
 

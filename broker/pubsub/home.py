@@ -78,7 +78,6 @@ class HomeRole:
         if cur and dl and cur[-1].start > dl[-1].start:
             return  # an older update arriving late
         self.delegate_lists[topic] = list(dl)
-        self._keep()
         self._last_move[topic] = self.t.ov.now()
         self._leases.pop(topic, None)
         r = self.t.replicas.get(topic)
@@ -96,20 +95,8 @@ class HomeRole:
     def learn_delegates(self, topic: str, dl: list[Delegation]) -> None:
         """A delegate list heard from another holder: keep it if it is newer."""
         cur = self.delegate_lists.get(topic)
-        if dl and (not cur or cur[-1].start <= dl[-1].start) and cur != dl:
+        if dl and (not cur or cur[-1].start <= dl[-1].start):
             self.delegate_lists[topic] = dl
-            self._keep()
-
-    def _keep(self) -> None:
-        """The lists on the disk (with a data directory): they are all that says where a moved topic lives,
-        and after a full restart its copies come back there.  In memory only, a home started again made the
-        topic afresh at its home coordinate, beside the copies serving at the delegate coordinate: publishes
-        went to one, subscriptions to the other (benchmarks/chaos.py)."""
-        self.t.store.save_delegates(self.delegate_lists)
-
-    def recovered(self, lists: dict[str, list[Delegation]]) -> None:
-        """The lists `_keep` wrote before a restart (whether this broker is still the home is up to the view)."""
-        self.delegate_lists.update(lists)
 
     def delegate_update_arrived(self, m: DelegateUpdate) -> None:
         """DELEGATE_UPDATE: a new list from the topic's primary, or the home's copy for its secondary."""
@@ -156,16 +143,12 @@ class HomeRole:
     # ---- overlay changes and time -----------------------------------------------------------------------
     def view_changed(self) -> None:
         """Keep the lists of topics whose home (or home's secondary) this broker still is."""
-        dropped = False
         for topic in list(self.delegate_lists):
             rank = self.t.rank_of_me(self.t.home(topic))
             if rank == 1:
                 self._sync_secondary(topic)  # the home's secondary may be new
             elif rank != 2:
                 del self.delegate_lists[topic]
-                dropped = True
-        if dropped:
-            self._keep()
 
     def tick(self, now: float) -> None:
         """Re-send delegate lists the home has not confirmed: a list must not be lost."""

@@ -157,7 +157,7 @@ class MoveRole:
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
         r.subscribers = {(s.access.id, s.session): s for s in m.subscribers}
-        r.place(m.coord)
+        r.coord = m.coord
         r.delegates = list(m.delegates)
         r.rank = self.t.rank_of_me(r.coord)
         if not m.corr:
@@ -231,7 +231,7 @@ class MoveRole:
         if mv.reply is not None:
             self.t.reply(mv.reply[0], [mv.reply[1]], Done(mv.reply[2]))
         self._clear_primary_state(r)
-        r.place(mv.to)
+        r.coord = mv.to
         r.delegates = dl
         r.moved_at = now
         r.rank = self.t.rank_of_me(r.coord)
@@ -246,7 +246,7 @@ class MoveRole:
         now = self.t.ov.now()
         old = r.coord
         r.enter(Transition.MOVED_LOCALLY)
-        r.place(mv.to)
+        r.coord = mv.to
         r.delegates = delegated(r.delegates, mv.to, now)
         r.moved_at = now
         self.home.set_delegates(r.name, r.delegates)

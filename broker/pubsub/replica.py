@@ -529,15 +529,6 @@ class Replica:
         """What a copy needs besides the records (REPLICATE's subscribers, delegates and last_seq), as sent."""
         return tuple(self.subscribers.values()), tuple(self.delegates), dict(self.log.last_seq)
 
-    def place(self, coord: Coord) -> None:
-        """The topic's coordinate C(t) as this replica holds it now (a move, a copy for another coordinate), on
-        the disk too: a broker started again takes its copies back at the coordinate they were for.  (Only the
-        one the topic was first made at was written: after a full restart the old primary of a moved topic,
-        still a holder where it moved, served it again at its home.)"""
-        if coord != self.coord:
-            self.coord = coord
-            self.log.relocate(coord)
-
     def settle(self) -> None:
         """After the rank changed: a steady copy that became closest serves, a steady primary that did not holds."""
         if self.stage is Stage.RETIRING and self.rank != 0:

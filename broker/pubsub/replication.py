@@ -331,7 +331,7 @@ class ReplicationRole:
             if upstream or created:
                 r.delegates = list(m.delegates)
             r.meta_known = True
-        r.place(m.coord)
+        r.coord = m.coord
         r.rank = self.t.rank_of_me(r.coord)
         if r.rank == 1:
             r.meta_dirty = True  # what a pull or an offer added here goes to the secondary with the next batch

@@ -239,12 +239,6 @@ class DiskLog:
             self._segments.append(_Segment(1, _segment_path(directory, 1)))
         self._open_active()
 
-    def relocate(self, coord: tuple[float, float]) -> None:
-        """Write the topic's new coordinate to meta.json (a move; a copy held for another coordinate)."""
-        if coord != self.meta.coord:
-            self.meta = TopicMeta(self.meta.name, coord, self.meta.home)
-            write_atomic(self.directory / "meta.json", self.meta.to_json())
-
     def _open_active(self) -> None:
         active = self._segments[-1]
         self._fd = os.open(active.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
