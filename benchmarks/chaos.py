@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client, PublishAck, RequestFailed, Subscription  # noqa: E402
 from client.errors import ClientClosed  # noqa: E402
 from tests import netcut  # noqa: E402
+from tests.cluster import wait_for as poll_until  # noqa: E402
 
 # As the tests run brokers: failure detection within ~2 s of silence, clients that notice a dead broker quickly.
 BROKER_ARGS = ("--hello-timeout", "2.0", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8",
@@ -66,19 +68,12 @@ class Stuck(RuntimeError):
     """The cluster did not get back to a healthy state within the deadline: reported with what was waited for."""
 
 
-async def wait_for(cond: object, within: float, what: str) -> float:
-    """Poll `cond` (a function, maybe async) until true; the seconds it took, or Stuck."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while True:
-        ok = cond()  # type: ignore[operator]
-        if asyncio.iscoroutine(ok):
-            ok = await ok
-        if ok:
-            return loop.time() - start
-        if loop.time() - start > within:
-            raise Stuck(f"not within {within:g} s: {what}")
-        await asyncio.sleep(0.05)
+async def wait_for(cond: Callable[[], bool | Awaitable[bool]], within: float, what: str) -> float:
+    """tests/cluster.py's wait_for (a condition polled until true, with a deadline), failing with Stuck."""
+    try:
+        return await poll_until(cond, within, what)
+    except AssertionError as exc:
+        raise Stuck(str(exc)) from None
 
 
 @dataclass
@@ -257,7 +252,7 @@ class Chaos:
                 f.detail += f"new n{bp.index} "
         elif kind == "pause":
             seconds = self.rng.uniform(0.3, 3.0)
-            f.detail = f"{seconds:.1f} s"
+            f.detail = f"{seconds:.1f} s "
             for i in picked:
                 os.kill(c.nodes[i].pid, signal.SIGSTOP)
             try:
@@ -267,7 +262,7 @@ class Chaos:
                     os.kill(c.nodes[i].pid, signal.SIGCONT)
         elif kind == "isolate":
             seconds = self.rng.uniform(1.0, 4.0)
-            f.detail = f"{seconds:.1f} s"
+            f.detail = f"{seconds:.1f} s "
             i = picked[0]
             others = [c.host(bp.index) for bp in c.live() if bp.index != i]
             with netcut.Cut() as cut:

@@ -113,11 +113,18 @@ def topics_per_broker(coords: dict[str, tuple[float, float]], per: int, prefix: 
 class Relay:
     """A TCP relay of ours in front of a broker, for clients of a plain-TCP cluster (`tls=False`): it passes
     every frame both ways but those `drop(message, upstream)` is true for (upstream: client -> broker), as a
-    lossy path or a dying broker does, and `cut()` breaks every connection it carries at once."""
+    lossy path or a dying broker does, holds each frame until `hold(message, upstream)` returns, as a slow path
+    does, and `cut()` breaks every connection it carries at once."""
 
-    def __init__(self, target: str, drop: Callable[[Message, bool], bool] = lambda m, up: False) -> None:
+    def __init__(
+        self,
+        target: str,
+        drop: Callable[[Message, bool], bool] = lambda m, up: False,
+        hold: Callable[[Message, bool], Awaitable[None]] | None = None,
+    ) -> None:
         self.target = parse_address(target)
         self.drop = drop
+        self.hold = hold  # awaited before a frame passes: the frame (and those behind it) wait meanwhile
         self.address = ""
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
@@ -158,6 +165,8 @@ class Relay:
         while data := await src.read(65536):
             for frame in frames.feed(data):
                 assert isinstance(frame, ControlFrame)
+                if self.hold is not None:
+                    await self.hold(frame.message, up)
                 if not self.drop(frame.message, up):
                     dst.write(encode_control(frame.message))
         dst.close()

@@ -8,11 +8,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from cluster import check_routes, log_has, raw_connect, read_until_eof, wait_for
+from cluster import Relay, check_routes, log_has, raw_connect, read_until_eof, wait_for
 from conftest import FAST_ARGS
 
 # Imported for their messages' registration: a broker sends its neighbours LOAD_REPORT and pub/sub messages.
@@ -155,40 +154,20 @@ async def test_a_newcomer_whose_join_answer_is_lost_goes_on_once_a_neighbour_lin
     # of its join time-out (600 s here, far beyond wait_ready's deadline).
     async with LocalCluster(3, seed=7, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
         await cluster.wait_converged(20.0)
-        host, port = cluster.nodes[0].listen.rsplit(":", 1)
-        relays: set[asyncio.Future[Any]] = set()
         swallowed: list[str] = []
 
-        async def up(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            while data := await src.read(65536):
-                dst.write(data)
-            dst.close()
+        def drop(m: Message, up: bool) -> bool:
+            if not up and isinstance(m, JoinAccept):
+                swallowed.append(m.node.id)
+                return True
+            return False
 
-        async def down(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            frames = FrameDecoder()
-            while data := await src.read(65536):
-                for frame in frames.feed(data):
-                    assert isinstance(frame, ControlFrame)
-                    if isinstance(frame.message, JoinAccept):
-                        swallowed.append(frame.message.node.id)
-                    else:
-                        dst.write(encode_control(frame.message))
-            dst.close()
-
-        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            up_reader, up_writer = await asyncio.open_connection(host, int(port))
-            relays.add(asyncio.gather(up(reader, up_writer), down(up_reader, writer), return_exceptions=True))
-
-        server = await asyncio.start_server(relay, "127.0.0.1", 0)
-        async with server:
-            relay_port = server.sockets[0].getsockname()[1]
-            newcomer = cluster.spawn((0.5, 0.5), [f"127.0.0.1:{relay_port}"], "--join-timeout", "600")
+        async with Relay(cluster.nodes[0].listen, drop) as relay:
+            newcomer = cluster.spawn((0.5, 0.5), [relay.address], "--join-timeout", "600")
             await cluster.wait_ready(newcomer)
             await cluster.wait_converged(20.0)
         assert swallowed, "the relay passed the JOIN's answer"
         assert "answered late" in newcomer.err_path.read_text()
-        for t in relays:
-            t.cancel()
 
 
 async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tmp_path: Path) -> None:
@@ -199,34 +178,15 @@ async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tm
     # is to itself.  It used to refuse itself as a duplicate node id and exit (found by benchmarks/chaos.py).
     async with LocalCluster(4, seed=3, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
         await cluster.wait_converged(20.0)
-        host, port = cluster.nodes[0].listen.rsplit(":", 1)
-        relays: set[asyncio.Future[Any]] = set()
         release = asyncio.Event()
         held: list[str] = []
 
-        async def up(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            frames = FrameDecoder()
-            while data := await src.read(65536):
-                for frame in frames.feed(data):
-                    assert isinstance(frame, ControlFrame)
-                    if isinstance(frame.message, Join):
-                        held.append(frame.message.node.id)
-                        await release.wait()
-                    dst.write(encode_control(frame.message))
-            dst.close()
+        async def hold(m: Message, up: bool) -> None:
+            if up and isinstance(m, Join):
+                held.append(m.node.id)
+                await release.wait()
 
-        async def down(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            while data := await src.read(65536):
-                dst.write(data)
-            dst.close()
-
-        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            up_reader, up_writer = await asyncio.open_connection(host, int(port))
-            relays.add(asyncio.gather(up(reader, up_writer), down(up_reader, writer), return_exceptions=True))
-
-        server = await asyncio.start_server(relay, "127.0.0.1", 0)
-        async with server:
-            relay_port = server.sockets[0].getsockname()[1]
+        async with Relay(cluster.nodes[0].listen, hold=hold) as relay:
             # The others' STATUS, over connections opened beforehand: the JOIN must go on within JOIN_ANSWER_GRACE
             # (1 s) of the first link, or the newcomer stops waiting for its answer (and counts itself joined, as
             # it should) before the bug can show.  (The new life reports ready only once it joined.)
@@ -250,7 +210,7 @@ async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tm
                     return not await linked()
 
                 await wait_for(forgotten, 20.0, "the old life's failure noticed")
-                again = cluster.spawn(old.coord, [f"127.0.0.1:{relay_port}"], index=3, listen=old.listen)
+                again = cluster.spawn(old.coord, [relay.address], index=3, listen=old.listen)
                 await wait_for(lambda: held == ["n3"], 20.0, "the new life's JOIN at the relay")
                 await wait_for(linked, 20.0, "a former neighbour redialling the new life")
             release.set()
@@ -258,8 +218,6 @@ async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tm
             # Its JOIN was answered (not given up on as late, which would not have tested the case).
             assert log_has(again, "joined via"), again.stderr_tail()
             await cluster.wait_converged(20.0)
-        for t in relays:
-            t.cancel()
 
 
 def test_brokers_die_with_the_cluster_owner(tmp_path: Path) -> None:
