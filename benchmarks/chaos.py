@@ -42,7 +42,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,14 +84,16 @@ class Publisher:
     topics: list[str]
     rate: float
     sent: int = 0
-    acked: int = 0
     failed: list[str] = field(default_factory=list)
     # (topic, seq) -> the payload sent under it: the history must hold that record with that payload
     ack_payload: dict[tuple[str, int], bytes] = field(default_factory=dict)
     publisher_id: str = ""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # topic -> publishes not yet answered
-    unanswered: set[int] = field(default_factory=set)  # the numbers (0, 1, ...) of those publishes
+    unanswered: dict[int, str] = field(default_factory=dict)  # number (0, 1, ...) -> topic of a publish not answered
+
+    @property
+    def acked(self) -> int:
+        return len(self.ack_payload)
 
     async def run(self, client: Client) -> None:
         self.publisher_id = client.publisher_id
@@ -105,8 +107,7 @@ class Publisher:
             except ClientClosed:
                 return  # the run is over (or failed): the client closed under it
             fut.add_done_callback(lambda f, t=topic, p=payload, n=self.sent: self._done(f, t, p, n))
-            self.pending[topic] += 1
-            self.unanswered.add(self.sent)
+            self.unanswered[self.sent] = topic
             self.sent += 1
             # Paced, not synchronised: the next message is due at start + sent / rate.
             await asyncio.sleep(max(0.0, start + self.sent / self.rate - loop.time()))
@@ -116,8 +117,7 @@ class Publisher:
         return min(self.unanswered, default=n) >= n
 
     def _done(self, fut: asyncio.Future[PublishAck], topic: str, payload: bytes, n: int) -> None:
-        self.pending[topic] -= 1
-        self.unanswered.discard(n)
+        del self.unanswered[n]
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -125,7 +125,6 @@ class Publisher:
             self.failed.append(f"{topic}: {exc!r}")
             return
         ack = fut.result()
-        self.acked += 1
         self.ack_payload[(topic, ack.seq)] = payload
 
 
@@ -302,7 +301,7 @@ class Chaos:
     async def _dump(self, why: str) -> None:
         """What a stuck run leaves for the reader: the topics still waiting and every broker's STATUS."""
         assert self.cluster.state_dir is not None
-        waiting = {t: n for p in self.pubs for t, n in p.pending.items() if n}
+        waiting = Counter(t for p in self.pubs for t in p.unanswered.values())
         lines = [f"stuck: {why}", f"publishes not answered, per topic: {json.dumps(waiting)}"]
         try:
             statuses = await self.cluster.statuses(within=5.0)
@@ -321,7 +320,6 @@ class Chaos:
         await c.wait_converged(60.0)
         creds = c.credentials()
         addrs = [bp.listen for bp in c.nodes]
-        clients: list[Client] = []
         tasks: list[asyncio.Task[None]] = []
 
         def order(first: int) -> list[str]:
@@ -333,7 +331,6 @@ class Chaos:
                 sc = await stack.enter_async_context(
                     Client(order(self.rng.randrange(len(addrs))), credentials=creds, heartbeat_interval=0.25)
                 )
-                clients.append(sc)
                 for t in s.topics:
                     for attempt in range(10):  # as an application does: a subscribe refused mid-fault is retried
                         try:
@@ -352,7 +349,6 @@ class Chaos:
                     Client(order(self.rng.randrange(len(addrs))), client_id=p.name, credentials=creds,
                            heartbeat_interval=0.25, batch_publishes=False)
                 )  # fmt: skip
-                clients.append(pc)
                 tasks.append(asyncio.create_task(p.run(pc)))
             await wait_for(lambda: all(p.acked >= 10 for p in self.pubs), 30.0, "the first acknowledgements")
             try:

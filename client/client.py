@@ -118,8 +118,9 @@ REPAIR_MIN_ATTEMPTS: Final = 3
 MAX_RESEND_DELAY: Final = 8.0
 # A subscription restored after a reconnect whose SUBSCRIBE (or catch-up FETCH) goes unanswered or is refused for
 # a while (RESUBSCRIBE_TRANSIENT: the overlay heals around the failure that cost the connection) is asked again,
-# RESUBSCRIBE_RETRY apart at first and doubling up to RESUBSCRIBE_RETRY_MAX, for as long as it is open and the
-# connection lasts (a later reconnect restores it anew).  A refusal that will not change ends its iteration.
+# RESUBSCRIBE_RETRY apart at first and doubling up to RESUBSCRIBE_RETRY_MAX, for as long as it is open (across
+# later reconnects too: its requests are sent again on the new connection).  A refusal that will not change
+# ends its iteration.
 RESUBSCRIBE_RETRY: Final = 0.2
 RESUBSCRIBE_RETRY_MAX: Final = 2.0
 RESUBSCRIBE_TRANSIENT: Final = frozenset({"unreachable", "timeout", "shutting_down", "unknown_topic"})
@@ -905,10 +906,6 @@ class Client:
         finally:
             sub.catching_up = False
 
-    async def _finish_subscribe(self, sub: Subscription) -> None:
-        # The rest of a catch-up that did not fit the queue at subscribe time, then the SUBSCRIBE itself.
-        await self._resubscribe(sub, "subscribing")
-
     def _fail_all(self, exc: Exception) -> None:
         self._requests.fail_all(exc)
 
@@ -1223,8 +1220,9 @@ class Client:
             if await self._catch_up(sub, wait=False):
                 await self._send_subscribe(sub)
             else:
-                sub.restoring = True  # until _finish_subscribe is done; a reconnect leaves it alone
-                self._spawn(self._finish_subscribe(sub))
+                # The rest of the catch-up, then the SUBSCRIBE, in the background; a reconnect leaves it alone.
+                sub.restoring = True
+                self._spawn(self._resubscribe(sub, "subscribing"))
         except BaseException:
             self._subs.pop(topic, None)
             raise

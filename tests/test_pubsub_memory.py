@@ -361,6 +361,12 @@ def far_from(net: Net, topic: str) -> Coord:
     return (x + (1e-3 if x < 0.5 else -1e-3), y + (1e-3 if y < 0.5 else -1e-3))
 
 
+def coordinate_where(holds: Callable[[Coord], bool]) -> Coord:
+    """A point of a 50 x 50 grid over the space where `holds` is true: a move's target whose holders a test
+    chooses (which broker is its N1, N2, N3)."""
+    return next(c for c in ((x / 50, y / 50) for x in range(1, 50) for y in range(1, 50)) if holds(c))
+
+
 @pytest.mark.parametrize("resilience", [1, 2, 3])
 def test_move_with_requests_in_flight_delivers_and_acks_each_message_once(resilience: int) -> None:
     from overlay.delegation import MoveTopic
@@ -408,15 +414,13 @@ def test_a_move_releases_the_old_secondary_even_when_it_is_third_closest_to_the_
     # failed it took the topic over at the home coordinate with that stale history: a FETCH returned only the
     # messages before the move, and LOCATE named it primary (benchmarks/chaos.py's status dump showed it).
     from overlay.delegation import MoveTopic
-    from overlay.pubsub import Done
 
     net = Net(grid(10, seed=7), resilience=2)
     topic = "grid/moving/stale"
     sites = {k: v.coord for k, v in net.live().items()}
     old_primary, old_secondary = closest(sites, geohash(topic), 2)
-    candidates = [(x / 50, y / 50) for x in range(1, 50) for y in range(1, 50)]
-    to = next(
-        c for c in candidates if closest(sites, c, 3)[2] == old_secondary and old_primary not in closest(sites, c, 3)
+    to = coordinate_where(
+        lambda c: closest(sites, c, 3)[2] == old_secondary and old_primary not in closest(sites, c, 3)
     )
     pub, admin = net.nodes[old_secondary], net.nodes[closest(sites, to, 3)[0]]
     pub.inbox["p"] = []
@@ -930,8 +934,7 @@ def test_a_home_that_holds_the_delegates_copy_and_lost_its_list_forwards_instead
     topic = "grid/home/copy"
     sites = {k: v.coord for k, v in net.live().items()}
     home = closest(sites, geohash(topic))[0]
-    candidates = [(x / 50, y / 50) for x in range(1, 50) for y in range(1, 50)]
-    to = next(c for c in candidates if closest(sites, c, 2)[1] == home)
+    to = coordinate_where(lambda c: closest(sites, c, 2)[1] == home)
     pub = net.nodes[closest(sites, to)[0]]
     pub.inbox["p"] = []
     for i in range(5):
