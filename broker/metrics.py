@@ -93,6 +93,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_empty_topics_forgotten",
         "Replicas of topics with nothing in them (no message, publisher or subscriber) this broker forgot.",
     ),
+    "relocations": (
+        "sedax_relocations",
+        "Copies a move left behind (down during it, or back from a restart) that followed the topic where it lives.",
+    ),
     "lost": ("sedax_lost_messages", "Acknowledged messages found lost (more failures than the level survives)."),
     "delegations": ("sedax_delegations", "Topic hand-overs this broker activated as the new primary (Sec. III)."),
     "moves": ("sedax_moves", "Topics this broker moved away to a new coordinate (Alg. 2 or an operator)."),

@@ -35,7 +35,7 @@ from broker.memory import HeapTrimmer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
-from broker.storage import DataDirInUse, DiskStore, lock_data_dir, unlock_data_dir
+from broker.storage import DataDirInUse, DiskStore, StorageError, lock_data_dir, unlock_data_dir
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
@@ -209,6 +209,8 @@ class Broker(Membership, Routing):
             report = self.pubsub.recover()
         except OSError as exc:
             raise StartFailed(f"cannot read the data directory {self.config.data_dir}: {exc}") from None
+        except StorageError as exc:
+            raise StartFailed(str(exc)) from None
         if self.config.on_disk:
             self.log.info("data directory %s (fsync %s): %s", self.config.data_dir, self.config.fsync, report)
         if not self.config.join:

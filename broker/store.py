@@ -17,16 +17,19 @@ from __future__ import annotations
 import bisect
 import contextlib
 import heapq
+import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, StorageFull, TopicMeta
 from broker.storage.disklog import sync_error
-from overlay.pubsub import Record, record_size
+from overlay.pubsub import Delegation, Record, record_size
 from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks, ranges_minus
+
+_log = logging.getLogger("sedax.store")
 
 # Dedup remembers the last sequence number of every publisher; publishers that have been silent this long
 # are forgotten so a topic with short-lived publishers (CLI invocations) does not grow without bound.
@@ -375,6 +378,12 @@ class TopicLog:
         tail.reverse()
         return Missing(tail, theirs, want)
 
+    def relocate(self, coord: tuple[float, float], delegates: tuple[tuple[tuple[float, float], float], ...]) -> None:
+        """The copy is held for another coordinate, or knows a newer delegate list: the journal's meta says so
+        (recovery places the copy by it)."""
+        if self.journal is not None:
+            self.journal.relocate(coord, delegates)
+
     @property
     def last_ts(self) -> float | None:
         """Timestamp of the newest stored message, None when nothing is stored."""
@@ -552,6 +561,23 @@ class TopicStore:
             self._topics[rec.meta.name] = log
             metas.append(rec.meta)
         return metas, report
+
+    def save_delegates(self, lists: Mapping[str, Sequence[Delegation]]) -> None:
+        """Keep the delegate lists of the topics this broker is the home of on the disk (without a data
+        directory: nothing to keep them on, as the topics themselves).  A write that fails is logged: the lists
+        stay in memory, and the copies' own meta.json keep theirs."""
+        if self.disk is None:
+            return
+        try:
+            self.disk.save_delegates({t: [(d.coord, d.start) for d in dl] for t, dl in lists.items()})
+        except OSError as exc:
+            _log.error("could not write the delegate lists to %s: %s", self.disk.data_dir, exc)
+
+    def load_delegates(self) -> dict[str, list[Delegation]]:
+        """The delegate lists `save_delegates` kept ({} without a data directory); StorageError if unreadable."""
+        if self.disk is None:
+            return {}
+        return {t: [Delegation(c, start) for c, start in dl] for t, dl in self.disk.load_delegates().items()}
 
     def sync_due(self, now: float) -> None:
         """The INTERVAL write policy's beat (a no-op without a data directory or under other policies)."""

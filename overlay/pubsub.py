@@ -146,11 +146,23 @@ MAX_DELEGATES: Final = 64
 
 
 def delegated(dl: Sequence[Delegation], to: Coord, start: float) -> list[Delegation]:
-    """dl with a move to `to` at `start` appended, held to MAX_DELEGATES (the first entry and the latest)."""
+    """dl with a move to `to` at `start` appended, held to MAX_DELEGATES (the first entry and the latest).
+
+    The new entry starts after the last one even if the clock of the broker moving the topic is behind the clock
+    of the one that moved it last: lists are ordered by their last start (`later`)."""
+    if dl:
+        start = max(start, dl[-1].start + 1e-6)
     out = [*dl, Delegation(to, start)]
     if len(out) > MAX_DELEGATES:
         out = [out[0], *out[len(out) - MAX_DELEGATES + 1 :]]
     return out
+
+
+def later(dl: Sequence[Delegation], than: Sequence[Delegation]) -> bool:
+    """dl records a move `than` does not know of: its last entry started later.  Two brokers that hold a topic
+    at different coordinates (a copy left behind by a move whose RELEASE was lost with a restart) compare their
+    lists so: the one with the later list is where the topic lives, and the other hands its records there."""
+    return bool(dl) and (not than or dl[-1].start > than[-1].start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -708,3 +720,6 @@ class Offer(Message):
     have: Digest
     # The offerer is shutting down: the receiver ranks itself as if the offerer were gone already.
     leaving: bool = False
+    # The offerer's delegate list: a receiver holding the topic at another coordinate tells which copy a move
+    # left behind (overlay.pubsub.later; broker/pubsub/replication.py `relocate`).
+    delegates: tuple[Delegation, ...] = ()

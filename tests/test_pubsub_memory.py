@@ -367,6 +367,54 @@ def coordinate_where(holds: Callable[[Coord], bool]) -> Coord:
     return next(c for c in ((x / 50, y / 50) for x in range(1, 50) for y in range(1, 50)) if holds(c))
 
 
+def test_a_copy_a_move_left_behind_hands_what_only_it_holds_to_where_the_topic_lives() -> None:
+    # The old secondary misses a move and its RELEASE (cut off meanwhile), so it keeps a copy at the old
+    # coordinate; that copy also holds a message nobody else has (as one does that served the topic at its old
+    # coordinate after a full restart, before the home's list was back).  Once it learns the later delegate list
+    # (the home gives its secondary the list at the next view change) it follows the topic: it offers what it
+    # holds to the holders at the new coordinate, which merge it and deliver it, and lets go.  Before, it stayed
+    # at the old coordinate, and what only it held never reached the topic.
+    from overlay.delegation import MoveTopic
+
+    net = Net(grid(10, seed=7), resilience=2)
+    topic = "grid/left/behind"
+    sub, pub = net.nodes["n0"], net.nodes["n3"]
+    sub.request("s", Subscribe(1, topic))
+    for i in range(5):
+        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    where = locate(net, topic)
+    assert where.secondary is not None
+    old = {where.primary.id, where.secondary.id}
+    sites = {nid: n.me.coord for nid, n in net.nodes.items()}
+    to = coordinate_where(lambda c: not old & set(closest(sites, c, 3)))
+    net.blackhole.add(where.secondary.coord)
+    pub.request("a", MoveTopic(5, topic, to))
+    assert isinstance(pub.inbox["a"][-1], Done), pub.inbox["a"][-1]
+    net.blackhole.clear()
+    stale = net.nodes[where.secondary.id].ps.table.replicas[topic]
+    assert stale.coord == where.coord  # left behind
+    stale.log.merge([Record(net.clock, "Q", 0, b"only here")], net.clock)
+
+    def ranks() -> list[list[str]]:
+        return [closest({k: v.coord for k, v in net.live().items()}, c, 3) for c in (where.home, to)]
+
+    before = ranks()
+    spare = coordinate_where(
+        lambda c: all(closest({**sites, "x": c}, h, 3) == r for h, r in zip((where.home, to), before, strict=True))
+    )
+    net.join(spare)  # a view change that moves neither coordinate's holders
+    assert ranks() == before
+    for _ in range(5):
+        net.tick(1.0)
+    assert topic not in net.nodes[where.secondary.id].ps.table.replicas
+    assert net.nodes[where.secondary.id].ps.counters["relocations"] == 1
+    assert b"only here" in [r.payload for r in delivered(sub, "s")]
+    pub.request("f", Fetch(6, topic, 0.0, 100))
+    fetched = [m for m in pub.inbox["f"] if isinstance(m, Fetched)][-1]
+    assert sorted((r.publisher, r.seq) for r in fetched.records) == [*(("P", i) for i in range(5)), ("Q", 0)]
+    assert locate(net, topic).coord == to
+
+
 @pytest.mark.parametrize("resilience", [1, 2, 3])
 def test_move_with_requests_in_flight_delivers_and_acks_each_message_once(resilience: int) -> None:
     from overlay.delegation import MoveTopic

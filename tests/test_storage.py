@@ -158,6 +158,30 @@ def test_a_damaged_record_in_the_middle_is_reported_and_the_rest_served(tmp_path
     assert "damaged" in str(report)
 
 
+def test_a_copy_follows_its_coordinate_and_delegate_list_across_a_restart(tmp_path: Path) -> None:
+    # A copy's meta.json is written again when the coordinate it is held for or its delegate list changes (a
+    # move), so a restart puts it back where the topic was and tells how recent that is; a meta.json written
+    # before delegate lists were kept still reads, as a topic that never moved.
+    store = _store(tmp_path, "batch")
+    log = store.ensure("grid/moved", (0.3, 0.4), (0.3, 0.4))
+    log.append(Record(100.0, "pub-1", 0, b"x"), 100.0)
+    log.persist()
+    moved = (((0.3, 0.4), 0.0), ((0.9, 0.1), 1234.5))
+    log.relocate((0.9, 0.1), moved)
+    store.close()
+    again = _store(tmp_path, "batch")
+    (meta,), _ = again.recover(200.0)
+    assert (meta.coord, meta.home, meta.delegates) == ((0.9, 0.1), (0.3, 0.4), moved)
+    again.close()
+    path = next((tmp_path / "topics").glob("*/meta.json"))
+    path.write_text('{"name": "grid/moved", "coord": [0.3, 0.4], "home": [0.3, 0.4]}')
+    (old,), _ = _store(tmp_path, "batch").recover(200.0)
+    assert (old.coord, old.delegates) == ((0.3, 0.4), ())
+    path.write_text('{"name": "grid/moved", "coord": [0.3, 0.4], "home": [0.3, 0.4], "delegates": [7]}')
+    found, report = DiskStore(tmp_path, FsyncPolicy.parse("batch")).recover()
+    assert found == [] and len(report.unreadable) == 1  # reported and skipped, not a traceback
+
+
 def test_an_unreadable_directory_is_reported_not_fatal(tmp_path: Path) -> None:
     (tmp_path / "topics" / "not-a-topic").mkdir(parents=True)
     found, report = DiskStore(tmp_path, FsyncPolicy.parse("batch")).recover()

@@ -54,6 +54,8 @@ from overlay.pubsub import (
     Subscribed,
     TopicReply,
     Unsubscribe,
+    delegated,
+    later,
 )
 from overlay.topics import MAX_TOPIC_LEN
 
@@ -210,6 +212,18 @@ def test_a_topic_moved_more_often_than_its_delegate_list_holds_keeps_its_home_an
     pub.request("p", Publish(TOPIC, "P", 1, b"m1", 0))
     assert [r.seq for r in delivered(sub, "s")] == [0, 1]
     assert [m.seq for m in pub.inbox["p"] if isinstance(m, Ack)][-1] == 1
+
+
+def test_a_move_is_later_than_the_one_before_even_when_the_movers_clock_is_behind() -> None:
+    # Two copies of a topic at different coordinates (one left behind by a move) are told apart by their lists'
+    # last starts; each broker stamps the moves it makes with its own clock, so a move by a broker whose clock is
+    # behind must still come out later than the move before it.
+    home = [Delegation((0.5, 0.5), 0.0)]
+    first = delegated(home, (0.1, 0.1), 1000.0)
+    behind = delegated(first, (0.9, 0.9), 990.0)
+    assert behind[-1].start > first[-1].start
+    assert later(behind, first) and later(first, home) and later(first, ())
+    assert not later(first, behind) and not later(first, first) and not later((), home)
 
 
 def test_a_topic_with_more_than_1024_sessions_at_one_access_broker_redirects_each_of_them_when_it_moves() -> None:

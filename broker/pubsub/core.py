@@ -179,6 +179,7 @@ class TopicTable:
             "reverse_offers": 0,  # a copy offered its primary records the primary did not keep (`_offer_back`)
             "topic_full": 0,  # new subscribers and publishers refused: the topic had max_topic_entries
             "empty_forgotten": 0,  # replicas of topics with nothing in them, forgotten (holder.sweep_empty)
+            "relocations": 0,  # copies a move left behind that followed the topic (replication `relocate`)
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event

@@ -67,7 +67,7 @@ class PubSub:
         self.holder.moves, self.holder.home = self.moves, self.home
         self.replication.holder, self.replication.moves, self.replication.home = self.holder, self.moves, self.home
         self.moves.holder, self.moves.replication, self.moves.home = self.holder, self.replication, self.home
-        self.home.holder = self.holder
+        self.home.holder, self.home.replication = self.holder, self.replication
         t.on_flush = self._flush_turn
         t.on_local_reply = self.access.local_reply
         handlers: dict[type[Message], Handler] = {
@@ -171,6 +171,7 @@ class PubSub:
     def recover(self) -> RecoveryReport:
         """Read the data directory back (none: nothing); the topics wait in RECOVERING until `resume`."""
         metas, report = self.store.recover(self.table.ov.now())
+        self.home.recovered(self.store.load_delegates())  # first: the recovered replicas take their lists
         self.holder.recovered(metas)
         return report
 

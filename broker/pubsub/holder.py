@@ -41,6 +41,7 @@ from overlay.pubsub import (
     Subscribed,
     TopicRequest,
     Unsubscribe,
+    later,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +86,9 @@ class HolderRole:
             at = coord if coord is not None else home
             dl = self.home.delegate_lists.get(topic)
             log_ = self.t.store.ensure(topic, at, home)
-            r = Replica(topic, log_, at, home, list(dl) if dl else [Delegation(home, 0.0)])
+            r = Replica(topic, log_, at, home, [Delegation(home, 0.0)])
+            if dl:
+                r.place(at, list(dl))
             r.rank = self.t.rank_of_me(r.coord)
             r.settle()
             self.t.replicas[topic] = r
@@ -478,13 +481,16 @@ class HolderRole:
             self.t.reply(w.access, [w.session], nack)
 
     def recovered(self, metas: list[TopicMeta]) -> None:
-        """Replicas for the topics read back from the data directory: RECOVERING until `resume`."""
+        """Replicas for the topics read back from the data directory: RECOVERING until `resume`.  Each comes back
+        at the coordinate its meta.json names, or where the later of its own delegate list and the home's says
+        the topic lives (a copy a move left behind, whose RELEASE was lost with the restart)."""
         for meta in metas:
-            dl = self.home.delegate_lists.get(meta.name)
-            r = Replica(
-                meta.name, self.t.store.get(meta.name), meta.coord, meta.home,
-                list(dl) if dl else [Delegation(meta.home, 0.0)], stage=Stage.RECOVERING,
-            )  # fmt: skip
+            own = [Delegation(c, start) for c, start in meta.delegates] or [Delegation(meta.home, 0.0)]
+            dl, coord = own, meta.coord
+            if (kept := self.home.delegate_lists.get(meta.name)) and later(kept, own):
+                dl, coord = list(kept), kept[-1].coord
+            r = Replica(meta.name, self.t.store.get(meta.name), meta.coord, meta.home, own, stage=Stage.RECOVERING)
+            r.place(coord, dl)
             if (newest := r.log.last_ts) is not None:
                 r.last_ts = newest
             self.t.replicas[meta.name] = r
@@ -495,6 +501,11 @@ class HolderRole:
             r.rank = self.t.rank_of_me(r.coord)
             if r.rank == 1:
                 r.copy.want()  # the secondary gets the whole merged history
+                if len(r.delegates) > 1 and not same(r.coord, r.home):
+                    # A moved topic: the home may have lost its list (a broker new at h(t), or one started
+                    # without its data directory) and made the topic afresh at h(t), or know a later one that
+                    # this copy missed; either way the two follow the later list (home.py `_store`).
+                    self.home.set_delegates(r.name, r.delegates)
                 if not self.replication.start_pull(r, takeover=False):
                     r.enter(Transition.CAUGHT_UP)
                     self.release_queue(r)
@@ -502,8 +513,11 @@ class HolderRole:
             elif self.replication.keeps(r.rank):
                 r.enter(Transition.DEMOTE)
                 self.release_queue(r)
-                # It may hold what the primary lacks (everything was stopped and started again): offer it.
-                self.replication.offer(r, self.t.holders(r.coord)[:1], track=False)
+                # It may hold what the primary lacks (everything was stopped and started again): offer it, again
+                # after each time-out until the primary answers.  Offered once, an offer lost while the overlay
+                # formed around this broker was never repeated: a copy a move left behind, told by the home's answer
+                # where the topic lives, stayed at the old coordinate for good.
+                self.replication.offer(r, self.t.holders(r.coord)[:1])
             else:
                 self.replication.retire(r)  # what it kept may be all that is left of some records: hand it on
 

@@ -14,10 +14,12 @@ from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import Replica, Stage, Transition
 from overlay.delegation import DelegateUpdate, DelegateUpdated, Lease, Leased
 from overlay.geometry import Coord
-from overlay.pubsub import Delegation
+from overlay.protocol import NodeInfo
+from overlay.pubsub import Delegation, later
 
 if TYPE_CHECKING:
     from broker.pubsub.holder import HolderRole
+    from broker.pubsub.replication import ReplicationRole
 
 
 class HomeRole:
@@ -25,7 +27,9 @@ class HomeRole:
 
     def __init__(self, table: TopicTable) -> None:
         self.t = table
-        self.holder: HolderRole  # wired by the engine
+        # Wired by the engine.
+        self.holder: HolderRole
+        self.replication: ReplicationRole
         # Delegate lists of topics whose home this broker is (or the home's secondary).
         self.delegate_lists: dict[str, list[Delegation]] = {}
         self._last_move: dict[str, float] = {}  # when each topic last moved (cool-down)
@@ -75,14 +79,19 @@ class HomeRole:
 
     def _store(self, topic: str, dl: list[Delegation]) -> None:
         cur = self.delegate_lists.get(topic)
-        if cur and dl and cur[-1].start > dl[-1].start:
-            return  # an older update arriving late
-        self.delegate_lists[topic] = list(dl)
-        self._last_move[topic] = self.t.ov.now()
-        self._leases.pop(topic, None)
+        if cur and later(cur, dl):
+            # An older update arriving late, or a copy left behind by a move re-registering after a restart
+            # (`HolderRole.resume`): a replica here follows the list the home has.
+            self.replication.follow(topic, cur)
+            return
+        if cur != dl:
+            self.delegate_lists[topic] = list(dl)
+            self._keep()
+            self._last_move[topic] = self.t.ov.now()
+            self._leases.pop(topic, None)
+        self.replication.follow(topic, dl)
         r = self.t.replicas.get(topic)
         if r is not None:
-            r.delegates = list(dl)
             r.meta_dirty = True  # with the next batch to the secondary, as before every batch carried them
         self._sync_secondary(topic)
 
@@ -92,18 +101,47 @@ class HomeRole:
         if dl and len(ranked) > 1 and ranked[0].id == self.t.ov.me.id:
             self.t.ov.route(ranked[1].coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
 
-    def learn_delegates(self, topic: str, dl: list[Delegation]) -> None:
-        """A delegate list heard from another holder: keep it if it is newer."""
+    def _sync_home(self, topic: str) -> None:
+        """The home's secondary gives its list to the home, which may be new to the topic (a broker that joined
+        closer to h(t), or one started again without its data directory)."""
+        ranked = self.t.ranked(self.t.home(topic))
+        dl = self.delegate_lists.get(topic)
+        if dl and len(ranked) > 1 and ranked[1].id == self.t.ov.me.id:
+            self.t.ov.route(ranked[0].coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
+
+    def learn_delegates(self, topic: str, dl: list[Delegation], origin: NodeInfo | None = None) -> None:
+        """A delegate list heard from another holder: keep it if it is newer, and let this broker's replica of
+        the topic follow it (or tell origin ours, if ours is newer: `ReplicationRole.follow`)."""
         cur = self.delegate_lists.get(topic)
-        if dl and (not cur or cur[-1].start <= dl[-1].start):
+        if dl and (not cur or cur[-1].start <= dl[-1].start) and cur != dl:
             self.delegate_lists[topic] = dl
+            self._keep()
+        self.replication.follow(topic, dl, origin)
+
+    def _keep(self) -> None:
+        """The lists on the disk (with a data directory): they are all that says where a moved topic lives,
+        and after a full restart its copies come back there.  In memory only, a home started again made the
+        topic afresh at its home coordinate, beside the copies serving at the delegate coordinate: publishes
+        went to one, subscriptions to the other (benchmarks/chaos.py)."""
+        self.t.store.save_delegates(self.delegate_lists)
+
+    def recovered(self, lists: dict[str, list[Delegation]]) -> None:
+        """The lists `_keep` wrote before a restart (whether this broker is still the home is up to the view)."""
+        self.delegate_lists.update(lists)
 
     def delegate_update_arrived(self, m: DelegateUpdate) -> None:
-        """DELEGATE_UPDATE: a new list from the topic's primary, or the home's copy for its secondary."""
+        """DELEGATE_UPDATE: a new list from the topic's primary, the home's copy for its secondary (or the other
+        way round), or another broker's answer to a copy of ours it found out of date (`sync`)."""
         if m.sync:
-            self.learn_delegates(m.topic, list(m.delegates))
+            self.learn_delegates(m.topic, list(m.delegates), m.origin)
             return
-        self._store(m.topic, list(m.delegates))
+        cur = self.delegate_lists.get(m.topic)
+        if cur and later(cur, m.delegates):
+            # The sender's list is older than the home's: a primary left behind by a move re-registering after a
+            # restart.  It follows the home's list (confirmed all the same: it need not send again).
+            self.t.ov.route(m.origin.coord, DelegateUpdate(0, m.topic, tuple(cur), self.t.ov.me, sync=True))
+        else:
+            self._store(m.topic, list(m.delegates))
         self.t.ov.route(m.origin.coord, DelegateUpdated(m.corr, m.topic))
 
     def delegate_updated_arrived(self, m: DelegateUpdated) -> None:
@@ -134,6 +172,9 @@ class HomeRole:
             self.t.event("delegation", topic=topic, load=0.0, frm=r.home, to=coord)
             queued, r.queued = r.queued, []
             self.t.drop(r)
+            # The list goes ahead of the requests on the same path: the copies made there keep it on their disks
+            # and, after a restart, know themselves later than any copy left at h(t).
+            self.t.ov.route(coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
             for access, session, req in queued:
                 self.holder.forward_request(access, session, req, coord, via_home=True)
 
@@ -143,15 +184,27 @@ class HomeRole:
     # ---- overlay changes and time -----------------------------------------------------------------------
     def view_changed(self) -> None:
         """Keep the lists of topics whose home (or home's secondary) this broker still is."""
+        dropped = False
         for topic in list(self.delegate_lists):
             rank = self.t.rank_of_me(self.t.home(topic))
             if rank == 1:
                 self._sync_secondary(topic)  # the home's secondary may be new
-            elif rank != 2:
+            elif rank == 2:
+                self._sync_home(topic)  # and so may the home
+            else:
                 del self.delegate_lists[topic]
+                dropped = True
+        if dropped:
+            self._keep()
 
     def tick(self, now: float) -> None:
-        """Re-send delegate lists the home has not confirmed: a list must not be lost."""
+        """Re-send delegate lists the home has not confirmed: a list must not be lost.  A replica here whose own
+        list is earlier than the one this broker keeps follows it (a copy made or read back before the list
+        was known here; nothing else would tell it)."""
+        for topic, kept in list(self.delegate_lists.items()):
+            r = self.t.replicas.get(topic)
+            if r is not None and later(kept, r.delegates):
+                self.replication.follow(topic, kept)
         for corr, (topic, dl, sent) in list(self._unconfirmed.items()):
             if now - sent > 1.0:
                 self._unconfirmed[corr] = (topic, dl, now)

@@ -110,7 +110,9 @@ class MoveRole:
             Waiter(w.access, w.session, w.record.publisher, w.record.seq, w.record.ts) for w in last.values()
         )
         delivered_upto = r.delivered_mark
-        dl = tuple(delegated(r.delegates, mv.to, self.t.ov.now()))
+        # The list with this move appended, as the old primary gives it to the home once the move is confirmed:
+        # the new coordinate's copies keep it on their disks (a restart tells the stale copies by it).
+        dl = tuple(delegated(r.delegates, mv.to, mv.started))
         subs, _, last_seq = r.meta()  # the delegates go as dl: the list with this move appended
         batches = chunks(r.log.records())
         me = self.t.ov.me
@@ -157,8 +159,7 @@ class MoveRole:
         if (newest := r.log.last_ts) is not None:
             r.last_ts = max(r.last_ts, newest)
         r.subscribers = {(s.access.id, s.session): s for s in m.subscribers}
-        r.coord = m.coord
-        r.delegates = list(m.delegates)
+        r.place(m.coord, list(m.delegates))
         r.rank = self.t.rank_of_me(r.coord)
         if not m.corr:
             r.settle()
@@ -220,7 +221,7 @@ class MoveRole:
         for access, session, req in queued:
             self.holder.forward_request(access, session, req, mv.to, via_home=True)
         self._redirect_all(r, mv.to)
-        dl = delegated(r.delegates, mv.to, now)
+        dl = delegated(r.delegates, mv.to, mv.started)  # as the hand-over carried it
         self.home.set_delegates(r.name, dl)
         self._forward[r.name] = (mv.to, now + self.t.config.forward_ttl)
         self._release_old(r.name, old, mv.to)
@@ -231,8 +232,7 @@ class MoveRole:
         if mv.reply is not None:
             self.t.reply(mv.reply[0], [mv.reply[1]], Done(mv.reply[2]))
         self._clear_primary_state(r)
-        r.coord = mv.to
-        r.delegates = dl
+        r.place(mv.to, dl)
         r.moved_at = now
         r.rank = self.t.rank_of_me(r.coord)
         r.enter(Transition.HANDED_OVER)
@@ -246,8 +246,7 @@ class MoveRole:
         now = self.t.ov.now()
         old = r.coord
         r.enter(Transition.MOVED_LOCALLY)
-        r.coord = mv.to
-        r.delegates = delegated(r.delegates, mv.to, now)
+        r.place(mv.to, delegated(r.delegates, mv.to, mv.started))
         r.moved_at = now
         self.home.set_delegates(r.name, r.delegates)
         self._redirect_all(r, mv.to)

@@ -529,6 +529,22 @@ class Replica:
         """What a copy needs besides the records (REPLICATE's subscribers, delegates and last_seq), as sent."""
         return tuple(self.subscribers.values()), tuple(self.delegates), dict(self.log.last_seq)
 
+    def place(self, coord: Coord, delegates: list[Delegation]) -> None:
+        """Hold the topic for coord, with delegates as its list (a move; a newer list learned): on the disk too
+        (meta.json), so that a broker started again takes its copy back where the topic was and knows how recent
+        that is.  (Only the coordinate the copy was first made for was written: after a full restart the old
+        primary of a moved topic, still a holder where it moved, served it again at its home.)"""
+        if not delegates or delegates[-1].coord != coord:
+            # A list that ends elsewhere does not say when the topic came here (a copy made for a coordinate the
+            # topic has left, from a sender that had not heard): this copy's own list is unknown, the oldest there
+            # is, so that any copy whose list ends where it is held counts as later (overlay.pubsub.later).
+            delegates = [Delegation(self.home, 0.0)]
+        if coord == self.coord and delegates == self.delegates:
+            return
+        self.coord = coord
+        self.delegates = delegates
+        self.log.relocate(coord, tuple((d.coord, d.start) for d in delegates) if len(delegates) > 1 else ())
+
     def settle(self) -> None:
         """After the rank changed: a steady copy that became closest serves, a steady primary that did not holds."""
         if self.stage is Stage.RETIRING and self.rank != 0:

@@ -35,8 +35,10 @@ from broker.pubsub.replica import PULLING, Backfill, Batch, CopyStage, Pulling, 
 from broker.pubsub.settings import MAX_CHAINED, MAX_RTO, MAX_SUPERSEDED, REPLICATION_WINDOW, SYNC_CHUNK, SYNC_WINDOW
 from broker.storage import StorageError
 from broker.store import Missing
+from overlay.delegation import DelegateUpdate
+from overlay.geometry import Coord
 from overlay.protocol import NodeInfo
-from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe
+from overlay.pubsub import Delegation, Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe, later
 from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
@@ -184,7 +186,8 @@ class ReplicationRole:
         corr = self.t.next_corr()
         r.copy.offered(Backfill(corr, sec.id, self.t.ov.now()))
         self.t.counters["offers"] += 1
-        self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, r.log.offerable(), False))
+        have = r.log.offerable()
+        self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, have, False, tuple(r.delegates)))
 
     def _backfilled(self, r: Replica, node: str) -> None:
         """The next holder confirmed the back-fill: it holds the history offered, and the batches hold the rest."""
@@ -289,15 +292,24 @@ class ReplicationRole:
         pull = r.pull if r is not None else None
         answers_pull = pull is not None and pull.asked.get(m.corr) == m.origin.id
         if r is not None and pull is not None and answers_pull and not same(m.coord, r.coord):
-            # The asked node knows the topic at another coordinate: a delegate list, not data for us.
-            self.home.learn_delegates(m.topic, list(m.delegates))
+            # The asked node knows the topic at another coordinate: a delegate list, not data for us (a later one
+            # moves this replica there: `follow`).
             del pull.asked[m.corr]
-            self.pull_progress(r)
+            self.home.learn_delegates(m.topic, list(m.delegates), m.origin)
+            if self.t.replicas.get(m.topic) is r:
+                self.pull_progress(r)
             return
+        if r is not None and not same(m.coord, r.coord) and not self._same_place(r, m.coord, m.delegates, m.origin):
+            return  # a copy left behind sent this: it was told where the topic lives, and nothing is confirmed
         if pull is not None and pull.asked and m.origin.id in pull.asked.values():
             pull.heard = now  # an answer is still streaming in: the pull is making progress
         created = r is None
+        known = self.home.delegate_lists.get(m.topic) if created else None
+        if known and later(known, m.delegates) and not same(known[-1].coord, m.coord):
+            self.tell_list(m.topic, known, m.origin)  # the sender holds a copy a move left behind: it follows
+            return
         r = self.holder.replica(m.topic, m.coord)
+        dl = r.delegates
         # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
         # here and never replaces it, so nothing another holder lacked is lost by a re-sync.
         new = r.log.merge(m.records, now)
@@ -328,10 +340,10 @@ class ReplicationRole:
                 r.subscribers.update(subs)  # handed over to us, or a re-sync: keep what we had as well
             else:
                 r.subscribers = subs
-            if upstream or created:
-                r.delegates = list(m.delegates)
+            if (upstream or created) and not later(dl, m.delegates):
+                dl = list(m.delegates)
             r.meta_known = True
-        r.coord = m.coord
+        r.place(m.coord, dl)
         r.rank = self.t.rank_of_me(r.coord)
         if r.rank == 1:
             r.meta_dirty = True  # what a pull or an offer added here goes to the secondary with the next batch
@@ -583,14 +595,24 @@ class ReplicationRole:
             corr = self.t.next_corr()
             if track:
                 r.offers[corr] = n.id
-            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving))
+            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving, tuple(r.delegates)))
 
     def offer_arrived(self, m: Offer) -> None:
         """OFFER: confirm when everything offered is here already, else ask for what is missing."""
         me = self.t.ov.me
+        if m.origin.id == me.id:
+            # Routed back to its sender: a broker that has just joined has no link closer to the coordinate yet.
+            # Answered, it would confirm itself; unanswered, the offer goes out again after the time-out.
+            return
         if m.leaving:
             self._leaving.add(m.origin.id)  # its records are to stay here although the view still ranks it
         r = self.t.replicas.get(m.topic)
+        known = self.home.delegate_lists.get(m.topic) if r is None else None
+        if known and later(known, m.delegates) and not same(known[-1].coord, m.coord):
+            self.tell_list(m.topic, known, m.origin)  # a copy a move left behind: it follows, offers there
+            return
+        if r is not None and not same(r.coord, m.coord) and not self._same_place(r, m.coord, m.delegates, m.origin):
+            return
         if r is not None and same(r.coord, m.coord) and r.stage is not Stage.GONE:
             self._offer_back(r, m)
             if covers(r.log.held, ranges_of(m.have)):
@@ -729,57 +751,128 @@ class ReplicationRole:
         for r in list(self.t.replicas.values()):
             old = r.rank
             r.rank = self.t.rank_of_me(r.coord)
-            if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.RECOVERING):
-                continue  # finishes (or times out, or resumes once joined) as it is; roles are settled then
-            if r.stage is Stage.RETIRING:
-                if not self.keeps(r.rank):
-                    self.retire(r)  # the holders changed: offer to the new ones
-                    continue
-                r.enter(Transition.KEEP)  # ranked again before it let go: a copy, or the primary below
-                old = 0
-            if r.rank == 1:
-                if old != 1 and r.stage is not Stage.PLACING:
-                    self.take_over(r)
-                    # What this broker got from the dead primary, its secondary may lack (a batch it confirmed
-                    # that never reached the old tertiary, at level 3): a back-fill, which costs one offer if not.
-                    r.copy.want()
-                sec = self.t.secondary(r)
-                if sec is not None and r.copy.next_is(sec.id):
-                    # A new secondary gets the whole history, after a failure too (module docstring).
-                    if any(b.target != sec.id for b in r.window):
-                        r.window.clear()  # re-sent to the new secondary below
-                        r.outbox = r.unconfirmed()
-                    r.meta_dirty = True
-                self.flush(r)
-            elif self.keeps(r.rank):
-                was_primary = r.stage is not Stage.HOLDING
-                r.settle()
-                if r.stage is not Stage.HOLDING:
-                    r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
-                r.window.clear()
-                r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
-                r.first_waiting.clear()
-                r.waiter_max.clear()
-                r.outbox.clear()
-                r.undelivered.clear()
-                if was_primary or old == 1:
-                    # What only this former primary holds (the other side of a healed partition, the last
-                    # batches it stored) goes to the new one, offered again after each time-out until the new
-                    # primary confirms it holds all of it: once lost while the overlays merged, it was never
-                    # repeated, and the primary served for good without what this copy kept (anti-entropy
-                    # compares from the primary's side only).  At level 3 also to its next holder, now its
-                    # tertiary, which may be its old secondary and lack the batches that never got there (one
-                    # offer round trip if it lacks nothing).
-                    self.offer(r, self.t.holders(r.coord)[:1])
-                    r.copy.want()
-                if (nxt := self.next_holder(r)) is not None:
-                    r.copy.next_is(nxt.id)  # level 3: a new tertiary gets the history from the secondary
-                self._copy_down(r)
-                queued, r.queued = r.queued, []
-                for access, session, req in queued:
-                    self.holder.handle_request(access, session, req)
+            self._rerank(r, old)
+
+    def _rerank(self, r: Replica, old: int, *, offer: bool = False) -> None:
+        """r's rank changed from old (the view changed, or r follows the topic to a new coordinate: `relocate`):
+        take over, get a new secondary, become a copy, or retire.  offer: a copy offers what it holds to the
+        primary, as a demoted primary does (a relocated copy may hold what the topic's holders lack)."""
+        if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.RECOVERING):
+            return  # finishes (or times out, or resumes once joined) as it is; roles are settled then
+        if r.stage is Stage.RETIRING:
+            if not self.keeps(r.rank):
+                self.retire(r)  # the holders changed: offer to the new ones
+                return
+            r.enter(Transition.KEEP)  # ranked again before it let go: a copy, or the primary below
+            old = 0
+        if r.rank == 1:
+            if old != 1 and r.stage is not Stage.PLACING:
+                self.take_over(r)
+                # What this broker got from the dead primary, its secondary may lack (a batch it confirmed
+                # that never reached the old tertiary, at level 3): a back-fill, which costs one offer if not.
+                r.copy.want()
+            sec = self.t.secondary(r)
+            if sec is not None and r.copy.next_is(sec.id):
+                # A new secondary gets the whole history, after a failure too (module docstring).
+                if any(b.target != sec.id for b in r.window):
+                    r.window.clear()  # re-sent to the new secondary below
+                    r.outbox = r.unconfirmed()
+                r.meta_dirty = True
+            self.flush(r)
+        elif self.keeps(r.rank):
+            was_primary = r.stage is not Stage.HOLDING
+            r.settle()
+            if r.stage is not Stage.HOLDING:
+                r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
+            r.window.clear()
+            r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
+            r.first_waiting.clear()
+            r.waiter_max.clear()
+            r.outbox.clear()
+            r.undelivered.clear()
+            if was_primary or old == 1 or offer:
+                # What only this former primary holds (the other side of a healed partition, the last
+                # batches it stored) goes to the new one, offered again after each time-out until the new
+                # primary confirms it holds all of it: once lost while the overlays merged, it was never
+                # repeated, and the primary served for good without what this copy kept (anti-entropy
+                # compares from the primary's side only).  At level 3 also to its next holder, now its
+                # tertiary, which may be its old secondary and lack the batches that never got there (one
+                # offer round trip if it lacks nothing).
+                self.offer(r, self.t.holders(r.coord)[:1])
+                r.copy.want()
+            if (nxt := self.next_holder(r)) is not None:
+                r.copy.next_is(nxt.id)  # level 3: a new tertiary gets the history from the secondary
+            self._copy_down(r)
+            queued, r.queued = r.queued, []
+            for access, session, req in queued:
+                self.holder.handle_request(access, session, req)
+        else:
+            self.retire(r)
+
+    # ---- a copy a move left behind ---------------------------------------------------------------------
+    def follow(self, topic: str, dl: list[Delegation], origin: NodeInfo | None = None) -> None:
+        """A delegate list heard from another broker (the home, a holder, a primary's batch) against this
+        broker's replica of the topic: a later list that names another coordinate moves the replica there
+        (`relocate`); an earlier one that names another coordinate than ours comes from a copy left behind,
+        and origin is told ours, so that it follows."""
+        r = self.t.replicas.get(topic)
+        if r is None or r.stage is Stage.GONE or not dl:
+            return
+        if later(dl, r.delegates):
+            if same(dl[-1].coord, r.coord):
+                r.place(dl[-1].coord, dl)
             else:
-                self.retire(r)
+                self.relocate(r, dl)
+        elif origin is not None and later(r.delegates, dl) and not same(dl[-1].coord, r.coord):
+            self.tell_list(topic, r.delegates, origin)
+
+    def tell_list(self, topic: str, dl: list[Delegation], to: NodeInfo) -> None:
+        """Send dl to a broker that holds the topic at a coordinate dl says it has left (it `follow`s)."""
+        self.t.ov.route(to.coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
+
+    def _same_place(self, r: Replica, coord: Coord, dl: tuple[Delegation, ...], origin: NodeInfo) -> bool:
+        """A batch or an offer for coord, with the sender's list dl, reached r held at another coordinate: which
+        of the two a move left behind?  If the sender's list is later, r follows it (`relocate`) and the message
+        is taken; if r's is, the sender is told r's list and the message is not taken (False).  Lists alike (a
+        topic placed by Alg. 1 before its copies learned the list): the sender's coordinate is taken, as before.
+        A batch without the meta has no list: the sender re-sends with it once told."""
+        if later(r.delegates, dl):
+            self.tell_list(r.name, r.delegates, origin)
+            return False
+        if later(list(dl), r.delegates):
+            self.relocate(r, list(dl))
+        return True
+
+    def relocate(self, r: Replica, dl: list[Delegation]) -> None:
+        """dl, later than r's own list, says the topic lives at another coordinate now: r is a copy a move left
+        behind (its broker was down during the move, or the RELEASE was lost with a restart), or it served the
+        topic at the old coordinate after a full restart before the home's list was back.  r takes the new
+        coordinate and re-ranks there as at a view change: a holder there keeps it and offers what it holds to
+        the primary; any other broker retires it, offering its records to the holders there, and lets go once
+        they confirmed.  Histories merge as a set union by (publisher, seq), so what only this copy has (what it
+        acknowledged while it served at the old coordinate) reaches the topic, and its subscribers go with the
+        answer to the offer; requests go where the topic lives.  Before, such a copy came back at the old
+        coordinate after a full restart and served the topic there, beside the copies where it moved: a
+        subscriber registered on one got nothing published to the other (benchmarks/chaos.py)."""
+        if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.PLACING):
+            return  # a move or a placement is under way here: it sets the list itself when it ends
+        frm, to = r.coord, dl[-1].coord
+        self.t.counters["relocations"] += 1
+        self.t.event("relocate", topic=r.name, frm=frm, to=to)
+        log.info("topic %s: the copy held for (%.4f, %.4f) follows the topic to (%.4f, %.4f)", r.name, *frm, *to)
+        r.place(to, dl)
+        if r.stage is Stage.RECOVERING:
+            return  # `HolderRole.resume` ranks it where it is now
+        # Publishers of what waits for an acknowledgement here re-send it where the topic lives; the offer takes
+        # the records there, so subscribers get what was stored once the holders there merged it.
+        r.window.clear()
+        r.waiting.clear()
+        r.first_waiting.clear()
+        r.waiter_max.clear()
+        r.outbox.clear()
+        r.undelivered.clear()
+        r.rank = self.t.rank_of_me(to)
+        self._rerank(r, 0, offer=True)
 
     # ---- time ------------------------------------------------------------------------------------------
     def _tick_backfill(self, r: Replica, now: float) -> None:

@@ -10,6 +10,7 @@ docs/storage.md.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from broker.storage.disklog import (
     TopicMeta,
     recover,
     topic_dirname,
+    write_atomic,
 )
 
 __all__ = [
@@ -47,6 +49,9 @@ __all__ = [
 
 # The lock file of a data directory, beside topics/ (docs/storage.md).
 LOCK_FILE = "LOCK"
+# The delegate lists of the topics this broker is the home (or the home's secondary) of: the lists say where a
+# moved topic lives, and a full restart must not forget them while the topic's copies come back where it moved.
+DELEGATES_FILE = "delegates.json"
 
 
 class DataDirInUse(StorageError):
@@ -135,6 +140,25 @@ class DiskStore:
                 committer=self.committer,
             )
         return log
+
+    def save_delegates(self, lists: dict[str, list[tuple[tuple[float, float], float]]]) -> None:
+        """Write the delegate lists this broker keeps as a topic's home (or the home's secondary): topic ->
+        [(coordinate, start), ...].  Written whole, to a new file renamed over the old one once it is on the
+        disk, so a crash leaves the old lists or the new ones."""
+        data = json.dumps({t: [[c[0], c[1], start] for c, start in dl] for t, dl in sorted(lists.items())})
+        write_atomic(self.data_dir / DELEGATES_FILE, data.encode())
+
+    def load_delegates(self) -> dict[str, list[tuple[tuple[float, float], float]]]:
+        """The delegate lists `save_delegates` wrote ({} if none); StorageError if the file is unreadable."""
+        path = self.data_dir / DELEGATES_FILE
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+            return {str(t): [((float(e[0]), float(e[1])), float(e[2])) for e in dl] for t, dl in dict(obj).items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, IndexError) as exc:
+            why = f"{path}: unreadable delegate lists ({exc}); move the file away to start without them"
+            raise StorageError(why) from exc
 
     def forget(self, name: str) -> None:
         """Delete a topic's files (handed over or dropped)."""

@@ -166,16 +166,23 @@ class TopicMeta:
     """What a topic's directory says about the topic besides its records."""
 
     name: str
-    coord: tuple[float, float]  # C(t) when the data was written
+    coord: tuple[float, float]  # C(t): the coordinate this copy is held for (written again when it changes)
     home: tuple[float, float]  # h(t)
+    # The topic's delegate list as this copy knows it, ((x, y), start) per entry; () for a topic that never
+    # left its home.  After a restart it says which of two copies at different coordinates is the stale one.
+    delegates: tuple[tuple[tuple[float, float], float], ...] = ()
 
     def to_json(self) -> bytes:
-        return json.dumps({"name": self.name, "coord": list(self.coord), "home": list(self.home)}).encode()
+        obj: dict[str, object] = {"name": self.name, "coord": list(self.coord), "home": list(self.home)}
+        if self.delegates:
+            obj["delegates"] = [[c[0], c[1], start] for c, start in self.delegates]
+        return json.dumps(obj).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> TopicMeta:
         obj = json.loads(data)
-        return cls(str(obj["name"]), _pair(obj["coord"]), _pair(obj["home"]))
+        delegates = tuple((_pair(e[:2]), float(e[2])) for e in obj.get("delegates", ()))
+        return cls(str(obj["name"]), _pair(obj["coord"]), _pair(obj["home"]), delegates)
 
 
 def _pair(v: object) -> tuple[float, float]:
@@ -238,6 +245,13 @@ class DiskLog:
         if not self._segments:
             self._segments.append(_Segment(1, _segment_path(directory, 1)))
         self._open_active()
+
+    def relocate(self, coord: tuple[float, float], delegates: tuple[tuple[tuple[float, float], float], ...]) -> None:
+        """Write a new coordinate or delegate list to meta.json (a move; a stale copy following the topic)."""
+        meta = TopicMeta(self.meta.name, coord, self.meta.home, delegates)
+        if meta != self.meta:
+            self.meta = meta
+            write_atomic(self.directory / "meta.json", meta.to_json())
 
     def _open_active(self) -> None:
         active = self._segments[-1]
@@ -432,7 +446,7 @@ def recover(
     """
     try:
         meta = TopicMeta.from_json((directory / "meta.json").read_bytes())
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise StorageError(f"{directory} is not a readable topic directory: {exc}") from exc
     segs = sorted(
         (_Segment(int(p.stem), p) for p in directory.glob(f"*{SEGMENT_SUFFIX}") if p.stem.isdigit()),
