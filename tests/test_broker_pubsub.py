@@ -593,3 +593,34 @@ async def test_a_topic_of_1100_subscribers_at_one_access_broker_is_acknowledged_
         finally:
             for sc in subscribers:
                 await sc.aclose()
+
+
+async def test_a_subscribe_lost_beyond_the_access_broker_is_withdrawn_so_asking_again_works(tmp_path: Path) -> None:
+    # The access broker takes a SUBSCRIBE and forwards it to the topic's primary, which is stopped (SIGSTOP)
+    # and then fails: the request is lost with it, and the client's SUBSCRIBE times out.  Asked again on the same
+    # connection, the access broker answered already_subscribed: the application's retry was refused for good,
+    # and the client's own re-subscribe took it for "the first one got there after all" and left the subscription
+    # silent (benchmarks/chaos.py, level 3, after a full restart).  The client withdraws a SUBSCRIBE that timed out.
+    async with LocalCluster(4, seed=33, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/subscribe/lost"
+        index = {bp.node_id: bp.index for bp in c.nodes}
+        async with Client([bp.listen for bp in c.nodes]) as pub:
+            await pub.publish(topic, "m0")
+            where = await pub.locate(topic)
+            assert where.secondary is not None
+            primary = index[where.primary.id]
+            access = next(i for i in range(4) if i not in (primary, index[where.secondary.id]))
+            c.nodes[primary].proc.send_signal(signal.SIGSTOP)
+            try:
+                async with Client(c.nodes[access].listen, request_timeout=1.0) as sc:
+                    with pytest.raises(TimeoutError):
+                        await sc.subscribe(topic)  # forwarded to the stopped primary: no answer
+                    await c.kill(primary)
+                    await c.wait_converged(30.0)
+                    sub = await sc.subscribe(topic)  # before: RequestFailed already_subscribed
+                    await pub.publish(topic, "m1")
+                    assert [q for _, q in await drain(sub, 1, 20.0)] == [1]
+            finally:
+                if c.nodes[primary].alive:
+                    c.nodes[primary].proc.send_signal(signal.SIGCONT)
