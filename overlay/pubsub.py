@@ -723,3 +723,6 @@ class Offer(Message):
     # The offerer's delegate list: a receiver holding the topic at another coordinate tells which copy a move
     # left behind (overlay.pubsub.later; broker/pubsub/replication.py `relocate`).
     delegates: tuple[Delegation, ...] = ()
+    # The offerer's subscribers, when it is not the primary (a demoted primary, a retiring copy): the primary
+    # adds those it lacks, also when it holds every record offered and pulls nothing.
+    subscribers: tuple[SubRef, ...] = ()

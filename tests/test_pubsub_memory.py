@@ -46,6 +46,8 @@ from overlay.pubsub import (
     Publish,
     Pull,
     Record,
+    Replicated,
+    SubRef,
     Subscribe,
     Subscribed,
     TopicReply,
@@ -365,6 +367,48 @@ def coordinate_where(holds: Callable[[Coord], bool]) -> Coord:
     """A point of a 50 x 50 grid over the space where `holds` is true: a move's target whose holders a test
     chooses (which broker is its N1, N2, N3)."""
     return next(c for c in ((x / 50, y / 50) for x in range(1, 50) for y in range(1, 50)) if holds(c))
+
+
+def test_a_subscriber_only_a_demoted_primary_knew_is_handed_to_the_primary_with_its_offer() -> None:
+    # A broker that served a topic for a moment (the real primary was still coming back after a full restart)
+    # registered a SUBSCRIBE before its view changed, and then offered the topic to the real primary, which held
+    # every record already: the offer was answered without a pull, the subscriber was left out, and the
+    # primary's batches then replaced the demoted copy's list.  The subscriber got nothing more.  An offer from a
+    # copy now carries its subscribers, and the primary adds those it lacks.
+    net = Net(grid(6, seed=3), resilience=2)
+    topic = "grid/demoted/subscriber"
+    pub = net.nodes["n1"]
+    for i in range(3):
+        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    where = locate(net, topic)
+    assert where.secondary is not None
+    primary, copy = net.nodes[where.primary.id], net.nodes[where.secondary.id]
+    access = next(n for nid, n in net.nodes.items() if nid not in (where.primary.id, where.secondary.id))
+    access.inbox["late"] = []
+    r = primary.ps.table.replicas[topic]
+    # The demoted broker's OFFER, as `_rerank` sends it: everything it holds (the primary has all of it), and the
+    # subscriber it registered.
+    held = copy.ps.table.replicas[topic]
+    net.sent.clear()
+    copy.route(
+        where.coord,
+        Offer(77, topic, where.coord, copy.me, held.log.offerable(), subscribers=(SubRef(access.me, "late"),)),
+    )
+    net.run()
+    assert (access.me.id, "late") in r.subscribers
+    assert any(isinstance(m, Replicated) and m.corr == 77 for _, m in net.sent)  # answered without a pull
+    assert not any(isinstance(m, Pull) for _, m in net.sent)
+    pub.request("p", Publish(topic, "P", 3, b"m3", 0))
+    assert [x.seq for x in delivered(access, "late")] == [3]
+    # The copy keeps the subscriber too once the primary's next batch has told it (the list travels with it).
+    assert (access.me.id, "late") in held.subscribers
+    # And a demoted primary's offer carries its subscribers: one joins closer to the topic's coordinate.
+    sub = next(n for nid, n in net.nodes.items() if nid != where.primary.id)
+    sub.request("s", Subscribe(9, topic))
+    net.sent.clear()
+    net.join((where.coord[0] + 1e-4, where.coord[1]))
+    offers = [m for nid, m in net.sent if nid == where.primary.id and isinstance(m, Offer)]
+    assert offers and all((sub.me.id, "s") in {(x.access.id, x.session) for x in m.subscribers} for m in offers)
 
 
 def test_a_copy_a_move_left_behind_hands_what_only_it_holds_to_where_the_topic_lives() -> None:

@@ -439,6 +439,20 @@ class ReplicationRole:
         self._send_sync(r, p.origin, p.corr, {} if p.have is None else ranges_of(p.have))
         self.t.counters["handovers"] += 1
 
+    def _add_subscribers(self, r: Replica, subs: tuple[SubRef, ...], theirs: dict[str, SeqRanges]) -> None:
+        """Subscribers an offering copy lists and this primary lacks (a SUBSCRIBE a demoted primary served before
+        its view changed): registered here, given what they missed (the records outside the offerer's `theirs`),
+        and copied to the secondary with the next batch.  Before, an offer this primary answered without a
+        pull (it held every record offered) left them out, and its batches then replaced the copy's list."""
+        newcomers = [s for s in subs if (s.access.id, s.session) not in r.subscribers]
+        if not newcomers:
+            return
+        for s in newcomers:
+            r.subscribers[(s.access.id, s.session)] = s
+        r.meta_dirty = True
+        self._catch_up_newcomers(r, newcomers, theirs)
+        self.t.mark(r)
+
     def _catch_up_newcomers(self, r: Replica, newcomers: list[SubRef], theirs: dict[str, SeqRanges]) -> None:
         """Subscribers handed over by a holder that lacked some of r's records (the other side of a healed
         partition) never got those: send them the acknowledged ones now, before anything newer (requests wait
@@ -590,12 +604,15 @@ class ReplicationRole:
             r.offered_at = self.t.ov.now()
         have = r.log.offerable()
         me = self.t.ov.me
+        # A copy's subscribers go along: a demoted primary may hold some the new primary never heard of (a
+        # SUBSCRIBE it served before its view changed), and an offer answered without a pull carried none.
+        subs = tuple(r.subscribers.values()) if r.rank != 1 else ()
         self.t.counters["offers"] += len(targets)
         for n in targets:
             corr = self.t.next_corr()
             if track:
                 r.offers[corr] = n.id
-            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving, tuple(r.delegates)))
+            self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving, tuple(r.delegates), subs))
 
     def offer_arrived(self, m: Offer) -> None:
         """OFFER: confirm when everything offered is here already, else ask for what is missing."""
@@ -614,6 +631,8 @@ class ReplicationRole:
         if r is not None and not same(r.coord, m.coord) and not self._same_place(r, m.coord, m.delegates, m.origin):
             return
         if r is not None and same(r.coord, m.coord) and r.stage is not Stage.GONE:
+            if m.subscribers and r.rank == 1:
+                self._add_subscribers(r, m.subscribers, ranges_of(m.have))
             self._offer_back(r, m)
             if covers(r.log.held, ranges_of(m.have)):
                 self.confirm_on_disk(r, m.origin, m.corr)
