@@ -780,9 +780,7 @@ class Client:
                     if exc.code == "already_subscribed":
                         # The withdrawal of an attempt that timed out did not reach the access broker before this
                         # one (`_send_subscribe`): withdraw again and ask again, rather than take it for a success.
-                        if self._connected.is_set():
-                            with contextlib.suppress(ClientError, TimeoutError):
-                                await self._send(Unsubscribe(0, sub.topic))
+                        await self._withdraw_subscribe(sub.topic)
                     elif exc.code not in RESUBSCRIBE_TRANSIENT:
                         log.warning("%s %s failed: %s", what, sub.topic, exc)
                         if self._subs.get(sub.topic) is sub:
@@ -817,14 +815,19 @@ class Client:
             # connection, the access broker answered already_subscribed, which was taken for "the first one got
             # there after all", and the subscription stayed silent for good (benchmarks/chaos.py, level 3, after
             # a full restart).  If it did get there, the UNSUBSCRIBE follows it on the same path.
-            if self._connected.is_set():
-                with contextlib.suppress(ClientError, TimeoutError):
-                    await self._send(Unsubscribe(0, sub.topic))
+            await self._withdraw_subscribe(sub.topic)
             raise
         if sub.since is None and isinstance(reply, Subscribed) and reply.last_ts is not None:
             # Nothing handed out yet: what a reconnect catches up with starts where the subscription began, so
             # messages lost on the way with a failed access broker before the first one arrived are fetched.
             sub.since = reply.last_ts
+
+    async def _withdraw_subscribe(self, topic: str) -> None:
+        """UNSUBSCRIBE without waiting for an answer (corr 0), on the connection in use, if any: a new connection
+        is a new session, which holds no subscription to withdraw."""
+        if self._connected.is_set():
+            with contextlib.suppress(ClientError, TimeoutError):
+                await self._send(Unsubscribe(0, topic))
 
     async def _repair(self, sub: Subscription) -> None:
         """Fetch what the live stream of sub lost before the messages it holds back (`Subscription._deliver`).

@@ -323,12 +323,7 @@ class MoveRole:
 
     @staticmethod
     def _clear_primary_state(r: Replica) -> None:
-        r.waiting.clear()
-        r.first_waiting.clear()
-        r.waiter_max.clear()
-        r.undelivered.clear()
-        r.outbox.clear()
-        r.window.clear()
+        r.forget_primary_work()
         r.copy.alone()  # a copy at the new coordinate now: a next holder it has there is new to it
 
     def tick(self, now: float) -> None:

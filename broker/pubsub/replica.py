@@ -529,6 +529,16 @@ class Replica:
         """What a copy needs besides the records (REPLICATE's subscribers, delegates and last_seq), as sent."""
         return tuple(self.subscribers.values()), tuple(self.delegates), dict(self.log.last_seq)
 
+    def forget_primary_work(self) -> None:
+        """Drop what only a serving primary keeps: batches in flight, publishes waiting for their acknowledgement
+        (their publishers re-send them to whoever is primary now), what is not yet copied or delivered."""
+        self.window.clear()
+        self.waiting.clear()
+        self.first_waiting.clear()
+        self.waiter_max.clear()
+        self.outbox.clear()
+        self.undelivered.clear()
+
     def place(self, coord: Coord, delegates: list[Delegation]) -> None:
         """Hold the topic for coord, with delegates as its list (a move; a newer list learned): on the disk too
         (meta.json), so that a broker started again takes its copy back where the topic was and knows how recent

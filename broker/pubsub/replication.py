@@ -299,15 +299,11 @@ class ReplicationRole:
             if self.t.replicas.get(m.topic) is r:
                 self.pull_progress(r)
             return
-        if r is not None and not same(m.coord, r.coord) and not self._same_place(r, m.coord, m.delegates, m.origin):
+        if self._left_behind(m.topic, r, m.coord, m.delegates, m.origin):
             return  # a copy left behind sent this: it was told where the topic lives, and nothing is confirmed
         if pull is not None and pull.asked and m.origin.id in pull.asked.values():
             pull.heard = now  # an answer is still streaming in: the pull is making progress
         created = r is None
-        known = self.home.delegate_lists.get(m.topic) if created else None
-        if known and later(known, m.delegates) and not same(known[-1].coord, m.coord):
-            self.tell_list(m.topic, known, m.origin)  # the sender holds a copy a move left behind: it follows
-            return
         r = self.holder.replica(m.topic, m.coord)
         dl = r.delegates
         # Histories merge as a set union by (publisher, seq): a copy (even a complete one) adds to what is
@@ -624,12 +620,8 @@ class ReplicationRole:
         if m.leaving:
             self._leaving.add(m.origin.id)  # its records are to stay here although the view still ranks it
         r = self.t.replicas.get(m.topic)
-        known = self.home.delegate_lists.get(m.topic) if r is None else None
-        if known and later(known, m.delegates) and not same(known[-1].coord, m.coord):
-            self.tell_list(m.topic, known, m.origin)  # a copy a move left behind: it follows, offers there
-            return
-        if r is not None and not same(r.coord, m.coord) and not self._same_place(r, m.coord, m.delegates, m.origin):
-            return
+        if self._left_behind(m.topic, r, m.coord, m.delegates, m.origin):
+            return  # the offerer follows the list it was told, and offers there
         if r is not None and same(r.coord, m.coord) and r.stage is not Stage.GONE:
             if m.subscribers and r.rank == 1:
                 self._add_subscribers(r, m.subscribers, ranges_of(m.have))
@@ -803,12 +795,7 @@ class ReplicationRole:
             r.settle()
             if r.stage is not Stage.HOLDING:
                 r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
-            r.window.clear()
-            r.waiting.clear()  # the new primary acknowledges: publishers re-send what we did not ack
-            r.first_waiting.clear()
-            r.waiter_max.clear()
-            r.outbox.clear()
-            r.undelivered.clear()
+            r.forget_primary_work()  # the new primary acknowledges: publishers re-send what we did not ack
             if was_primary or old == 1 or offer:
                 # What only this former primary holds (the other side of a healed partition, the last
                 # batches it stored) goes to the new one, offered again after each time-out until the new
@@ -849,18 +836,30 @@ class ReplicationRole:
         """Send dl to a broker that holds the topic at a coordinate dl says it has left (it `follow`s)."""
         self.t.ov.route(to.coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
 
-    def _same_place(self, r: Replica, coord: Coord, dl: tuple[Delegation, ...], origin: NodeInfo) -> bool:
-        """A batch or an offer for coord, with the sender's list dl, reached r held at another coordinate: which
-        of the two a move left behind?  If the sender's list is later, r follows it (`relocate`) and the message
-        is taken; if r's is, the sender is told r's list and the message is not taken (False).  Lists alike (a
-        topic placed by Alg. 1 before its copies learned the list): the sender's coordinate is taken, as before.
-        A batch without the meta has no list: the sender re-sends with it once told."""
-        if later(r.delegates, dl):
-            self.tell_list(r.name, r.delegates, origin)
+    def _left_behind(
+        self, topic: str, r: Replica | None, coord: Coord, dl: tuple[Delegation, ...], origin: NodeInfo
+    ) -> bool:
+        """A batch or an offer for coord, with the sender's list dl: does it come from a copy a move left behind?
+        Then the sender is told the later list (it follows) and the message is not taken (True).
+        - r held at another coordinate: if the sender's list is later, r follows it (`relocate`) and the message
+          is taken; if r's is, the sender is told.  Lists alike (a topic placed by Alg. 1 before its copies
+          learned the list): the sender's coordinate is taken, as before.  A batch without the meta has no list:
+          the sender re-sends with it once told.
+        - nothing held here: the list this broker keeps as the topic's home, if later and elsewhere, is told."""
+        if r is None:
+            known = self.home.delegate_lists.get(topic)
+            if known and later(known, dl) and not same(known[-1].coord, coord):
+                self.tell_list(topic, known, origin)
+                return True
             return False
+        if same(r.coord, coord):
+            return False
+        if later(r.delegates, dl):
+            self.tell_list(topic, r.delegates, origin)
+            return True
         if later(list(dl), r.delegates):
             self.relocate(r, list(dl))
-        return True
+        return False
 
     def relocate(self, r: Replica, dl: list[Delegation]) -> None:
         """dl, later than r's own list, says the topic lives at another coordinate now: r is a copy a move left
@@ -884,12 +883,7 @@ class ReplicationRole:
             return  # `HolderRole.resume` ranks it where it is now
         # Publishers of what waits for an acknowledgement here re-send it where the topic lives; the offer takes
         # the records there, so subscribers get what was stored once the holders there merged it.
-        r.window.clear()
-        r.waiting.clear()
-        r.first_waiting.clear()
-        r.waiter_max.clear()
-        r.outbox.clear()
-        r.undelivered.clear()
+        r.forget_primary_work()
         r.rank = self.t.rank_of_me(to)
         self._rerank(r, 0, offer=True)
 
