@@ -17,7 +17,9 @@ from __future__ import annotations
 import bisect
 import contextlib
 import heapq
+import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,9 @@ PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
 PUBLISHER_FORGET_RECHECK: Final = 60.0
 # Publishers a topic remembers having forgotten or refused (TopicLog.forgotten), the oldest dropped beyond.
 FORGOTTEN_KEEP: Final = 4096
+# Timestamps of one topic strictly increase, so "FETCH since ts" never skips a message stored in the same
+# clock tick as the one before it (the primary stamps, TopicLog.merge keeps it so after a merge).
+TS_EPSILON: Final = 1e-6
 
 
 class StoreError(Exception):
@@ -403,7 +408,13 @@ class TopicLog:
 
     def merge(self, msgs: Iterable[StoredMessage], now: float) -> list[StoredMessage]:
         """Add another replica's messages as a set union by (publisher, seq), in any order; returns those that
-        were new, by timestamp.  A stretch this replica missed is filled in even when it holds newer messages."""
+        were new, by timestamp.  A stretch this replica missed is filled in even when it holds newer messages.
+
+        Each publisher's messages stay in the order of their sequence numbers in time, here as at every holder:
+        a catch-up reads by timestamp and a subscriber drops what is not newer than the last seq it handed out
+        of that publisher.  Two holders that both stored a stretch as primary (a paused primary, resumed, reads
+        the originals of what the publisher already re-sent to the take-over) stamped it with their own clocks,
+        and merging one's later messages into the other put seq 10 before 0-9 (`_reorder_merge`)."""
         new: list[StoredMessage] = []
         for m in msgs:
             h = self._held(m.publisher)
@@ -412,8 +423,12 @@ class TopicLog:
                 new.append(m)
         if not new:
             return new
-        if any(new[i].ts > new[i + 1].ts for i in range(len(new) - 1)):
+        if any(new[i].ts >= new[i + 1].ts for i in range(len(new) - 1)):
             new.sort(key=_ts)
+            if any(new[i].ts == new[i + 1].ts for i in range(len(new) - 1)):
+                return self._reorder_merge(new, now)  # two holders' stamps alike (`_keeps_order`)
+        if not self._keeps_order(new):
+            return self._reorder_merge(new, now)
         rows: list[_Row] = [tuple(m) for m in new]  # type: ignore[misc]  # a Record's fields are a _Row
         if self.journal is not None:
             for row in rows:
@@ -438,6 +453,126 @@ class TopicLog:
             self.persist()
         self.expire(now)
         return new
+
+    def _keeps_order(self, new: list[StoredMessage]) -> bool:
+        """Whether adding new (by timestamp, unique, already in `held`) keeps every publisher's rows in seq
+        order and every stamp unique (two holders stamping from the same newest row in one clock tick can
+        give two messages one stamp, and a FETCH paging by timestamp would skip the second).
+
+        The rows older than new's oldest hold each publisher's lowest kept seqs (the order holds here before
+        the merge), so only the rows from its stamp on are walked (none in the common case, a primary's next
+        batch); the older ones are out of place only if more kept seqs of a publisher lie above the lowest
+        seq of that window than the window has."""
+        rows = self.rows
+        if not rows or rows[-1][0] < new[0].ts:
+            # The common case, a primary's next batch: after every row, each publisher's seqs above what is
+            # stored.  (A cost per merged record on every secondary: no window built.)
+            last_seq = self.last_seq
+            seen: dict[str, int] = {}
+            for m in new:
+                pub, seq = m.publisher, m.seq
+                prev = seen.get(pub)
+                if prev is None:
+                    if last_seq.get(pub, -1) >= seq:
+                        break  # a stretch below what is stored: the window decides
+                elif seq <= prev:
+                    return False
+                seen[pub] = seq
+            else:
+                return True
+        window: dict[str, list[tuple[float, int]]] = {}
+        for m in new:
+            w = window.get(m.publisher)
+            if w is None:
+                window[m.publisher] = [(m.ts, m.seq)]
+            else:
+                w.append((m.ts, m.seq))
+        first = new[0].ts
+        if rows and rows[-1][0] >= first:
+            newer = len(rows) - bisect.bisect_left(rows, first, key=_ts)
+            stamps = {m.ts for m in new}
+            for row in itertools.islice(reversed(rows), newer):
+                if row[0] in stamps:
+                    return False
+                if (w := window.get(row[1])) is not None:
+                    w.append((row[0], row[2]))
+        for pub, w in window.items():
+            w.sort()
+            lowest = w[0][1]
+            for i in range(1, len(w)):
+                if w[i][1] <= w[i - 1][1]:
+                    return False
+                lowest = min(lowest, w[i][1])
+            if self.last_seq.get(pub, -1) < lowest:
+                continue  # nothing stored before this merge is numbered above the window
+            above = sum(hi - max(lo, lowest + 1) + 1 for lo, hi in self.kept(pub) if hi > lowest)
+            if above > len(w) - 1:
+                return False
+        return True
+
+    def _reorder_merge(self, new: list[StoredMessage], now: float) -> list[StoredMessage]:
+        """Merge new while putting each publisher's messages back in seq order in time (rare: `merge`).
+
+        A message that would come before one with a lower seq of its publisher is stamped just after that one;
+        stamps only ever move later, so a subscriber resuming by timestamp from any holder at worst gets a
+        message again (dropped by seq), never misses one.  Then every stamp of the topic is made unique again
+        (TS_EPSILON).  Held rows whose stamp moved are written to the journal again (recovery keeps the last
+        copy of a record); their first copy stays until its segment expires, so a failed write loses nothing.
+        Whole-history work: only a merge that found the order broken does it."""
+        rows: list[_Row] = list(self.rows)
+        held = len(rows)
+        rows.extend(tuple(m) for m in new)  # type: ignore[misc]  # a Record's fields are a _Row
+        stamp = [row[0] for row in rows]
+        pubs = {m.publisher for m in new}
+        mine: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            if row[1] in pubs:
+                mine.setdefault(row[1], []).append(i)
+        for idx in mine.values():
+            idx.sort(key=lambda i: rows[i][2])
+            floor = -math.inf
+            for i in idx:
+                if stamp[i] <= floor:
+                    stamp[i] = floor + TS_EPSILON
+                floor = stamp[i]
+        out: list[_Row] = []
+        moved: list[_Row] = []
+        added: list[_Row] = []
+        restamped = 0
+        last = -math.inf
+        for i in sorted(range(len(rows)), key=lambda i: (stamp[i], i)):
+            row = rows[i]
+            t = stamp[i] if stamp[i] > last else last + TS_EPSILON
+            if t != row[0]:
+                row = (t, row[1], row[2], row[3])
+                restamped += 1
+                if i < held:
+                    moved.append(row)
+            if i >= held:
+                added.append(row)
+            out.append(row)
+            last = t
+        _log.info(
+            "topic %s: %d stored message(s) re-stamped to keep each publisher's messages in seq order "
+            "(two holders had stored them apart)",
+            self.name,
+            restamped,
+        )
+        if self.journal is not None:
+            for row in added:
+                self._stage(row)
+            for row in moved:
+                self.journal.stage(row)
+        self.rows = deque(out)
+        self.size += sum(record_size(m.publisher, m.payload) for m in new)
+        for m in new:
+            if m.seq > self.last_seq.get(m.publisher, -1):
+                self.last_seq[m.publisher] = m.seq
+                self.last_seen[m.publisher] = now
+        if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
+            self.persist()
+        self.expire(now)
+        return [_as_record(row) for row in added]
 
 
 class Missing:

@@ -624,3 +624,43 @@ async def test_a_subscribe_lost_beyond_the_access_broker_is_withdrawn_so_asking_
             finally:
                 if c.nodes[primary].alive:
                     c.nodes[primary].proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_paused_primary_storing_the_originals_of_re_sent_messages_keeps_the_publishers_order(
+    tmp_path: Path,
+) -> None:
+    # chaos.py seed 67: the primary is stopped (SIGSTOP) with a publisher's messages unread in its socket; the
+    # publisher moves to another broker and re-sends them, the secondary takes over and stores them, and the
+    # publisher goes on.  Resumed, the old primary reads the originals and stores them again, stamped later;
+    # primary again, it merges the take-over's later messages, stamped earlier.  Before the fix these came
+    # first in time, and a subscriber from the beginning got seq 10 first and dropped 0-9 as already seen.
+    async with LocalCluster(4, seed=33, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/paused/order"
+        index = {bp.node_id: bp.index for bp in c.nodes}
+        async with Client([bp.listen for bp in c.nodes]) as probe:
+            await probe.publish(topic, "probe")
+            where = await probe.locate(topic)
+        primary = index[where.primary.id]
+        others = [bp.listen for bp in c.nodes if bp.index != primary]
+        async with Client([c.nodes[primary].listen, *others], ack_timeout=0.5, batch_publishes=False) as pub:
+            # The publisher's first messages: a subscriber from the beginning has nothing of it to tell a gap by.
+            c.nodes[primary].proc.send_signal(signal.SIGSTOP)
+            try:
+                first = [await pub.publish_nowait(topic, f"m{i}") for i in range(10)]
+                async with asyncio.timeout(30.0):
+                    await asyncio.gather(*first)  # re-sent elsewhere and stored by the take-over
+                for i in range(10, 14):
+                    await pub.publish(topic, f"m{i}")
+            finally:
+                c.nodes[primary].proc.send_signal(signal.SIGCONT)
+            await c.wait_converged(30.0)
+            async with Client(others) as reader:
+                await wait_for(lambda: _located_at(reader, topic, where.primary.id), 30.0)
+                sub = await reader.subscribe(topic, since=0.0)
+                got = [q for p, q in await drain(sub, 15, 30.0) if p == pub.publisher_id]
+        assert got == list(range(14))
+
+
+async def _located_at(client: Client, topic: str, node: str) -> bool:
+    return (await client.locate(topic)).primary.id == node

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterable
 
 import pytest
 
@@ -92,6 +93,111 @@ def test_since_and_merge() -> None:
     assert [m.seq for m in other.records()] == [0, 1, 2, 3, 4, 5]
     assert other.size == log.size
     assert other.merge(log.records(), now=9.0) == []
+
+
+def _in_seq_order(log_rows: Iterable[tuple[float, str, int, bytes]]) -> bool:
+    """Every publisher's rows in seq order and every timestamp unique, in the order the rows are kept."""
+    rows = list(log_rows)
+    last: dict[str, int] = {}
+    for _, pub, seq, _ in rows:
+        if seq <= last.get(pub, -1):
+            return False
+        last[pub] = seq
+    return all(a[0] < b[0] for a, b in itertools.pairwise(rows))
+
+
+def test_a_merge_keeps_each_publishers_messages_in_seq_order() -> None:
+    # chaos.py seed 67: the primary was paused with a publisher's seq 0-9 unread in its socket; the take-over
+    # stored their re-sends and then 10-13 (ts 127.85-127.9); the paused broker, resumed, read the originals
+    # and stored them as new (ts 128.41...).  Merging the take-over's 10-13 put them before 0-9 in time, and a
+    # catch-up from the beginning handed out 10 first: the subscriber then dropped 0-9 as already seen.
+    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    for i in range(10):
+        log.append(msg(128.41 + i * 1e-3, i), now=128.5)
+    log.append(msg(128.42, 0, pub="q"), now=128.5)
+    takeover = [msg(127.85 + i * 1e-3, i) for i in range(14)]
+    new = log.merge(takeover, now=129.0)
+    assert [m.seq for m in new] == [10, 11, 12, 13]
+    assert _in_seq_order(log.rows)
+    assert [m.seq for m in log.since(0.0) if m.publisher == "p"] == list(range(14))
+    assert all(m.ts > 128.419 for m in new), "the merged messages come after the copy's own 0-9"
+    assert {(m.publisher, m.seq): m.ts for m in log.records()}[("p", 9)] == pytest.approx(128.419)  # never earlier
+    assert log.size == sum(record_size(r[1], r[3]) for r in log.rows)
+    # A paging reader (FETCH since the last ts it got) sees each message once, in the same order.
+    seen, since = [], -1.0
+    while page := log.since(since, limit=3):
+        seen += [(m.publisher, m.seq) for m in page]
+        since = page[-1].ts
+    assert seen == [(m.publisher, m.seq) for m in log.records()]
+
+
+def test_a_merge_of_lower_seqs_stamped_later_moves_the_higher_ones_after_them() -> None:
+    # The other way round (a third holder at level 3): this copy holds 14-15 stamped early, and gets 10-13
+    # stamped later by another clock.  The held 14-15 move after 13; nothing moves earlier.
+    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    log.append(msg(127.95, 14), now=128.0)
+    log.append(msg(127.96, 15), now=128.0)
+    log.append(msg(127.97, 0, pub="q"), now=128.0)
+    before = {(m.publisher, m.seq): m.ts for m in log.records()}
+    new = log.merge([msg(128.5 + i * 1e-3, i) for i in range(10, 14)], now=129.0)
+    assert [m.seq for m in new] == [10, 11, 12, 13]
+    assert _in_seq_order(log.rows)
+    after = {(m.publisher, m.seq): m.ts for m in log.records()}
+    assert all(after[k] >= t for k, t in before.items())
+    assert [m.seq for m in log.records() if m.publisher == "p"] == [10, 11, 12, 13, 14, 15]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_merges_of_holders_with_their_own_clocks_keep_every_publishers_order(seed: int) -> None:
+    # Holders take turns as primary with clocks of their own (skewed by up to a second) and merge each other's
+    # histories in random stretches, as anti-entropy does: every copy keeps every publisher in seq order with
+    # unique stamps, no stamp moves earlier, and merges that need no re-stamping (a stretch missed and filled
+    # in later) leave the stamps alone.
+    rng = random.Random(seed)
+    logs = [TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t") for _ in range(3)]
+    skew = [rng.uniform(-1.0, 1.0) for _ in logs]
+    pubs = ["p0", "p1", "p2"]
+    next_seq = dict.fromkeys(pubs, 0)
+    now = 100.0
+    stamps: list[dict[tuple[str, int], float]] = [{} for _ in logs]
+    for _ in range(400):
+        now += rng.uniform(0.0, 0.02)
+        h = rng.randrange(len(logs))
+        log = logs[h]
+        if rng.random() < 0.7:
+            pub = rng.choice(pubs)
+            ts = max(now + skew[h], (log.last_ts or 0.0) + 1e-6)
+            if log.append(StoredMessage(ts, pub, next_seq[pub], b"x"), now=now):
+                next_seq[pub] += 1
+        else:
+            other = logs[rng.randrange(len(logs))]
+            recs = other.records()
+            if recs:
+                a = rng.randrange(len(recs))
+                log.merge(recs[a : a + rng.randrange(1, 40)], now=now)
+        for i, lg in enumerate(logs):
+            assert _in_seq_order(lg.rows)
+            for m in lg.records():
+                key = (m.publisher, m.seq)
+                assert m.ts >= stamps[i].get(key, m.ts), "a merge moved a stored message earlier"
+                stamps[i][key] = m.ts
+            assert lg.size == sum(record_size(r[1], r[3]) for r in lg.rows)
+    for lg in logs:
+        for other in logs:
+            lg.merge(other.records(), now=now)
+    held = [{(m.publisher, m.seq) for m in lg.records()} for lg in logs]
+    assert held[0] == held[1] == held[2]
+    assert all(_in_seq_order(lg.rows) for lg in logs)
+
+
+def test_filling_in_a_missed_stretch_moves_nothing() -> None:
+    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    for i in (0, 1, 2, 6, 7):
+        log.append(msg(float(i), i), now=float(i))
+    stamps = [r[0] for r in log.rows]
+    new = log.merge([msg(3.0, 3), msg(4.0, 4), msg(5.0, 5)], now=9.0)
+    assert [m.ts for m in new] == [3.0, 4.0, 5.0]
+    assert [r[0] for r in log.rows] == sorted([*stamps, 3.0, 4.0, 5.0])
 
 
 def test_count_outside_and_ranges_minus_are_the_set_difference() -> None:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting
-from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, TS_EPSILON
+from broker.pubsub.settings import EMPTY_TOPIC_SWEEP
 from broker.storage import StorageError, StorageFull, TopicMeta
+from broker.store import TS_EPSILON
 from overlay.delegation import MoveTopic, TopicMoved
 from overlay.geometry import Coord
 from overlay.protocol import Message, NodeInfo, RemoteProtocolError, decode_message, encode_message

@@ -49,8 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from broker.pubsub.settings import PULL_RETRY_FACTOR, PULL_RETRY_MIN, REPLICATION_TIMEOUT, TS_EPSILON
-from broker.store import TopicLog
+from broker.pubsub.settings import PULL_RETRY_FACTOR, PULL_RETRY_MIN, REPLICATION_TIMEOUT
+from broker.store import TS_EPSILON, TopicLog
 from overlay.protocol import Coord, LocalProtocolError, Message, NodeInfo
 from overlay.pubsub import Delegation, Record, SubRef, Waiter
 from overlay.seqset import SeqRanges

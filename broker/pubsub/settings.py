@@ -44,9 +44,6 @@ PULL_RETRY_MIN: Final = 0.02
 # After a take-over the new primary re-delivers what it received in this window before the failure: the
 # old primary may have died between replicating and delivering.  Subscribers drop what they already had.
 REDELIVER_WINDOW: Final = 2.0
-# Timestamps of one topic strictly increase, so "FETCH since ts" never skips a message stored in the same
-# clock tick as the one before it.
-TS_EPSILON: Final = 1e-6
 # How long a primary waits for the new coordinate's holders to confirm a hand-over before it aborts the move
 # and keeps serving the topic where it was.
 MOVE_TIMEOUT: Final = 5.0

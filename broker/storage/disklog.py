@@ -461,7 +461,9 @@ def recover(
                 rec.last_seen[str(pub)] = float(seen)
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             rec.damaged_stretches += 1  # the snapshot is rebuilt from the records below; nothing else is lost
-    keys: set[tuple[str, int]] = set()
+    # A record written twice (TopicLog.merge re-stamped it to keep its publisher's order) is read back as its
+    # last copy: the first stays in its segment until that expires.
+    keys: dict[tuple[str, int], int] = {}
     rows: list[Row] = []
     for i, seg in enumerate(segs):
         buf = seg.path.read_bytes()
@@ -480,12 +482,14 @@ def recover(
                 rec.damaged_bytes += len(buf) - result.torn_at
         for row in result.rows:
             key = (row[1], row[2])
-            if key in keys:
-                continue
-            keys.add(key)
-            rows.append(row)
             if row[0] > seg.max_ts:
                 seg.max_ts = row[0]
+            at = keys.get(key)
+            if at is not None:
+                rows[at] = row
+                continue
+            keys[key] = len(rows)
+            rows.append(row)
     rows.sort(key=lambda r: r[0])
     for ts, pub, seq, _ in rows:
         if seq > rec.last_seq.get(pub, -1):
