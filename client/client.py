@@ -68,6 +68,7 @@ from overlay.pubsub import (
     Located,
     Nack,
     Publish,
+    PublishFrames,
     Record,
     Redirect,
     Subscribe,
@@ -491,6 +492,8 @@ class Client:
         self._requests = Requests()
         self._request_msgs: dict[int, Message] = {}  # the requests of _requests, to re-send after a reconnect
         self._seq: dict[str, int] = {}  # next sequence number per topic
+        # Per topic, the encoder of this client's single-message PUBLISH frames (its envelope packed once).
+        self._frames: dict[str, PublishFrames] = {}
         self._pending: dict[str, dict[int, _Pending]] = {}  # topic -> seq -> unacknowledged publish
         # Publishes of this turn of the event loop, per topic: they leave as one batched PUBLISH (Publish.more).
         self._outbox: dict[str, list[_Pending]] = {}
@@ -1079,7 +1082,7 @@ class Client:
             # is queued and sent at the end of the turn with the others, one batched PUBLISH per topic: batches
             # form only under load, and a steady stream is not split into a lone frame plus a batch each turn.
             if not self._outbox_scheduled and self._inflight.taken == 1:
-                conn.send_now(encode_control(Publish(topic, self.publisher_id, seq, data, base)))
+                conn.send_now(self._frame_of(topic, seq, data, base))
                 self.sent_at_once += 1
             else:
                 if not self._outbox_scheduled:
@@ -1120,6 +1123,13 @@ class Client:
             self._send_batched(conn, pending)
         conn.flush()  # already a deferred call: write now rather than one more turn of the loop later
 
+    def _frame_of(self, topic: str, seq: int, payload: bytes, base: int) -> bytes:
+        """The frame of a PUBLISH of one message (`PublishFrames`: no Publish built per message)."""
+        frames = self._frames.get(topic)
+        if frames is None:
+            frames = self._frames[topic] = PublishFrames(topic, self.publisher_id)
+        return frames.frame(seq, payload, base)
+
     def _publish_msg(self, batch: list[_Pending]) -> Publish:
         first = batch[0]
         more = tuple(p.payload for p in batch[1:]) if len(batch) > 1 else ()
@@ -1140,7 +1150,10 @@ class Client:
             ):
                 size += len(msgs[j].payload)
                 j += 1
-            conn.send(encode_control(self._publish_msg(msgs[i:j])))
+            if j - i == 1:
+                conn.send(self._frame_of(first.topic, first.seq, first.payload, first.base))
+            else:
+                conn.send(encode_control(self._publish_msg(msgs[i:j])))
             i = j
 
     async def flush(self) -> None:

@@ -100,6 +100,9 @@ _LEN: Final = struct.Struct(">I")
 _PREFIX: Final = struct.Struct(">IB")
 # One packer for all messages: msgpack.packb builds a new Packer on every call.
 _packb: Final = msgpack.Packer(use_bin_type=True).pack
+# msgpack bytes of one value, packed as every message's fields are (bin for bytes, str for str): for a message
+# type's own fast encoder (overlay.pubsub.PublishFrames).
+pack_value: Final[Callable[[Any], bytes]] = _packb
 ROUTED_HEADER: Final = struct.Struct(">ddBBB")
 _ROUTED_PREFIX_LEN: Final = _PREFIX.size + ROUTED_HEADER.size
 
@@ -972,7 +975,12 @@ def decode_message(data: bytes) -> Message:
 
 def encode_control(msg: Message) -> bytes:
     """One CONTROL frame carrying msg."""
-    body = encode_message(msg)
+    return control_frame(encode_message(msg))
+
+
+def control_frame(body: bytes) -> bytes:
+    """One CONTROL frame around an encoded message body (encode_control, or a message type's own fast encoder
+    such as overlay.pubsub.PublishFrames)."""
     return _PREFIX.pack(len(body) + 1, FrameKind.CONTROL) + body
 
 
