@@ -14,6 +14,7 @@ import asyncio
 import enum
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Final, Protocol
 
 from broker.tasks import TaskSet
@@ -31,6 +32,7 @@ from net.credentials import PeerCert
 from net.transport import Transport
 from overlay.protocol import (
     ControlFrame,
+    Frame,
     FrameDecoder,
     Hello,
     HelloOk,
@@ -194,6 +196,9 @@ class PeerLink:
         self._tasks = tasks
         self._log = log
         self._decoder = FrameDecoder()
+        # What the owner makes of one read's frames before they are dispatched (a broker: a client's consecutive
+        # one-message PUBLISHes as one batch, overlay.pubsub.coalesce_publishes); None: dispatched as they are.
+        self.coalesce: Callable[[list[Frame]], list[Frame]] | None = None
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_misses = heartbeat_misses
         self._client_timeout = client_timeout
@@ -305,6 +310,8 @@ class PeerLink:
                 self._read_ended(CloseReason.PEER_CLOSED, "end of stream")
                 return
             self._beat.received()
+            if len(frames) > 1 and self.coalesce is not None and self.state is LinkState.ESTABLISHED:
+                frames = self.coalesce(frames)
             for frame in frames:
                 self._dispatch(frame)
                 if self.state is LinkState.CLOSED or self.state is LinkState.ERROR:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import itertools
 import logging
 import math
@@ -64,7 +65,7 @@ from overlay.protocol import (
     format_address,
     parse_address,
 )
-from overlay.pubsub import Ack, Fetch, Locate, Nack, Publish, Subscribe, Unsubscribe
+from overlay.pubsub import Ack, Fetch, Locate, Nack, Publish, Subscribe, Unsubscribe, coalesce_publishes
 
 if TYPE_CHECKING:
     # prometheus_client is imported only by a broker that serves metrics (--metrics): a few MB less for the rest.
@@ -239,6 +240,9 @@ class Broker(Membership, Routing):
         # Until it proves to be a broker, a peer gets the client frame limit (guard.admit lifts it); a link this
         # broker dials goes to a broker.
         link.limit_frames(MAX_LINK_FRAME_SIZE if outbound else c.max_frame_size)
+        if not outbound:
+            # (What a client sends; a broker or admin tool sends no PUBLISH.)
+            link.coalesce = functools.partial(coalesce_publishes, max_payload=c.max_payload)
         self.links.add(link)
         return link
 

@@ -296,13 +296,22 @@ def _compile(cls: type[Message], codecs: tuple[tuple[str, _FieldCodec], ...]) ->
         env[f"d{i}"] = codec.decode
         values.append(f"m.{name}" if codec.encode is _ident else f"e{i}(m.{name})")
         default = _field_default(defaults[name], env, f"v{i}")
+        # A field whose decoder only checks the wire type is checked inline, its decoder called only to raise:
+        # a call per field was a third of decoding a PUBLISH (benchmarks-latency.md, "Twentieth round").
+        wire_type = _CHECK_ONLY.get(codec.decode)
+        if wire_type is not None:
+            env[f"t{i}"] = wire_type
+            by_name = f"(x if type(x := w[{name!r}]) is t{i} else d{i}(x))"
+            by_index = f"(x if type(x := w[{i + 1}]) is t{i} else d{i}(x))"
+        else:
+            by_name, by_index = f"d{i}(w[{name!r}])", f"d{i}(w[{i + 1}])"
         if default is None:
-            dec_args.append(f"d{i}(w[{name!r}])")
-            arr_args.append(f"d{i}(w[{i + 1}])")
+            dec_args.append(by_name)
+            arr_args.append(by_index)
             required = i + 1
         else:
-            dec_args.append(f"d{i}(w[{name!r}]) if {name!r} in w else {default}")
-            arr_args.append(f"d{i}(w[{i + 1}]) if n > {i + 1} else {default}")
+            dec_args.append(f"{by_name} if {name!r} in w else {default}")
+            arr_args.append(f"{by_index} if n > {i + 1} else {default}")
     if cls.op in MAP_FORM:
         items = [f"'op': {cls.op!r}", *(f"{name!r}: {v}" for (name, _), v in zip(codecs, values, strict=True))]
         enc = f"def enc(m):\n    return {{{', '.join(items)}}}\n"
@@ -555,6 +564,8 @@ def _ident(v: Any) -> Any:
     return v
 
 
+# The decoders that only check a value's exact wire type (`_compile` inlines the check).
+_CHECK_ONLY: Final[dict[Callable[[Any], Any], type]] = {dec_str: str, dec_int: int, dec_bytes: bytes, dec_bool: bool}
 _INT = _FieldCodec(_ident, dec_int)
 _STR = _FieldCodec(_ident, dec_str)
 _COORD = _FieldCodec(_enc_coord, dec_coord)

@@ -18,6 +18,8 @@ from overlay.protocol import (
     MAX_FRAME_SIZE,
     MAX_ID_LEN,
     MAX_LONG_LIST_LEN,
+    ControlFrame,
+    Frame,
     LocalProtocolError,
     Message,
     NodeInfo,
@@ -468,6 +470,60 @@ class Publish(Message):
         if len(self.payload) <= limit and (not self.more or max(map(len, self.more)) <= limit):
             return None
         return next(i for i, x in enumerate(self.payloads()) if len(x) > limit)
+
+
+def coalesce_publishes(frames: list[Frame], max_payload: int = MAX_PAYLOAD_SIZE) -> list[Frame]:
+    """One read's frames from a client, with each run of consecutive PUBLISHes of one publisher and topic,
+    numbered one after the other, as one batched PUBLISH (`Publish.more`).
+
+    A device that sends one PUBLISH per message (as MQTT clients do) costs the broker a pass through access,
+    primary, store, ACK and delivery per frame; what reached it in one read together is handled as the batch a
+    batching client would have sent, which the protocol already defines: every message is still stored,
+    acknowledged and delivered on its own, in order.  A refusal of the batch names its first seq and applies
+    from there on, as for any batch (docs/protocol.md).  A run stops before a payload over max_payload (the
+    broker's --max-payload: its NACK, too_large, stays that frame's own) and within MAX_BATCH messages and
+    MAX_BATCH_BYTES.  The earliest `base` of a run is kept (a client's bases only grow).
+    """
+    out: list[Frame] = []
+    n = len(frames)
+    i = 0
+    while i < n:
+        f = frames[i]
+        m = f.message if type(f) is ControlFrame else None
+        if type(m) is not Publish:
+            out.append(f)
+            i += 1
+            continue
+        assert isinstance(f, ControlFrame) and isinstance(m, Publish)
+        payloads = list(m.payloads())
+        size = sum(map(len, payloads))
+        j = i + 1
+        if size <= MAX_BATCH_BYTES and max(map(len, payloads)) <= max_payload:
+            while j < n:
+                g = frames[j]
+                q = g.message if type(g) is ControlFrame else None
+                if (
+                    type(q) is not Publish
+                    or q.seq != m.seq + len(payloads)
+                    or q.topic != m.topic
+                    or q.publisher != m.publisher
+                    or len(payloads) + q.count > MAX_BATCH
+                ):
+                    break
+                more = q.payloads()
+                add = sum(map(len, more))
+                if size + add > MAX_BATCH_BYTES or max(map(len, more)) > max_payload:
+                    break
+                payloads += more
+                size += add
+                j += 1
+        out.append(
+            f
+            if j == i + 1
+            else ControlFrame(Publish(m.topic, m.publisher, m.seq, payloads[0], m.base, tuple(payloads[1:])))
+        )
+        i = j
+    return out
 
 
 class PublishFrames:

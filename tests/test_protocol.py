@@ -25,7 +25,7 @@ from overlay.protocol import (
     RemoteProtocolError,
     RoutedFrame,
 )
-from overlay.pubsub import Publish, PublishFrames
+from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Publish, PublishFrames, coalesce_publishes
 
 A = NodeInfo("a", (0.1, 0.2), "127.0.0.1:4000")
 B = NodeInfo("b-0123", (0.9, 0.5), "[::1]:4001")
@@ -412,3 +412,51 @@ def test_publish_frames_are_the_frames_of_publish(topic: str) -> None:
         frames.frame(3, b"x", 4)
     with pytest.raises(LocalProtocolError, match="publisher id"):
         PublishFrames(topic, "")
+
+
+def test_consecutive_publishes_of_one_read_become_one_batch() -> None:
+    def pub(
+        seq: int, payload: bytes = b"x", topic: str = "grid/a", publisher: str = "p1", base: int = 0
+    ) -> ControlFrame:
+        return ControlFrame(Publish(topic, publisher, seq, payload, base))
+
+    ping = ControlFrame(p.Ping(1))
+    routed = RoutedFrame(0.5, 0.5, 0, 8, 0, b"\x90")
+    frames: list[p.Frame] = [
+        pub(3, b"a", base=1),
+        pub(4, b"b", base=2),
+        pub(5, b"c", base=3),  # one run: 3-5, the first base kept
+        pub(7),  # a gap: a run of its own
+        pub(8, topic="grid/b"),  # another topic
+        pub(9, topic="grid/b", publisher="p2"),  # another publisher
+        ping,
+        pub(10, topic="grid/b", publisher="p2"),  # not across another frame
+        routed,
+    ]
+    out = coalesce_publishes(frames)
+    assert out == [
+        ControlFrame(Publish("grid/a", "p1", 3, b"a", 1, (b"b", b"c"))),
+        pub(7),
+        pub(8, topic="grid/b"),
+        pub(9, topic="grid/b", publisher="p2"),
+        ping,
+        pub(10, topic="grid/b", publisher="p2"),
+        routed,
+    ]
+    # A batch joins a run; a payload over the broker's limit keeps its own frame (and its own NACK, too_large).
+    batched = ControlFrame(Publish("grid/a", "p1", 1, b"b", 0, (b"c",)))
+    assert coalesce_publishes([pub(0, b"a"), batched, pub(3, b"d")]) == [
+        ControlFrame(Publish("grid/a", "p1", 0, b"a", 0, (b"b", b"c", b"d")))
+    ]
+    big = pub(1, b"y" * 11)
+    assert coalesce_publishes([pub(0), big, pub(2), pub(3)], max_payload=10) == [
+        pub(0),
+        big,
+        ControlFrame(Publish("grid/a", "p1", 2, b"x", 0, (b"x",))),
+    ]
+    # A run stays within MAX_BATCH messages and MAX_BATCH_BYTES.
+    many = coalesce_publishes([pub(i) for i in range(MAX_BATCH + 3)])
+    assert [f.message.count for f in many if isinstance(f.message, Publish)] == [MAX_BATCH, 3]
+    half = MAX_BATCH_BYTES // 2
+    heavy = coalesce_publishes([pub(i, b"z" * half) for i in range(3)], max_payload=MAX_BATCH_BYTES)
+    assert [f.message.count for f in heavy if isinstance(f.message, Publish)] == [2, 1]

@@ -27,7 +27,7 @@ from overlay.protocol import (
     encode_control,
     parse_address,
 )
-from overlay.pubsub import Publish, Subscribe, Subscribed
+from overlay.pubsub import Ack, Nack, Publish, Subscribe, Subscribed
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +61,36 @@ async def test_payload_over_the_limit_is_refused(limited: LocalCluster) -> None:
         with pytest.raises(RequestFailed, match="too_large: payload of 1001 bytes is over this broker's limit of 1000"):
             await c.publish("grid/big/voltage", b"x" * 1001)
         assert (await c.publish("grid/big/voltage", b"x" * 1000)).seq == 1
+
+
+async def test_one_message_publishes_sent_together_are_each_stored_and_an_oversized_one_refused_alone(
+    limited: LocalCluster,
+) -> None:
+    # The access broker handles consecutive one-message PUBLISHes that arrive in one read as one batch
+    # (overlay.pubsub.coalesce_publishes).  Every message is still stored and delivered in order, and a payload
+    # over --max-payload is never joined to a batch: it alone is refused (too_large), not the ones before it.
+    bp = limited.nodes[0]
+    topic = "grid/together/voltage"
+    async with Client(bp.listen) as sub_c:
+        sub = await sub_c.subscribe(topic)
+        reader, writer = await raw_connect(bp)
+        frames = [encode_control(Hello(PROTOCOL_VERSION, "together", "client"))]
+        frames += [encode_control(Publish(topic, "together", i, b"m%d" % i, 0)) for i in range(12)]
+        frames.append(encode_control(Publish(topic, "together", 12, b"x" * 1001, 0)))
+        writer.write(b"".join(frames))  # one write: the broker reads them together
+        await writer.drain()
+        dec, acked, nacks = FrameDecoder(), -1, []
+        async with asyncio.timeout(10):
+            while acked < 11 or not nacks:
+                for f in dec.feed(await reader.read(65536)):
+                    if isinstance(f, ControlFrame) and isinstance(f.message, Ack):
+                        acked = max(acked, f.message.seq)
+                    elif isinstance(f, ControlFrame) and isinstance(f.message, Nack):
+                        nacks.append((f.message.code, f.message.seq))
+            got = [(await anext(sub)).payload for _ in range(12)]
+        writer.close()
+    assert acked == 11 and nacks == [("too_large", 12)]
+    assert got == [b"m%d" % i for i in range(12)]
 
 
 async def test_frame_over_the_limit_closes_the_connection(limited: LocalCluster) -> None:
