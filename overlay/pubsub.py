@@ -499,23 +499,29 @@ def coalesce_publishes(frames: list[Frame], max_payload: int = MAX_PAYLOAD_SIZE)
         size = sum(map(len, payloads))
         j = i + 1
         if size <= MAX_BATCH_BYTES and max(map(len, payloads)) <= max_payload:
+            topic, publisher, nxt = m.topic, m.publisher, m.seq + len(payloads)
             while j < n:
                 g = frames[j]
                 q = g.message if type(g) is ControlFrame else None
-                if (
-                    type(q) is not Publish
-                    or q.seq != m.seq + len(payloads)
-                    or q.topic != m.topic
-                    or q.publisher != m.publisher
-                    or len(payloads) + q.count > MAX_BATCH
-                ):
+                if type(q) is not Publish or q.seq != nxt or q.topic != topic or q.publisher != publisher:
                     break
-                more = q.payloads()
-                add = sum(map(len, more))
-                if size + add > MAX_BATCH_BYTES or max(map(len, more)) > max_payload:
-                    break
-                payloads += more
+                if not q.more:  # the common case, one message a frame: no tuple, no sums
+                    add = len(q.payload)
+                    if len(payloads) >= MAX_BATCH or size + add > MAX_BATCH_BYTES or add > max_payload:
+                        break
+                    payloads.append(q.payload)
+                else:
+                    more = q.payloads()
+                    add = sum(map(len, more))
+                    if (
+                        len(payloads) + len(more) > MAX_BATCH
+                        or size + add > MAX_BATCH_BYTES
+                        or max(map(len, more)) > max_payload
+                    ):
+                        break
+                    payloads += more
                 size += add
+                nxt += q.count
                 j += 1
         out.append(
             f
