@@ -23,7 +23,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, StorageFull, TopicMeta
@@ -40,6 +40,9 @@ PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
 PUBLISHER_FORGET_RECHECK: Final = 60.0
 # Publishers a topic remembers having forgotten or refused (TopicLog.forgotten), the oldest dropped beyond.
 FORGOTTEN_KEEP: Final = 4096
+# How many of the rows newer than a merge's oldest record `TopicLog._fits` looks at one by one for each merged
+# publisher's first, before it walks all of them.
+_FIRST_ROWS: Final = 64
 # Timestamps of one topic strictly increase, so "FETCH since ts" never skips a message stored in the same
 # clock tick as the one before it (the primary stamps, TopicLog.merge keeps it so after a merge).
 TS_EPSILON: Final = 1e-6
@@ -426,24 +429,34 @@ class TopicLog:
         if any(new[i].ts >= new[i + 1].ts for i in range(len(new) - 1)):
             new.sort(key=_ts)
             if any(new[i].ts == new[i + 1].ts for i in range(len(new) - 1)):
-                return self._reorder_merge(new, now)  # two holders' stamps alike (`_keeps_order`)
-        if not self._keeps_order(new):
-            return self._reorder_merge(new, now)
+                return self._reorder_merge(new, now)  # two holders' stamps alike (`_fits`)
         rows: list[_Row] = [tuple(m) for m in new]  # type: ignore[misc]  # a Record's fields are a _Row
-        if self.journal is not None:
-            for row in rows:
-                self._stage(row)
-        if not self.rows or new[0].ts >= self.rows[-1][0]:
+        held = self.rows
+        if not held or new[0].ts > held[-1][0]:
             # The common case (a replica receiving the primary's next batch): append, no re-sort of history.
-            self.rows.extend(rows)
+            if not self._follows(new):
+                return self._reorder_merge(new, now)
+            self._stage_all(rows)
+            held.extend(rows)
         else:
-            # Older than the newest row (a stretch missed, a re-send): only the rows newer than the oldest of the
-            # new ones are merged with them, not the whole history (a re-sort of every row retained stalled
+            # Older than the newest row (a stretch missed, a back-fill, a re-send): only the rows newer than the
+            # oldest of the new ones are looked at, not the whole history (a re-sort of every row retained stalled
             # the event loop as long as a scan of them, ~0.25 µs a row).
-            keep = bisect.bisect_right(self.rows, new[0].ts, key=_ts)
-            tail = [self.rows.pop() for _ in range(len(self.rows) - keep)]
-            tail.reverse()
-            self.rows.extend(heapq.merge(tail, rows, key=_ts))
+            keep = bisect.bisect_right(held, new[0].ts, key=_ts)
+            if not self._fits(new, keep):
+                return self._reorder_merge(new, now)
+            self._stage_all(rows)
+            newer = len(held) - keep
+            if new[-1].ts < held[keep][0]:
+                # All of new falls between two rows (a back-fill, oldest first, into a copy that holds the recent
+                # rows): two rotations in C instead of taking the newer rows out and merging them back one by one.
+                held.rotate(-keep)
+                held.extend(rows)
+                held.rotate(keep + len(rows))
+            else:
+                tail = [held.pop() for _ in range(newer)]
+                tail.reverse()
+                held.extend(heapq.merge(tail, rows, key=_ts))
         self.size += sum(record_size(m.publisher, m.payload) for m in new)
         for m in new:
             if m.seq > self.last_seq.get(m.publisher, -1):
@@ -454,59 +467,89 @@ class TopicLog:
         self.expire(now)
         return new
 
-    def _keeps_order(self, new: list[StoredMessage]) -> bool:
-        """Whether adding new (by timestamp, unique, already in `held`) keeps every publisher's rows in seq
-        order and every stamp unique (two holders stamping from the same newest row in one clock tick can
-        give two messages one stamp, and a FETCH paging by timestamp would skip the second).
+    def _stage_all(self, rows: list[_Row]) -> None:
+        if self.journal is not None:
+            for row in rows:
+                self._stage(row)
 
-        The rows older than new's oldest hold each publisher's lowest kept seqs (the order holds here before
-        the merge), so only the rows from its stamp on are walked (none in the common case, a primary's next
-        batch); the older ones are out of place only if more kept seqs of a publisher lie above the lowest
-        seq of that window than the window has."""
-        rows = self.rows
-        if not rows or rows[-1][0] < new[0].ts:
-            # The common case, a primary's next batch: after every row, each publisher's seqs above what is
-            # stored.  (A cost per merged record on every secondary: no window built.)
-            last_seq = self.last_seq
-            seen: dict[str, int] = {}
-            for m in new:
-                pub, seq = m.publisher, m.seq
-                prev = seen.get(pub)
-                if prev is None:
-                    if last_seq.get(pub, -1) >= seq:
-                        break  # a stretch below what is stored: the window decides
-                elif seq <= prev:
-                    return False
-                seen[pub] = seq
-            else:
-                return True
-        window: dict[str, list[tuple[float, int]]] = {}
+    def _follows(self, new: list[StoredMessage]) -> bool:
+        """Whether new (by timestamp, unique, already in `held`, all after the newest row) keeps every
+        publisher's rows in seq order.  A cost per merged record on every secondary, so no more than a look at
+        each: every publisher's seqs rise with the stamps, from above what is stored here."""
+        last_seq = self.last_seq
+        seen: dict[str, int] = {}
         for m in new:
-            w = window.get(m.publisher)
-            if w is None:
-                window[m.publisher] = [(m.ts, m.seq)]
+            pub, seq = m.publisher, m.seq
+            prev = seen.get(pub)
+            if prev is None:
+                if last_seq.get(pub, -1) >= seq:
+                    return self._fits(new, len(self.rows))  # a stretch below what is stored: count it
+            elif seq <= prev:
+                return False
+            seen[pub] = seq
+        return True
+
+    def _fits(self, new: list[StoredMessage], keep: int) -> bool:
+        """Whether new (by timestamp, unique, already in `held`) keeps every publisher's rows in seq order and
+        every stamp unique, when the rows from index keep on are newer than new's oldest (two holders stamping
+        from the same newest row in one clock tick can give two messages one stamp, and a FETCH paging by
+        timestamp would skip the second).
+
+        The order holds here before the merge, so of a publisher's rows the newer ones (from keep on) hold its
+        highest seqs, the first of them the lowest of these, and the older ones the rest.  Only the newer rows
+        are walked, once, a dictionary look-up each; the older ones are out of place only if more of the
+        publisher's kept seqs lie between its lowest new one and its first newer row than new has there."""
+        rows = self.rows
+        if keep and rows[keep - 1][0] == new[0].ts:
+            return False
+        span: dict[str, list[Any]] = {}  # publisher -> [lowest seq, highest seq, stamp of the highest, count]
+        for m in new:
+            sp = span.get(m.publisher)
+            if sp is None:
+                span[m.publisher] = [m.seq, m.seq, m.ts, 1]
+            elif m.seq <= sp[1]:
+                return False
             else:
-                w.append((m.ts, m.seq))
-        first = new[0].ts
-        if rows and rows[-1][0] >= first:
-            newer = len(rows) - bisect.bisect_left(rows, first, key=_ts)
+                sp[1], sp[2], sp[3] = m.seq, m.ts, sp[3] + 1
+        first: dict[str, _Row] = {}  # publisher -> its first row from keep on
+        newer = len(rows) - keep
+        stamps: set[float] | None = None
+        walk_all = False
+        if newer and new[-1].ts < rows[keep][0]:
+            # All of new falls before the newer rows (a back-fill): no stamp to compare, and each publisher's first
+            # newer row is usually among the first few of them.
+            end = min(len(rows), keep + _FIRST_ROWS)
+            for i in range(keep, end):
+                row = rows[i]
+                if row[1] in span and row[1] not in first:
+                    first[row[1]] = row
+                    if len(first) == len(span):
+                        break
+            walk_all = len(first) < len(span) and end < len(rows)
+        elif newer:
             stamps = {m.ts for m in new}
+            walk_all = True
+        if walk_all:
+            first.clear()
             for row in itertools.islice(reversed(rows), newer):
-                if row[0] in stamps:
+                if row[1] in span:
+                    first[row[1]] = row
+                if stamps is not None and row[0] in stamps:
                     return False
-                if (w := window.get(row[1])) is not None:
-                    w.append((row[0], row[2]))
-        for pub, w in window.items():
-            w.sort()
-            lowest = w[0][1]
-            for i in range(1, len(w)):
-                if w[i][1] <= w[i - 1][1]:
-                    return False
-                lowest = min(lowest, w[i][1])
-            if self.last_seq.get(pub, -1) < lowest:
-                continue  # nothing stored before this merge is numbered above the window
-            above = sum(hi - max(lo, lowest + 1) + 1 for lo, hi in self.kept(pub) if hi > lowest)
-            if above > len(w) - 1:
+        for pub, (lowest, highest, stamp, count) in span.items():
+            upper = None
+            if (at := first.get(pub)) is not None:
+                if at[2] <= highest or at[0] <= stamp:
+                    return False  # a newer row of the publisher numbered below new, or above it but stamped before
+                upper = at[2]
+            if self.last_seq.get(pub, -1) <= lowest:
+                continue  # nothing stored before this merge is numbered above new's lowest
+            between = 0
+            for lo, hi in self.kept(pub):
+                lo, hi = max(lo, lowest + 1), hi if upper is None else min(hi, upper - 1)
+                if lo <= hi:
+                    between += hi - lo + 1
+            if between > count - 1:
                 return False
         return True
 
