@@ -457,6 +457,17 @@ class TopicLog:
                 tail = [held.pop() for _ in range(newer)]
                 tail.reverse()
                 held.extend(heapq.merge(tail, rows, key=_ts))
+        self._merged(new, now)
+        return new
+
+    def _stage_all(self, rows: list[_Row]) -> None:
+        if self.journal is not None:
+            for row in rows:
+                self._stage(row)
+
+    def _merged(self, new: list[StoredMessage], now: float) -> None:
+        """What follows the rows of a merge taking their places: size, each publisher's last seq, the journal's
+        write under `always`, retention."""
         self.size += sum(record_size(m.publisher, m.payload) for m in new)
         for m in new:
             if m.seq > self.last_seq.get(m.publisher, -1):
@@ -465,12 +476,6 @@ class TopicLog:
         if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
             self.persist()
         self.expire(now)
-        return new
-
-    def _stage_all(self, rows: list[_Row]) -> None:
-        if self.journal is not None:
-            for row in rows:
-                self._stage(row)
 
     def _follows(self, new: list[StoredMessage]) -> bool:
         """Whether new (by timestamp, unique, already in `held`, all after the newest row) keeps every
@@ -601,20 +606,12 @@ class TopicLog:
             self.name,
             restamped,
         )
+        self._stage_all(added)
         if self.journal is not None:
-            for row in added:
-                self._stage(row)
             for row in moved:
                 self.journal.stage(row)
         self.rows = deque(out)
-        self.size += sum(record_size(m.publisher, m.payload) for m in new)
-        for m in new:
-            if m.seq > self.last_seq.get(m.publisher, -1):
-                self.last_seq[m.publisher] = m.seq
-                self.last_seen[m.publisher] = now
-        if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
-            self.persist()
-        self.expire(now)
+        self._merged(new, now)
         return [_as_record(row) for row in added]
 
 
