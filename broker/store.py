@@ -600,12 +600,13 @@ class TopicLog:
                 added.append(row)
             out.append(row)
             last = t
-        _log.info(
-            "topic %s: %d stored message(s) re-stamped to keep each publisher's messages in seq order "
-            "(two holders had stored them apart)",
-            self.name,
-            restamped,
-        )
+        if restamped:  # (a merge _fits could not prove in order can turn out to be: then nothing moved)
+            _log.info(
+                "topic %s: %d stored message(s) re-stamped to keep each publisher's messages in seq order "
+                "(two holders had stored them apart)",
+                self.name,
+                restamped,
+            )
         self._stage_all(added)
         if self.journal is not None:
             for row in moved:
