@@ -97,6 +97,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_relocations",
         "Copies a move left behind (down during it, or back from a restart) that followed the topic where it lives.",
     ),
+    "coalesced": (
+        "sedax_coalesced_publishes",
+        "One-message PUBLISH frames a client sent in one read with the one before, handled as one batch with it.",
+    ),
     "lost": ("sedax_lost_messages", "Acknowledged messages found lost (more failures than the level survives)."),
     "delegations": ("sedax_delegations", "Topic hand-overs this broker activated as the new primary (Sec. III)."),
     "moves": ("sedax_moves", "Topics this broker moved away to a new coordinate (Alg. 2 or an operator)."),

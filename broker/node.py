@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import functools
 import itertools
 import logging
 import math
@@ -48,6 +47,7 @@ from overlay.protocol import (
     MAX_LINK_FRAME_SIZE,
     RATE_WINDOW,
     Coord,
+    Frame,
     Join,
     Leave,
     Message,
@@ -241,10 +241,16 @@ class Broker(Membership, Routing):
         # broker dials goes to a broker.
         link.limit_frames(MAX_LINK_FRAME_SIZE if outbound else c.max_frame_size)
         if not outbound:
-            # (What a client sends; a broker or admin tool sends no PUBLISH.)
-            link.coalesce = functools.partial(coalesce_publishes, max_payload=c.max_payload)
+            link.coalesce = self._coalesce  # (what a client sends; a broker or admin tool sends no PUBLISH)
         self.links.add(link)
         return link
+
+    def _coalesce(self, frames: list[Frame]) -> list[Frame]:
+        """One read's frames from a client, its consecutive one-message PUBLISHes as batches (counted)."""
+        out = coalesce_publishes(frames, self.config.max_payload)
+        if len(out) < len(frames):
+            self.pubsub.counters["coalesced"] += len(frames) - len(out)
+        return out
 
     def accept(self, transport: Transport) -> None:
         """Serve an inbound connection (the listener's, or any connected transport: tests use memory)."""

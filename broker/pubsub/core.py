@@ -180,6 +180,7 @@ class TopicTable:
             "topic_full": 0,  # new subscribers and publishers refused: the topic had max_topic_entries
             "empty_forgotten": 0,  # replicas of topics with nothing in them, forgotten (holder.sweep_empty)
             "relocations": 0,  # copies a move left behind that followed the topic (replication `relocate`)
+            "coalesced": 0,  # a client's one-message PUBLISH frames handled in one batch with the one before
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event
