@@ -937,9 +937,14 @@ def encode_message(msg: Message, limit: int = MAX_FRAME_SIZE) -> bytes:
     enc = _ENCODERS.get(type(msg))
     if enc is None:
         raise LocalProtocolError(f"{type(msg).__name__} is not a registered message type")
-    data: bytes = _packb(enc(msg))
+    return check_body(msg.op, _packb(enc(msg)), limit)
+
+
+def check_body(op: str, data: bytes, limit: int = MAX_FRAME_SIZE) -> bytes:
+    """data, the encoded body of an op message, if it fits a frame of `limit` bytes (routed, the larger
+    envelope), else LocalProtocolError: encode_message's check, for a message type's own fast encoder too."""
     if len(data) + _ROUTED_PREFIX_LEN > limit:
-        raise LocalProtocolError(f"{msg.op} encodes to {len(data)} bytes, over the frame limit of {limit}")
+        raise LocalProtocolError(f"{op} encodes to {len(data)} bytes, over the frame limit of {limit}")
     return data
 
 

@@ -23,6 +23,7 @@ from overlay.protocol import (
     LocalProtocolError,
     Message,
     NodeInfo,
+    check_body,
     check_corr,
     control_frame,
     dec_bytes,
@@ -32,7 +33,6 @@ from overlay.protocol import (
     dec_node,
     dec_str,
     enc_node,
-    encode_message,
     pack_value,
     register_field_type,
     register_message,
@@ -540,7 +540,7 @@ class PublishFrames:
     its client CPU per message on the generic path (benchmarks-latency.md, "Twentieth round").
     """
 
-    __slots__ = ("_head", "_limit")
+    __slots__ = ("_head",)
 
     def __init__(self, topic: str, publisher: str) -> None:
         _check_publisher(publisher, 0)
@@ -548,16 +548,14 @@ class PublishFrames:
         n = len(fields(Publish))
         assert n < 15, "a fixarray header"
         self._head = bytes([0x90 | (n + 1)]) + pack_value(Publish.op) + pack_value(topic) + pack_value(publisher)
-        # encode_message's limit for what may reach a client, less this envelope's fixed part.
-        self._limit = MAX_FRAME_SIZE - len(encode_message(Publish(topic, publisher, 0, b"")))
 
     def frame(self, seq: int, payload: bytes, base: int) -> bytes:
-        """The frame of message seq (base: the lowest unacknowledged seq, as in Publish)."""
+        """The frame of message seq (base: the lowest unacknowledged seq, as in Publish); LocalProtocolError,
+        as from encode_control, for numbers out of range or a frame over MAX_FRAME_SIZE."""
         if not 0 <= base <= seq <= MAX_CORR:
             raise LocalProtocolError(f"need 0 <= base ({base}) <= seq ({seq}) <= {MAX_CORR}")
-        if len(payload) > self._limit:
-            raise LocalProtocolError(f"a payload of {len(payload)} bytes does not fit a frame")
-        return control_frame(b"".join((self._head, pack_value(seq), pack_value(payload), pack_value(base), b"\x90")))
+        body = b"".join((self._head, pack_value(seq), pack_value(payload), pack_value(base), b"\x90"))
+        return control_frame(check_body(Publish.op, body))
 
 
 @register_message

@@ -410,6 +410,17 @@ def test_publish_frames_are_the_frames_of_publish(topic: str) -> None:
             assert FrameDecoder().feed(got) == [ControlFrame(want)]
     with pytest.raises(LocalProtocolError, match="base"):
         frames.frame(3, b"x", 4)
+    # The frame limit is encode_message's own, to the byte: the largest payload either takes, the other takes.
+    room = MAX_FRAME_SIZE - len(p.encode_message(Publish(topic, "pub-1#k3x9", 7, b"", 7))) - 40
+    while True:
+        try:
+            p.encode_control(Publish(topic, "pub-1#k3x9", 7, b"z" * (room + 1), 7))
+        except LocalProtocolError:
+            break
+        room += 1
+    assert frames.frame(7, b"z" * room, 7) == p.encode_control(Publish(topic, "pub-1#k3x9", 7, b"z" * room, 7))
+    with pytest.raises(LocalProtocolError, match="over the frame limit"):
+        frames.frame(7, b"z" * (room + 1), 7)
     with pytest.raises(LocalProtocolError, match="publisher id"):
         PublishFrames(topic, "")
 
