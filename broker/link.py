@@ -310,8 +310,14 @@ class PeerLink:
                 self._read_ended(CloseReason.PEER_CLOSED, "end of stream")
                 return
             self._beat.received()
-            if len(frames) > 1 and self.coalesce is not None and self.state is LinkState.ESTABLISHED:
-                frames = self.coalesce(frames)
+            if len(frames) > 1 and self.coalesce is not None:
+                if self.state is LinkState.CONNECTING:
+                    # A client that wrote its first PUBLISHes together with HELLO: once the HELLO has made the link,
+                    # they are coalesced as any later ones.
+                    self._dispatch(frames[0])
+                    frames = frames[1:]
+                if self.state is LinkState.ESTABLISHED and len(frames) > 1:
+                    frames = self.coalesce(frames)
             for frame in frames:
                 self._dispatch(frame)
                 if self.state is LinkState.CLOSED or self.state is LinkState.ERROR:

@@ -100,6 +100,20 @@ async def test_one_message_publishes_sent_together_are_each_stored_and_an_oversi
     assert got == [b"m%d" % i for i in range(12)]
     # 11 when the 12 arrive in one read (the loopback's usual), fewer if the kernel split the write.
     assert 1 <= (await counters(limited))["coalesced"] - before <= 11
+    # PUBLISHes written together with the HELLO are coalesced too, once the HELLO has made the link.
+    before = (await counters(limited))["coalesced"]
+    reader, writer = await raw_connect(bp)
+    hello_and_publishes = [encode_control(Hello(PROTOCOL_VERSION, "eager", "client"))]
+    hello_and_publishes += [encode_control(Publish(topic, "eager", i, b"e%d" % i, 0)) for i in range(5)]
+    writer.write(b"".join(hello_and_publishes))
+    dec, acked = FrameDecoder(), -1
+    async with asyncio.timeout(10):
+        while acked < 4:
+            for f in dec.feed(await reader.read(65536)):
+                if isinstance(f, ControlFrame) and isinstance(f.message, Ack):
+                    acked = max(acked, f.message.seq)
+    writer.close()
+    assert 1 <= (await counters(limited))["coalesced"] - before <= 4
 
 
 async def test_frame_over_the_limit_closes_the_connection(limited: LocalCluster) -> None:
