@@ -101,6 +101,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_coalesced_publishes",
         "One-message PUBLISH frames a client sent in one read with the one before, handled as one batch with it.",
     ),
+    "restamped": (
+        "sedax_restamped_records",
+        "Stored records a merge stamped later, to keep a publisher's messages in seq order (two holders stored them).",
+    ),
     "lost": ("sedax_lost_messages", "Acknowledged messages found lost (more failures than the level survives)."),
     "delegations": ("sedax_delegations", "Topic hand-overs this broker activated as the new primary (Sec. III)."),
     "moves": ("sedax_moves", "Topics this broker moved away to a new coordinate (Alg. 2 or an operator)."),

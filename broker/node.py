@@ -607,7 +607,8 @@ class Broker(Membership, Routing):
 
     def counter_values(self) -> dict[str, int]:
         """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
-        return {**self.stats.counters(), **self.pubsub.counters, **self.balancer.counters, **self._link_counters()}
+        pubsub = {**self.pubsub.counters, "restamped": self.pubsub.store.restamped}
+        return {**self.stats.counters(), **pubsub, **self.balancer.counters, **self._link_counters()}
 
     def _link_counters(self) -> dict[str, int]:
         return {"heartbeat_pings": self._pings_of_closed + sum(link.pings_sent for link in self.links)}

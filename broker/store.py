@@ -132,6 +132,9 @@ class TopicLog:
     # Written to the journal but not yet synced, under `always`/`batch`, by the sync round that covers them:
     # what a failed sync takes back out of memory.
     _unsynced: list[_Unsynced] = field(default_factory=list)
+    # Told how many stored records a merge re-stamped (`_reorder_merge`), set by the store: counted in
+    # sedax_restamped_records_total.
+    on_restamp: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         if self.journal is not None:
@@ -607,6 +610,8 @@ class TopicLog:
                 self.name,
                 restamped,
             )
+            if self.on_restamp is not None:
+                self.on_restamp(restamped)
         self._stage_all(added)
         if self.journal is not None:
             for row in moved:
@@ -679,6 +684,11 @@ class TopicStore:
         self.retention = retention or Retention()
         self.disk = disk
         self._topics: dict[str, TopicLog] = {}
+        # Records re-stamped by the merges of every topic held (TopicLog.on_restamp), dropped topics' too.
+        self.restamped = 0
+
+    def _restamped(self, n: int) -> None:
+        self.restamped += n
 
     def __contains__(self, name: object) -> bool:
         return name in self._topics
@@ -699,13 +709,18 @@ class TopicStore:
         return log
 
     def ensure(
-        self, name: str, coord: tuple[float, float] = (0.0, 0.0), home: tuple[float, float] = (0.0, 0.0)
+        self,
+        name: str,
+        coord: tuple[float, float] = (0.0, 0.0),
+        home: tuple[float, float] = (0.0, 0.0),
+        delegates: tuple[tuple[tuple[float, float], float], ...] = (),
     ) -> TopicLog:
-        """The topic's log, created empty if new (its journal records coord and home for recovery)."""
+        """The topic's log, created empty if new (its journal records coord, home and the delegate list for
+        recovery)."""
         log = self._topics.get(name)
         if log is None:
-            journal = None if self.disk is None else self.disk.open_log(TopicMeta(name, coord, home))
-            log = self._topics[name] = TopicLog(name, self.retention, journal=journal)
+            journal = None if self.disk is None else self.disk.open_log(TopicMeta(name, coord, home, delegates))
+            log = self._topics[name] = TopicLog(name, self.retention, journal=journal, on_restamp=self._restamped)
         return log
 
     def drop(self, name: str) -> TopicLog | None:
@@ -726,7 +741,9 @@ class TopicStore:
         found, report = self.disk.recover()
         metas = []
         for rec in found:
-            log = TopicLog(rec.meta.name, self.retention, journal=self.disk.open_log(rec.meta))
+            log = TopicLog(
+                rec.meta.name, self.retention, journal=self.disk.open_log(rec.meta), on_restamp=self._restamped
+            )
             log.rows = deque(rec.rows)
             log.size = sum(record_size(r[1], r[3]) for r in rec.rows)
             log.last_seq = dict(rec.last_seq)

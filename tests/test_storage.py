@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+import broker.storage.disklog
 from broker.pubsub import PubSub, PubSubConfig
 from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageError, StorageFull, SyncFailed, TopicMeta
 from broker.storage.frames import HEADER, encode, scan
 from broker.store import Retention, TopicStore
 from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo
-from overlay.pubsub import Ack, Fetch, Fetched, Nack, Publish, Record
+from overlay.pubsub import Ack, Delegation, Fetch, Fetched, Nack, Publish, Record
 from tests import tmpfs
 
 TMPFS_MISSING = tmpfs.unavailable()
@@ -493,3 +494,34 @@ def test_a_publish_whose_sync_fails_is_refused_with_storage_full_not_acknowledge
     (ack,) = broker.request(Publish(topic, "P", 1, b"again", 1))
     assert isinstance(ack, Ack) and ack.seq == 1
     broker.ps.close()
+
+
+def test_a_new_copy_of_a_moved_topic_writes_its_meta_once_with_its_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A copy made for a moved topic knows the topic's delegate list before its meta.json is first written: one
+    # write that holds it (the meta was written without it, then again with it).
+    writes: list[Path] = []
+    original = broker.storage.disklog.write_atomic
+
+    def counted(path: Path, data: bytes) -> None:
+        writes.append(path)
+        original(path, data)
+
+    monkeypatch.setattr(broker.storage.disklog, "write_atomic", counted)
+    alone = _Alone(_store(tmp_path, "batch"))
+    topic = "grid/moved/new-copy"
+    home = alone.ps.table.home(topic)
+    there = (0.9, 0.1)
+    alone.ps.home.delegate_lists[topic] = [Delegation(home, 0.0), Delegation(there, 1234.5)]
+    r = alone.ps.holder.replica(topic, there)
+    assert (r.coord, r.delegates[-1].coord) == (there, there)
+    assert [p.name for p in writes] == ["meta.json"]
+    meta = TopicMeta.from_json(writes[0].read_bytes())
+    assert (meta.coord, meta.delegates) == (there, ((home, 0.0), (there, 1234.5)))
+    # A copy for a coordinate the list does not end at keeps the oldest list there is (Replica.place's rule).
+    elsewhere = "grid/moved/elsewhere"
+    alone.ps.home.delegate_lists[elsewhere] = [Delegation(alone.ps.table.home(elsewhere), 0.0), Delegation(there, 9.0)]
+    other = alone.ps.holder.replica(elsewhere, (0.2, 0.2))
+    assert [(d.coord, d.start) for d in other.delegates] == [(alone.ps.table.home(elsewhere), 0.0)]
+    alone.ps.close()

@@ -111,13 +111,15 @@ def test_a_merge_keeps_each_publishers_messages_in_seq_order() -> None:
     # stored their re-sends and then 10-13 (ts 127.85-127.9); the paused broker, resumed, read the originals
     # and stored them as new (ts 128.41...).  Merging the take-over's 10-13 put them before 0-9 in time, and a
     # catch-up from the beginning handed out 10 first: the subscriber then dropped 0-9 as already seen.
-    log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
+    store = TopicStore(Retention(max_age=None, max_bytes=None))
+    log = store.ensure("t")
     for i in range(10):
         log.append(msg(128.41 + i * 1e-3, i), now=128.5)
     log.append(msg(128.42, 0, pub="q"), now=128.5)
     takeover = [msg(127.85 + i * 1e-3, i) for i in range(14)]
     new = log.merge(takeover, now=129.0)
     assert [m.seq for m in new] == [10, 11, 12, 13]
+    assert store.restamped == 4  # counted (sedax_restamped_records_total): the four merged ones, stamped after 9
     assert _in_seq_order(log.rows)
     assert [m.seq for m in log.since(0.0) if m.publisher == "p"] == list(range(14))
     assert all(m.ts > 128.419 for m in new), "the merged messages come after the copy's own 0-9"

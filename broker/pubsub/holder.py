@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
-from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting
+from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting, held_list, journal_list
 from broker.pubsub.settings import EMPTY_TOPIC_SWEEP
 from broker.storage import StorageError, StorageFull, TopicMeta
 from broker.store import TS_EPSILON
@@ -85,11 +85,11 @@ class HolderRole:
         if r is None:
             home = self.t.home(topic)
             at = coord if coord is not None else home
-            dl = self.home.delegate_lists.get(topic)
-            log_ = self.t.store.ensure(topic, at, home)
-            r = Replica(topic, log_, at, home, [Delegation(home, 0.0)])
-            if dl:
-                r.place(at, list(dl))
+            # The list this copy keeps is known before its meta.json is written: one write (`Replica.place` wrote
+            # it a second time for a moved topic's new copy).
+            own = held_list(at, list(self.home.delegate_lists.get(topic, ())), home)
+            log_ = self.t.store.ensure(topic, at, home, journal_list(own))
+            r = Replica(topic, log_, at, home, own)
             r.rank = self.t.rank_of_me(r.coord)
             r.settle()
             self.t.replicas[topic] = r

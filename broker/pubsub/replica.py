@@ -544,16 +544,12 @@ class Replica:
         (meta.json), so that a broker started again takes its copy back where the topic was and knows how recent
         that is.  (Only the coordinate the copy was first made for was written: after a full restart the old
         primary of a moved topic, still a holder where it moved, served it again at its home.)"""
-        if not delegates or delegates[-1].coord != coord:
-            # A list that ends elsewhere does not say when the topic came here (a copy made for a coordinate the
-            # topic has left, from a sender that had not heard): this copy's own list is unknown, the oldest there
-            # is, so that any copy whose list ends where it is held counts as later (overlay.pubsub.later).
-            delegates = [Delegation(self.home, 0.0)]
+        delegates = held_list(coord, delegates, self.home)
         if coord == self.coord and delegates == self.delegates:
             return
         self.coord = coord
         self.delegates = delegates
-        self.log.relocate(coord, tuple((d.coord, d.start) for d in delegates) if len(delegates) > 1 else ())
+        self.log.relocate(coord, journal_list(delegates))
 
     def settle(self) -> None:
         """After the rank changed: a steady copy that became closest serves, a steady primary that did not holds."""
@@ -563,3 +559,18 @@ class Replica:
             self.enter(Transition.PROMOTE)
         elif self.stage is Stage.SERVING and self.rank != 1:
             self.enter(Transition.DEMOTE)
+
+
+def held_list(coord: Coord, delegates: list[Delegation], home: Coord) -> list[Delegation]:
+    """The delegate list a copy held for coord keeps: delegates if it ends at coord.  A list that ends elsewhere
+    does not say when the topic came here (a copy made for a coordinate the topic has left, from a sender that
+    had not heard): this copy's own list is unknown, the oldest there is ([home@0]), so that any copy whose list
+    ends where it is held counts as later (overlay.pubsub.later)."""
+    if not delegates or delegates[-1].coord != coord:
+        return [Delegation(home, 0.0)]
+    return delegates
+
+
+def journal_list(delegates: list[Delegation]) -> tuple[tuple[Coord, float], ...]:
+    """The list as meta.json keeps it: ((x, y), start) per entry, () for a topic that never left its home."""
+    return tuple((d.coord, d.start) for d in delegates) if len(delegates) > 1 else ()
