@@ -459,6 +459,56 @@ def test_a_copy_a_move_left_behind_hands_what_only_it_holds_to_where_the_topic_l
     assert locate(net, topic).coord == to
 
 
+@pytest.mark.parametrize("twice", [False, True], ids=["left-at-home", "left-at-a-delegate"])
+def test_a_copy_a_move_left_behind_follows_the_topic_with_no_view_change(twice: bool) -> None:
+    # A copy a move left behind that nothing talks to: the old secondary, cut off during the move (its RELEASE
+    # lost), and no broker joins or fails afterwards.  The periodic location check (HomeRole._check_location,
+    # every LOCATION_CHECK_INTERVAL) reaches it: the home gives its list to the home coordinate's other holders,
+    # and a copy held at a delegate coordinate gives the home its own and gets the later one back.  It follows
+    # the topic, hands over what only it holds, and lets go.  Before, it stayed until the next view change near
+    # it.  twice: the topic moves home -> C1 -> C2 and the copy is left at C1, the one at a delegate coordinate.
+    from broker.pubsub.settings import LOCATION_CHECK_INTERVAL
+    from overlay.delegation import MoveTopic
+
+    net = Net(grid(10, seed=7), resilience=2)
+    topic = "grid/left/quiet"
+    sub, pub = net.nodes["n0"], net.nodes["n3"]
+    sub.request("s", Subscribe(1, topic))
+    for i in range(5):
+        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    sites = {nid: n.me.coord for nid, n in net.nodes.items()}
+    if twice:
+        first = locate(net, topic)
+        c1 = coordinate_where(lambda c: not {first.primary.id} & set(closest(sites, c, 3)))
+        pub.request("a", MoveTopic(5, topic, c1))
+        assert isinstance(pub.inbox["a"][-1], Done), pub.inbox["a"][-1]
+    where = locate(net, topic)
+    assert where.secondary is not None
+    old = {where.primary.id, where.secondary.id}
+    home_ranks = closest(sites, where.home, 3)
+    to = coordinate_where(lambda c: not (old | set(home_ranks)) & set(closest(sites, c, 3)))
+    net.blackhole.add(where.secondary.coord)
+    pub.request("a", MoveTopic(6, topic, to))
+    assert isinstance(pub.inbox["a"][-1], Done), pub.inbox["a"][-1]
+    net.blackhole.clear()
+    stale_node = net.nodes[where.secondary.id]
+    stale = stale_node.ps.table.replicas[topic]
+    assert stale.coord == where.coord and stale.coord != to  # left behind
+    stale.log.merge([Record(net.clock, "Q", 0, b"only here")], net.clock)
+    ticks = 0
+    while topic in stale_node.ps.table.replicas and ticks < 2 * LOCATION_CHECK_INTERVAL + 10:
+        net.tick(1.0)
+        ticks += 1
+    assert topic not in stale_node.ps.table.replicas, "the stale copy stayed"
+    assert ticks > LOCATION_CHECK_INTERVAL / 2  # (the check, not something at once)
+    assert stale_node.ps.counters["relocations"] == 1
+    assert b"only here" in [r.payload for r in delivered(sub, "s")]
+    pub.request("f", Fetch(7, topic, 0.0, 100))
+    fetched = [m for m in pub.inbox["f"] if isinstance(m, Fetched)][-1]
+    assert sorted((r.publisher, r.seq) for r in fetched.records) == [*(("P", i) for i in range(5)), ("Q", 0)]
+    assert locate(net, topic).coord == to
+
+
 @pytest.mark.parametrize("resilience", [1, 2, 3])
 def test_move_with_requests_in_flight_delivers_and_acks_each_message_once(resilience: int) -> None:
     from overlay.delegation import MoveTopic

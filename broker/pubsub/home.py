@@ -35,6 +35,7 @@ class HomeRole:
         self._last_move: dict[str, float] = {}  # when each topic last moved (cool-down)
         self._leases: dict[str, tuple[float, str]] = {}  # topic -> (expiry, leaseholder id)
         self._unconfirmed: dict[int, tuple[str, tuple[Delegation, ...], float]] = {}  # corr -> (topic, list, sent)
+        self._location_checked: float | None = None  # when `_check_location` last ran (None: not yet ticked)
         # Set by the broker's balancer: Alg. 1 placement of a new topic (topic, done callback with the chosen
         # coordinate or None).
         self.placer: Callable[[str, Callable[[Coord | None], None]], None] | None = None
@@ -136,7 +137,9 @@ class HomeRole:
             self.learn_delegates(m.topic, list(m.delegates), m.origin)
             return
         cur = self.delegate_lists.get(m.topic)
-        if cur and later(cur, m.delegates):
+        if cur == list(m.delegates):
+            pass  # a holder's periodic check (`_check_location`) with the list kept here: nothing to change
+        elif cur and later(cur, m.delegates):
             # The sender's list is older than the home's: a primary left behind by a move re-registering after a
             # restart.  It follows the home's list (confirmed all the same: it need not send again).
             self.t.ov.route(m.origin.coord, DelegateUpdate(0, m.topic, tuple(cur), self.t.ov.me, sync=True))
@@ -209,3 +212,29 @@ class HomeRole:
             if now - sent > 1.0:
                 self._unconfirmed[corr] = (topic, dl, now)
                 self.t.ov.route(self.t.home(topic), DelegateUpdate(corr, topic, dl, self.t.ov.me))
+        if self._location_checked is None:
+            self._location_checked = now  # the first check one interval after the start (recovery did the rest)
+        elif now - self._location_checked >= self.t.config.location_check_interval:
+            self._location_checked = now
+            self._check_location()
+
+    def _check_location(self) -> None:
+        """Compare the lists of moved topics with the home's (settings.LOCATION_CHECK_INTERVAL says why).  A steady
+        copy held at another coordinate than the home sends the home its list: the home keeps it if it has none or
+        an earlier one, and answers with its own if that is later (`delegate_update_arrived`), which the copy
+        follows.  The home gives each list it keeps to the home coordinate's other holders (DELEGATE_UPDATE sync:
+        they follow a later one).  Two messages per moved topic and holder and interval."""
+        me = self.t.ov.me
+        for topic, r in self.t.replicas.items():
+            if (r.stage is Stage.SERVING or r.stage is Stage.HOLDING) and not same(r.coord, r.home):
+                dl = tuple(r.delegates)
+                if self.t.closest_id(r.home) == me.id:
+                    if self.delegate_lists.get(topic) != list(dl):
+                        self._store(topic, list(dl))
+                else:
+                    self.t.ov.route(r.home, DelegateUpdate(0, topic, dl, me))
+        for topic, kept in self.delegate_lists.items():
+            ranked = self.t.ranked(self.t.home(topic))
+            if ranked and ranked[0].id == me.id:
+                for other in ranked[1 : self.t.config.resilience]:
+                    self.t.ov.route(other.coord, DelegateUpdate(0, topic, tuple(kept), me, sync=True))

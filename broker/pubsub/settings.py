@@ -78,6 +78,13 @@ HANDOFF_TIMEOUT: Final = 2.5
 EMPTY_TOPIC_SWEEP: Final = 60.0
 # Coordinates closer than this are the same coordinate (they travel as floats through JSON and msgpack).
 SAME_COORD: Final = 1e-12
+# How often the holders of a moved topic compare its delegate list with the home's (HomeRole `_check_location`):
+# a copy held at another coordinate than the home gives the home its list, and the home gives its list to the
+# home coordinate's other holders.  A copy a move left behind that nothing else talks to (its own secondary
+# stale too, or the home's secondary, cut off during the move) so learns the later list and follows the topic,
+# and a home that lost its list learns it again.  Before, such a copy stayed where it was until the next view
+# change near it, holding disk and counting in its brokers' loads.
+LOCATION_CHECK_INTERVAL: Final = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,7 @@ class PubSubConfig:
     move_timeout: float = MOVE_TIMEOUT
     offer_timeout: float = OFFER_TIMEOUT
     anti_entropy_interval: float = ANTI_ENTROPY_INTERVAL
+    location_check_interval: float = LOCATION_CHECK_INTERVAL
     handoff_timeout: float = HANDOFF_TIMEOUT
     forward_ttl: float = FORWARD_TTL
     move_cooldown: float = defaults.MOVE_COOLDOWN
