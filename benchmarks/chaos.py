@@ -136,8 +136,10 @@ class Subscriber:
     topics: list[str]
     got: dict[str, list[tuple[str, int, bytes]]] = field(default_factory=lambda: defaultdict(list))
     errors: list[str] = field(default_factory=list)
+    subscriptions: dict[str, Subscription] = field(default_factory=dict)  # (their counters, for a post-mortem)
 
     async def receive(self, topic: str, sub: Subscription) -> None:
+        self.subscriptions[topic] = sub
         try:
             async for m in sub:
                 self.got[topic].append((m.publisher, m.seq, m.payload))
@@ -451,8 +453,22 @@ class Chaos:
                     problems.append(f"{s.name} {t}: {disorder} messages out of order")
                 missing = acked[t].keys() - set(keys)
                 if missing:
+                    # For the post-mortem: a publisher's first messages missing while later ones came (the client
+                    # sees no gap before a publisher's first message) against messages dropped as duplicates
+                    # (they came after a later one) or repaired.
+                    pubs = sorted({pub for pub, _ in missing})
+                    first = {pub: next((seq for p, seq, _ in got if p == pub), None) for pub in pubs}
+                    sub = s.subscriptions.get(t)
+                    counts = (
+                        ""
+                        if sub is None
+                        else (
+                            f"; the subscription dropped {sub.duplicates} duplicates, repaired {sub.repaired}, "
+                            f"counted {sub.gaps} lost"
+                        )
+                    )
                     problems.append(f"{s.name} {t}: {len(missing)} acknowledged messages never delivered, "
-                                    f"e.g. {sorted(missing)[:5]}")  # fmt: skip
+                                    f"e.g. {sorted(missing)[:5]}; first seq got: {first}{counts}")  # fmt: skip
             problems += [f"{s.name}: {e}" for e in s.errors]
         for p in self.pubs:
             problems += [f"{p.name}: publish failed: {e}" for e in p.failed[:5]]

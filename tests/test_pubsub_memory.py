@@ -411,6 +411,28 @@ def test_a_subscriber_only_a_demoted_primary_knew_is_handed_to_the_primary_with_
     assert offers and all((sub.me.id, "s") in {(x.access.id, x.session) for x in m.subscribers} for m in offers)
 
 
+def _five_published(topic: str) -> tuple[Net, Node, Node]:
+    """Ten level-2 brokers; a subscriber at n0 and five messages from n3 on topic."""
+    net = Net(grid(10, seed=7), resilience=2)
+    sub, pub = net.nodes["n0"], net.nodes["n3"]
+    sub.request("s", Subscribe(1, topic))
+    for i in range(5):
+        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    return net, sub, pub
+
+
+def _followed(net: Net, stale_node: Node, sub: Node, pub: Node, topic: str, to: Coord) -> None:
+    """The copy left behind at stale_node followed the topic to `to`: it let go, what only it held (Q 0) was
+    merged, delivered and is fetched where the topic lives."""
+    assert topic not in stale_node.ps.table.replicas, "the stale copy stayed"
+    assert stale_node.ps.counters["relocations"] == 1
+    assert b"only here" in [r.payload for r in delivered(sub, "s")]
+    pub.request("f", Fetch(6, topic, 0.0, 100))
+    fetched = [m for m in pub.inbox["f"] if isinstance(m, Fetched)][-1]
+    assert sorted((r.publisher, r.seq) for r in fetched.records) == [*(("P", i) for i in range(5)), ("Q", 0)]
+    assert locate(net, topic).coord == to
+
+
 def test_a_copy_a_move_left_behind_hands_what_only_it_holds_to_where_the_topic_lives() -> None:
     # The old secondary misses a move and its RELEASE (cut off meanwhile), so it keeps a copy at the old
     # coordinate; that copy also holds a message nobody else has (as one does that served the topic at its old
@@ -420,12 +442,8 @@ def test_a_copy_a_move_left_behind_hands_what_only_it_holds_to_where_the_topic_l
     # at the old coordinate, and what only it held never reached the topic.
     from overlay.delegation import MoveTopic
 
-    net = Net(grid(10, seed=7), resilience=2)
     topic = "grid/left/behind"
-    sub, pub = net.nodes["n0"], net.nodes["n3"]
-    sub.request("s", Subscribe(1, topic))
-    for i in range(5):
-        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    net, sub, pub = _five_published(topic)
     where = locate(net, topic)
     assert where.secondary is not None
     old = {where.primary.id, where.secondary.id}
@@ -450,13 +468,7 @@ def test_a_copy_a_move_left_behind_hands_what_only_it_holds_to_where_the_topic_l
     assert ranks() == before
     for _ in range(5):
         net.tick(1.0)
-    assert topic not in net.nodes[where.secondary.id].ps.table.replicas
-    assert net.nodes[where.secondary.id].ps.counters["relocations"] == 1
-    assert b"only here" in [r.payload for r in delivered(sub, "s")]
-    pub.request("f", Fetch(6, topic, 0.0, 100))
-    fetched = [m for m in pub.inbox["f"] if isinstance(m, Fetched)][-1]
-    assert sorted((r.publisher, r.seq) for r in fetched.records) == [*(("P", i) for i in range(5)), ("Q", 0)]
-    assert locate(net, topic).coord == to
+    _followed(net, net.nodes[where.secondary.id], sub, pub, topic, to)
 
 
 @pytest.mark.parametrize("twice", [False, True], ids=["left-at-home", "left-at-a-delegate"])
@@ -470,12 +482,8 @@ def test_a_copy_a_move_left_behind_follows_the_topic_with_no_view_change(twice: 
     from broker.pubsub.settings import LOCATION_CHECK_INTERVAL
     from overlay.delegation import MoveTopic
 
-    net = Net(grid(10, seed=7), resilience=2)
     topic = "grid/left/quiet"
-    sub, pub = net.nodes["n0"], net.nodes["n3"]
-    sub.request("s", Subscribe(1, topic))
-    for i in range(5):
-        pub.request("p", Publish(topic, "P", i, f"m{i}".encode(), 0))
+    net, sub, pub = _five_published(topic)
     sites = {nid: n.me.coord for nid, n in net.nodes.items()}
     if twice:
         first = locate(net, topic)
@@ -499,14 +507,8 @@ def test_a_copy_a_move_left_behind_follows_the_topic_with_no_view_change(twice: 
     while topic in stale_node.ps.table.replicas and ticks < 2 * LOCATION_CHECK_INTERVAL + 10:
         net.tick(1.0)
         ticks += 1
-    assert topic not in stale_node.ps.table.replicas, "the stale copy stayed"
     assert ticks > LOCATION_CHECK_INTERVAL / 2  # (the check, not something at once)
-    assert stale_node.ps.counters["relocations"] == 1
-    assert b"only here" in [r.payload for r in delivered(sub, "s")]
-    pub.request("f", Fetch(7, topic, 0.0, 100))
-    fetched = [m for m in pub.inbox["f"] if isinstance(m, Fetched)][-1]
-    assert sorted((r.publisher, r.seq) for r in fetched.records) == [*(("P", i) for i in range(5)), ("Q", 0)]
-    assert locate(net, topic).coord == to
+    _followed(net, stale_node, sub, pub, topic, to)
 
 
 @pytest.mark.parametrize("resilience", [1, 2, 3])
