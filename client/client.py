@@ -115,6 +115,12 @@ REPAIR_PATIENCE: Final = 8.0
 REPAIR_PATIENCE_REPLICATED: Final = 60.0
 REPAIR_FETCH_TIMEOUT: Final = 2.0
 REPAIR_MIN_ATTEMPTS: Final = 3
+# A publisher's first message past the seq its SUBSCRIBED table says the subscription is owed (`Subscription.
+# _expect`) is a gap like any other, but one that may be nobody's loss: a publisher the primary had lost track of
+# (a restart without its data) resumes past 0 and the broker accepts the gap.  So it is held for REPAIR_PATIENCE
+# at every level, and fetched from FIRST_GAP_MARGIN before the subscription began (a merge keeps another
+# holder's stamps, which may be that much earlier).
+FIRST_GAP_MARGIN: Final = 5.0
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
 # A subscription restored after a reconnect whose SUBSCRIBE (or catch-up FETCH) goes unanswered or is refused for
@@ -206,6 +212,14 @@ class Subscription:
         self._wakeup = asyncio.Event()
         self._last_seq: dict[str, int] = {}
         self._last_ts: dict[str, float] = {}  # publisher -> ts of its last message handed out
+        # From the first SUBSCRIBED of a subscription from now, if it carried the topic's publisher table: each
+        # publisher's last seq when the subscription began (one not in it owes every message from seq 0), and
+        # where the subscription began (`_first_gap`).  None: no table, a publisher's first message is taken as
+        # it comes (a subscription with `since`, or a broker that sends no table).
+        self._expect: dict[str, int] | None = None
+        self._began = 0.0
+        self._from_now = since is None
+        self._answered = False  # a SUBSCRIBED came (only the first one's table counts)
         # Messages held back behind a gap in their publisher's sequence while the client fetches what is
         # missing (a DELIVER lost with a dying link or access broker): publisher -> seq -> record.
         self._behind: dict[str, dict[int, Record]] = {}
@@ -230,8 +244,27 @@ class Subscription:
         self._wakeup.set()
         self._room.set()
 
+    def _began_with(self, reply: Subscribed) -> None:
+        """The subscription's first SUBSCRIBED: what it is owed of each publisher, if the primary said."""
+        first, self._answered = not self._answered, True
+        if first and self._from_now and reply.publishers_known:
+            self._expect = dict(reply.publishers)
+            self._began = reply.last_ts if reply.last_ts is not None else 0.0
+
+    def _floor(self, publisher: str) -> int | None:
+        """The seq of publisher after which the subscription is owed everything: the last handed out, else the
+        one its table had when the subscription began (-1: every message); None if unknown (no table)."""
+        last = self._last_seq.get(publisher)
+        if last is None and self._expect is not None:
+            return self._expect.get(publisher, -1)
+        return last
+
+    def _first_gap(self, publisher: str) -> bool:
+        """A gap before the first message of publisher handed out (known from the SUBSCRIBED table)."""
+        return publisher not in self._last_seq
+
     def _deliver(self, d: Record) -> None:
-        last = self._last_seq.get(d.publisher)
+        last = self._floor(d.publisher)
         if last is not None and d.seq <= last:
             self.duplicates += 1
             return
@@ -253,7 +286,8 @@ class Subscription:
         """After a repair FETCH: hand out the held-back messages of publisher with what the fetch found, in
         order; what is still missing was lost with a failed broker (counted and logged once)."""
         behind = self._behind.pop(publisher, {})
-        last = self._last_seq.get(publisher, -1)
+        last = self._floor(publisher)
+        last = -1 if last is None else last
         for rec in fetched:
             if rec.publisher == publisher and rec.seq > last and rec.seq not in behind:
                 behind[rec.seq] = rec
@@ -262,7 +296,7 @@ class Subscription:
             self._hand_out(behind[seq])
 
     def _hand_out(self, d: Record) -> None:
-        last = self._last_seq.get(d.publisher)
+        last = self._floor(d.publisher)
         if last is not None and d.seq <= last:
             return
         if last is not None and d.seq > last + 1:
@@ -820,6 +854,8 @@ class Client:
             # a full restart).  If it did get there, the UNSUBSCRIBE follows it on the same path.
             await self._withdraw_subscribe(sub.topic)
             raise
+        if isinstance(reply, Subscribed):
+            sub._began_with(reply)
         if sub.since is None and isinstance(reply, Subscribed) and reply.last_ts is not None:
             # Nothing handed out yet: what a reconnect catches up with starts where the subscription began, so
             # messages lost on the way with a failed access broker before the first one arrived are fetched.
@@ -849,8 +885,11 @@ class Client:
                         patience = REPAIR_PATIENCE_REPLICATED
                     # Every seq up to the highest held back: messages pushed while the fetch ran (a merge's)
                     # land among the held ones, and a gap can remain between them, not only before the first.
+                    if sub._first_gap(publisher):
+                        patience = REPAIR_PATIENCE  # (FIRST_GAP_MARGIN says why)
                     held = sub._behind.get(publisher, {})
-                    last = sub._last_seq.get(publisher, -1)
+                    last = sub._floor(publisher)
+                    last = -1 if last is None else last
                     missing = set(range(last + 1, max(held, default=last))) - held.keys() - {r.seq for r in found}
                     if not missing or sub.closed:
                         break
@@ -874,7 +913,9 @@ class Client:
         if not behind:
             return [], 0
         upto = max(r.ts for r in behind.values())
-        since = sub._last_ts.get(publisher, 0.0)
+        since = sub._last_ts.get(publisher)
+        if since is None:  # a gap before the publisher's first message: from where the subscription began
+            since = max(0.0, sub._began - FIRST_GAP_MARGIN)
         found: list[Record] = []
         level = 0
         try:

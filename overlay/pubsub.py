@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeAlias
 
 from overlay.protocol import (
@@ -44,6 +44,8 @@ Coord: TypeAlias = tuple[float, float]
 # A payload must fit in one frame together with its envelope (topic, ids, routing header); 1 KiB of headroom
 # covers the largest envelope (256-byte topic, two 64-byte ids, a NodeInfo with a 262-byte address).
 MAX_PAYLOAD_SIZE: Final = MAX_FRAME_SIZE - 1024
+# A SUBSCRIBED carries the topic's publisher table only up to this many publishers (~300 KB at the longest ids).
+SUBSCRIBED_TABLE_MAX: Final = 4096
 # How many stored messages one FETCH answer or one replication batch carries; more are paged.
 MAX_BATCH: Final = 512
 # Only so many bytes of payload go into one batch frame, so batches stay under MAX_FRAME_SIZE.
@@ -384,6 +386,11 @@ class Subscribed(Message):
     `last_ts` is the primary's newest timestamp when it registered the subscription: every message stored after
     it reaches the subscriber, so a client whose access broker fails before the subscription delivered anything
     catches up from there (None from a broker that predates the field).
+
+    `publishers` is the topic's publisher table then (each publisher's last seq; one not in it owes the
+    subscription every message from seq 0), when `publishers_known` (a subscription from now, and at most
+    SUBSCRIBED_TABLE_MAX publishers, none forgotten): the client then tells a publisher's first messages lost on
+    the way (a partition's other side, merged after a later one arrived) from ones published before it subscribed.
     """
 
     op: ClassVar[Literal["subscribed"]] = "subscribed"
@@ -391,6 +398,8 @@ class Subscribed(Message):
     topic: str
     coord: Coord
     last_ts: float | None = None
+    publishers: dict[str, int] = field(default_factory=dict)
+    publishers_known: bool = False
 
     def __post_init__(self) -> None:
         if self.last_ts is not None:

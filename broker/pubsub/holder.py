@@ -24,6 +24,7 @@ from overlay.geometry import Coord
 from overlay.protocol import Message, NodeInfo, RemoteProtocolError, decode_message, encode_message
 from overlay.pubsub import (
     MAX_BATCH_BYTES,
+    SUBSCRIBED_TABLE_MAX,
     Ack,
     Delegation,
     Done,
@@ -205,7 +206,11 @@ class HolderRole:
                 r.meta_dirty = True
                 if req.since is not None:
                     self.t.deliver_to([SubRef(access, session)], r.name, list(r.log.since(req.since)))
-                self.t.reply(access, [session], Subscribed(req.corr, r.name, r.coord, r.last_ts))
+                # The publisher table, for a subscription from now: what the subscriber is owed of each publisher.
+                table = r.log.last_seq
+                known = req.since is None and not r.log.forgotten and len(table) <= SUBSCRIBED_TABLE_MAX
+                ok = Subscribed(req.corr, r.name, r.coord, r.last_ts, dict(table) if known else {}, known)
+                self.t.reply(access, [session], ok)
                 self.t.mark(r)
             case Unsubscribe():
                 if r.subscribers.pop((access.id, session), None) is None:
