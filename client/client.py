@@ -118,8 +118,8 @@ REPAIR_MIN_ATTEMPTS: Final = 3
 # A publisher's first message past the seq its SUBSCRIBED table says the subscription is owed (`Subscription.
 # _expect`) is a gap like any other, but one that may be nobody's loss: a publisher the primary had lost track of
 # (a restart without its data) resumes past 0 and the broker accepts the gap.  So it is held for REPAIR_PATIENCE
-# at every level, and fetched from FIRST_GAP_MARGIN before the subscription began (a merge keeps another
-# holder's stamps, which may be that much earlier).
+# at every level, not counted lost if nothing fills it, and fetched from FIRST_GAP_MARGIN before the
+# subscription began (a merge keeps another holder's stamps, which may be that much earlier).
 FIRST_GAP_MARGIN: Final = 5.0
 # The longest wait between two re-sends of unacknowledged publishes.
 MAX_RESEND_DELAY: Final = 8.0
@@ -299,6 +299,9 @@ class Subscription:
         last = self._floor(d.publisher)
         if last is not None and d.seq <= last:
             return
+        # A gap before a publisher's first message that nothing filled is not counted lost: the subscription
+        # cannot tell it from a publisher the primary had lost track of, which resumed past its table's seq.
+        last = self._last_seq.get(d.publisher)
         if last is not None and d.seq > last + 1:
             self.gaps += d.seq - last - 1
             log.warning(

@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import Relay, wait_for
+from cluster import Relay, raw_connect, wait_for
 from conftest import FAST_ARGS
 
 from cli.cluster import LocalCluster
 from client.client import Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
 from client.errors import ClientClosed
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
-from overlay.pubsub import Deliver, Located, Subscribe
+from overlay.pubsub import Deliver, Located, Publish, Subscribe
 
 pytestmark = pytest.mark.slow
 
@@ -470,6 +470,24 @@ async def test_a_publishers_first_messages_lost_on_the_way_are_fetched_not_skipp
         assert sorted(set(dropped)) == [0, 1, 2]
         assert [(p.split("#")[0], q) for p, q in got] == [("early", 3), *(("late-starter", i) for i in range(5))]
         assert sub.repaired == 3 and sub.gaps == 0
+
+
+async def test_a_publisher_that_resumes_past_zero_is_handed_out_not_counted_lost(tmp_path: Path) -> None:
+    # A publisher new to the topic whose first message is seq 5 (one the primary had lost track of, resuming):
+    # the subscription, owed it from seq 0, fetches for 0-4, finds none, and hands 5 out without counting 0-4
+    # lost, after REPAIR_PATIENCE (8 s) at most.
+    async with LocalCluster(1, seed=34, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/first/resumed"
+        async with Client(c.nodes[0].listen) as sc:
+            sub = await sc.subscribe(topic)
+            _reader, writer = await raw_connect(c.nodes[0])
+            writer.write(encode_control(Hello(PROTOCOL_VERSION, "resumer", "client")))
+            writer.write(encode_control(Publish(topic, "resumer", 5, b"m5", 5)))
+            got = await drain(sub, 1, 30.0)
+            writer.close()
+        assert got == [("resumer", 5)]
+        assert (sub.gaps, sub.repaired) == (0, 0)
 
 
 async def test_a_resubscribe_that_goes_unanswered_is_asked_again(tmp_path: Path) -> None:
