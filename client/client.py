@@ -214,7 +214,7 @@ class Subscription:
         self._last_ts: dict[str, float] = {}  # publisher -> ts of its last message handed out
         # From the first SUBSCRIBED of a subscription from now, if it carried the topic's publisher table: each
         # publisher's last seq when the subscription began (one not in it owes every message from seq 0), and
-        # where the subscription began (`_first_gap`).  None: no table, a publisher's first message is taken as
+        # where the subscription began (`Client._fetch_gap`).  None: no table, a publisher's first message is taken as
         # it comes (a subscription with `since`, or a broker that sends no table).
         self._expect: dict[str, int] | None = None
         self._began = 0.0
