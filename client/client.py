@@ -264,7 +264,9 @@ class Subscription:
         return publisher not in self._last_seq
 
     def _deliver(self, d: Record) -> None:
-        last = self._floor(d.publisher)
+        last = self._last_seq.get(d.publisher)  # (`_floor`, inlined: this runs per message)
+        if last is None and self._expect is not None:
+            last = self._expect.get(d.publisher, -1)
         if last is not None and d.seq <= last:
             self.duplicates += 1
             return
@@ -296,13 +298,16 @@ class Subscription:
             self._hand_out(behind[seq])
 
     def _hand_out(self, d: Record) -> None:
-        last = self._floor(d.publisher)
-        if last is not None and d.seq <= last:
-            return
-        # A gap before a publisher's first message that nothing filled is not counted lost: the subscription
-        # cannot tell it from a publisher the primary had lost track of, which resumed past its table's seq.
         last = self._last_seq.get(d.publisher)
-        if last is not None and d.seq > last + 1:
+        if last is None:
+            # Not owed if its table had it (`_floor`); a gap before a publisher's first message that nothing
+            # filled is not counted lost: the subscription cannot tell it from a publisher the primary had lost
+            # track of, which resumed past its table's seq.
+            if self._expect is not None and d.seq <= self._expect.get(d.publisher, -1):
+                return
+        elif d.seq <= last:
+            return
+        elif d.seq > last + 1:
             self.gaps += d.seq - last - 1
             log.warning(
                 "topic %s: %d message(s) of publisher %s missing before seq %d (lost with a failed broker)",
