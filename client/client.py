@@ -251,12 +251,12 @@ class Subscription:
             self._expect = dict(reply.publishers)
             self._began = reply.last_ts if reply.last_ts is not None else 0.0
 
-    def _floor(self, publisher: str) -> int | None:
+    def _floor(self, publisher: str) -> int:
         """The seq of publisher after which the subscription is owed everything: the last handed out, else the
-        one its table had when the subscription began (-1: every message); None if unknown (no table)."""
+        one its table had when the subscription began; -1 for every message (or no table: nothing known)."""
         last = self._last_seq.get(publisher)
-        if last is None and self._expect is not None:
-            return self._expect.get(publisher, -1)
+        if last is None:
+            return -1 if self._expect is None else self._expect.get(publisher, -1)
         return last
 
     def _first_gap(self, publisher: str) -> bool:
@@ -264,7 +264,9 @@ class Subscription:
         return publisher not in self._last_seq
 
     def _deliver(self, d: Record) -> None:
-        last = self._last_seq.get(d.publisher)  # (`_floor`, inlined: this runs per message)
+        # `_floor`, inlined (this runs per message), but None when nothing is known: then a publisher's first
+        # message is taken as it comes.
+        last = self._last_seq.get(d.publisher)
         if last is None and self._expect is not None:
             last = self._expect.get(d.publisher, -1)
         if last is not None and d.seq <= last:
@@ -289,7 +291,6 @@ class Subscription:
         order; what is still missing was lost with a failed broker (counted and logged once)."""
         behind = self._behind.pop(publisher, {})
         last = self._floor(publisher)
-        last = -1 if last is None else last
         for rec in fetched:
             if rec.publisher == publisher and rec.seq > last and rec.seq not in behind:
                 behind[rec.seq] = rec
@@ -897,7 +898,6 @@ class Client:
                         patience = REPAIR_PATIENCE  # (FIRST_GAP_MARGIN says why)
                     held = sub._behind.get(publisher, {})
                     last = sub._floor(publisher)
-                    last = -1 if last is None else last
                     missing = set(range(last + 1, max(held, default=last))) - held.keys() - {r.seq for r in found}
                     if not missing or sub.closed:
                         break

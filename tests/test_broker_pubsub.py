@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from cli.cluster import LocalCluster
 from client.client import Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
 from client.errors import ClientClosed
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
-from overlay.pubsub import Deliver, Located, Publish, Subscribe
+from overlay.pubsub import Deliver, Located, Publish, Record, Subscribe
 
 pytestmark = pytest.mark.slow
 
@@ -404,6 +404,21 @@ async def test_subscriber_resumes_after_its_access_broker_dies(cluster10: LocalC
         assert s.reconnects == 1 and sub.gaps == 0
 
 
+def deliver_dropper(
+    wanted: Callable[[Record], bool] = lambda r: True,
+) -> tuple[Callable[[object, bool], bool], list[Record]]:
+    """A Relay's drop function that drops every DELIVER to the client carrying a record `wanted` is true for, and
+    the list of those records it dropped."""
+    dropped: list[Record] = []
+
+    def drop(m: object, up: bool) -> bool:
+        hit = [r for r in m.records if wanted(r)] if not up and isinstance(m, Deliver) else []
+        dropped.extend(hit)
+        return bool(hit)
+
+    return drop, dropped
+
+
 async def test_a_message_lost_with_the_access_broker_before_the_first_delivery_is_fetched(tmp_path: Path) -> None:
     # The subscriber's access broker dies with the subscription's first message on its way (a relay of ours
     # drops the DELIVER, then cuts the connection).  The client re-subscribes elsewhere from where the
@@ -412,14 +427,7 @@ async def test_a_message_lost_with_the_access_broker_before_the_first_delivery_i
     async with LocalCluster(3, seed=31, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
         await c.wait_converged(30.0)
         topic = "grid/first/lost"
-        dropped: list[Deliver] = []
-
-        def drop(m: object, up: bool) -> bool:
-            if not up and isinstance(m, Deliver):
-                dropped.append(m)
-                return True
-            return False
-
+        drop, dropped = deliver_dropper()
         async with (
             Relay(c.nodes[0].listen, drop) as relay,
             Client([relay.address, c.nodes[1].listen]) as sc,
@@ -446,15 +454,7 @@ async def test_a_publishers_first_messages_lost_on_the_way_are_fetched_not_skipp
     async with LocalCluster(3, seed=33, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
         await c.wait_converged(30.0)
         topic = "grid/first/skipped"
-        dropped: list[int] = []
-
-        def drop(m: object, up: bool) -> bool:
-            first = [r.seq for r in getattr(m, "records", ()) if r.publisher.startswith("late-starter") and r.seq < 3]
-            if not up and isinstance(m, Deliver) and first:
-                dropped.extend(first)
-                return True
-            return False
-
+        drop, dropped = deliver_dropper(lambda r: r.publisher.startswith("late-starter") and r.seq < 3)
         async with (
             Client(c.nodes[2].listen, client_id="early") as early,
             Client(c.nodes[1].listen, client_id="late-starter") as late,
@@ -467,7 +467,7 @@ async def test_a_publishers_first_messages_lost_on_the_way_are_fetched_not_skipp
                 for i in range(5):
                     await late.publish(topic, f"m{i}")
                 got = await drain(sub, 6, 20.0)
-        assert sorted(set(dropped)) == [0, 1, 2]
+        assert sorted({r.seq for r in dropped}) == [0, 1, 2]
         assert [(p.split("#")[0], q) for p, q in got] == [("early", 3), *(("late-starter", i) for i in range(5))]
         assert sub.repaired == 3 and sub.gaps == 0
 

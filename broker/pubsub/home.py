@@ -96,11 +96,14 @@ class HomeRole:
             r.meta_dirty = True  # with the next batch to the secondary, as before every batch carried them
         self._sync_secondary(topic)
 
-    def _sync_secondary(self, topic: str) -> None:
+    def _sync_secondary(self, topic: str, upto: int = 2) -> None:
+        """This broker is the home: its list of topic to the home coordinate's holders ranked 2 to upto (the
+        secondary; `_check_location` every holder of the level)."""
         ranked = self.t.ranked(self.t.home(topic))
         dl = self.delegate_lists.get(topic)
-        if dl and len(ranked) > 1 and ranked[0].id == self.t.ov.me.id:
-            self.t.ov.route(ranked[1].coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
+        if dl and ranked and ranked[0].id == self.t.ov.me.id:
+            for other in ranked[1:upto]:
+                self.t.ov.route(other.coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
 
     def _sync_home(self, topic: str) -> None:
         """The home's secondary gives its list to the home, which may be new to the topic (a broker that joined
@@ -233,8 +236,5 @@ class HomeRole:
                         self._store(topic, list(dl))
                 else:
                     self.t.ov.route(r.home, DelegateUpdate(0, topic, dl, me))
-        for topic, kept in self.delegate_lists.items():
-            ranked = self.t.ranked(self.t.home(topic))
-            if ranked and ranked[0].id == me.id:
-                for other in ranked[1 : self.t.config.resilience]:
-                    self.t.ov.route(other.coord, DelegateUpdate(0, topic, tuple(kept), me, sync=True))
+        for topic in self.delegate_lists:
+            self._sync_secondary(topic, self.t.config.resilience)
