@@ -236,6 +236,13 @@ class LocalCluster:
         args += [*self.broker_args, *extra]
         out_path = self.state_dir / f"broker-{index}.out"
         err_path = self.state_dir / f"broker-{index}.err"
+        if again and err_path.exists():
+            # A restarted broker's earlier lives keep their logs (broker-<i>.<life>.err, 1 the first): what
+            # happened before a crash or a full restart is what one reads them for.
+            life = 1
+            while (self.state_dir / f"broker-{index}.{life}.err").exists():
+                life += 1
+            err_path.rename(self.state_dir / f"broker-{index}.{life}.err")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env.pop(ENV_INSECURE, None)  # the flags above decide
