@@ -101,6 +101,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_coalesced_publishes",
         "One-message PUBLISH frames a client sent in one read with the one before, handled as one batch with it.",
     ),
+    "heads": (
+        "sedax_heads",
+        "HEADS this primary sent, one per topic and round to all its subscribers: publishers gone quiet, newest seq.",
+    ),
     "restamped": (
         "sedax_restamped_records",
         "Stored records a merge stamped later, to keep a publisher's messages in seq order (two holders stored them).",

@@ -25,12 +25,13 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Self
@@ -64,6 +65,7 @@ from overlay.pubsub import (
     Failed,
     Fetch,
     Fetched,
+    Heads,
     Locate,
     Located,
     Nack,
@@ -223,6 +225,9 @@ class Subscription:
         # Messages held back behind a gap in their publisher's sequence while the client fetches what is
         # missing (a DELIVER lost with a dying link or access broker): publisher -> seq -> record.
         self._behind: dict[str, dict[int, Record]] = {}
+        # Publishers a HEADS said the topic holds later messages of than this subscription got, none held back
+        # (a lost tail): publisher -> the newest seq the HEADS named, while `Client._repair` fetches up to it.
+        self._owed: dict[str, int] = {}
         self._repairing = False
         self.dropped = 0  # messages dropped because the consumer was too slow
         self.duplicates = 0  # re-deliveries after a failover, suppressed by (publisher, seq)
@@ -286,10 +291,29 @@ class Subscription:
             return
         self._hand_out(d)
 
+    def _heads(self, heads: Mapping[str, int]) -> None:
+        """HEADS: the newest seq of publishers that went quiet, as the topic's primary holds them.  A publisher
+        whose last messages this subscription lacks is repaired like a gap (`Client._repair`); before, it stayed
+        short of them until that publisher's next message showed the gap, and for good if none came (a DELIVER
+        lost on the way, records merged from another holder without a push).  A publisher never seen by a
+        subscription without a table is left alone: what it is owed of it is not known."""
+        for publisher, seq in heads.items():
+            floor = self._last_seq.get(publisher)
+            if floor is None and self._expect is not None:
+                floor = self._expect.get(publisher, -1)
+            if floor is None or seq <= floor:
+                continue
+            self._owed[publisher] = max(seq, self._owed.get(publisher, seq))
+            self._behind.setdefault(publisher, {})
+        if self._behind and not self._repairing:
+            self._repairing = True
+            self._client._spawn(self._client._repair(self))
+
     def _release(self, publisher: str, fetched: Iterable[Record]) -> None:
         """After a repair FETCH: hand out the held-back messages of publisher with what the fetch found, in
         order; what is still missing was lost with a failed broker (counted and logged once)."""
         behind = self._behind.pop(publisher, {})
+        self._owed.pop(publisher, None)
         last = self._floor(publisher)
         for rec in fetched:
             if rec.publisher == publisher and rec.seq > last and rec.seq not in behind:
@@ -760,6 +784,10 @@ class Client:
                 self._event("redirect", f"{m.topic} -> {m.coord}")
             case Subscribed():
                 self._resolve(m.corr, m)
+            case Heads():
+                sub = self._subs.get(m.topic)
+                if sub is not None:
+                    sub._heads(m.publishers)
             case Done() | Fetched() | Located() | Failed() | BalancePlanned():
                 self._resolve(m.corr, m)
             case Ping():
@@ -898,7 +926,8 @@ class Client:
                         patience = REPAIR_PATIENCE  # (FIRST_GAP_MARGIN says why)
                     held = sub._behind.get(publisher, {})
                     last = sub._floor(publisher)
-                    missing = set(range(last + 1, max(held, default=last))) - held.keys() - {r.seq for r in found}
+                    upto = max(max(held, default=last), sub._owed.get(publisher, -1) + 1)  # (a HEADS: up to its seq)
+                    missing = set(range(last + 1, upto)) - held.keys() - {r.seq for r in found}
                     if not missing or sub.closed:
                         break
                     if attempt >= REPAIR_MIN_ATTEMPTS and loop.time() + retry > started + patience:
@@ -918,9 +947,10 @@ class Client:
         """The stored messages of publisher between its last handed-out one and the last held back, and the
         answering holder's resilience level (0 if none answered)."""
         behind = sub._behind.get(publisher)
-        if not behind:
+        if behind is None:
             return [], 0
-        upto = max(r.ts for r in behind.values())
+        # Nothing held back: the publisher's last messages (`Subscription._heads`), up to the newest stored.
+        upto = max((r.ts for r in behind.values()), default=math.inf)
         since = sub._last_ts.get(publisher)
         if since is None:  # a gap before the publisher's first message: from where the subscription began
             since = max(0.0, sub._began - FIRST_GAP_MARGIN)

@@ -46,12 +46,14 @@ import msgpack
 #   3: every message but the handshake's is a msgpack array `[op, field, ...]`, not a map: decoding a PUBLISH
 #      takes half the time (docs/benchmarks-latency.md, "Eleventh round");
 #   4: frames between brokers may be MAX_LINK_FRAME_SIZE, a topic's subscribers travel grouped by access
-#      broker, and a topic holds at most MAX_TOPIC_ENTRIES subscribers and publishers (`topic_full`).
-PROTOCOL_VERSION: Final = 4
+#      broker, and a topic holds at most MAX_TOPIC_ENTRIES subscribers and publishers (`topic_full`);
+#   5: a topic's primary sends its subscribers HEADS (the newest seq of publishers gone quiet).
+PROTOCOL_VERSION: Final = 5
 # The oldest version whose clients and admin tools a broker still admits.  Those of versions 1 and 2 read
-# only maps; those of version 3 cannot read the `topic_full` refusal.  They are refused at HELLO
-# (version_mismatch, in a form they read).  Brokers must speak PROTOCOL_VERSION itself.
-OLDEST_CLIENT_VERSION: Final = 4
+# only maps; those of version 3 cannot read the `topic_full` refusal, those of version 4 a HEADS (an unknown op
+# ends a connection).  They are refused at HELLO (version_mismatch, in a form they read).  Brokers must speak
+# PROTOCOL_VERSION itself.
+OLDEST_CLIENT_VERSION: Final = 5
 
 # One frame must fit in memory before it is processed, so its size is bounded.  1 MiB is far above the largest
 # control message (a STATUS with MAX_LIST_LEN entries is < 100 KiB) and leaves room for publish payloads of

@@ -607,6 +607,23 @@ class Deliver(Message):
 
 @register_message
 @dataclass(frozen=True, slots=True)
+class Heads(Message):
+    """The newest seq of each publisher named, as the topic's primary holds it, for the subscribers of the topic.
+
+    The primary sends it once such a publisher has been quiet for a while (broker settings: `HEADS_QUIET`,
+    every anti-entropy round).  A subscriber finds a gap in a publisher's sequence when that publisher's next
+    message arrives; one whose last messages never arrived (a DELIVER lost with a link, records merged from
+    another holder without a push) had nothing to find it by while the publisher stayed quiet.  A subscriber
+    behind a head fetches up to it.  At most SUBSCRIBED_TABLE_MAX publishers per HEADS.
+    """
+
+    op: ClassVar[Literal["heads"]] = "heads"
+    topic: str
+    publishers: dict[str, int]
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
 class Fetch(Message):
     """Stored messages of a topic with timestamp > since, oldest first, at most limit."""
 

@@ -181,6 +181,7 @@ class TopicTable:
             "empty_forgotten": 0,  # replicas of topics with nothing in them, forgotten (holder.sweep_empty)
             "relocations": 0,  # copies a move left behind that followed the topic (replication `relocate`)
             "coalesced": 0,  # a client's one-message PUBLISH frames handled in one batch with the one before
+            "heads": 0,  # HEADS sent to subscribers: publishers gone quiet, named with their newest seq
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event
@@ -274,6 +275,13 @@ class TopicTable:
         else:
             pending[1].append(Answer(tuple(sessions), body))
 
+    def tell_subscribers(self, subs: Iterable[SubRef], msg: Message) -> None:
+        """One message to subscribers, once per access broker (and group of sessions)."""
+        body = encode_message(msg)
+        for access, sessions in _by_access(subs).values():
+            for group in session_groups(sessions):
+                self.reply_bytes(access, group, body)
+
     def flush_replies(self) -> None:
         """Send the answers gathered so far: one TOPIC_REPLY per access broker (and frame-sized chunk), in order."""
         if not self._replies:
@@ -293,13 +301,7 @@ class TopicTable:
 
     def deliver_to(self, subs: Iterable[SubRef], topic: str, recs: list[Record]) -> None:
         """Deliver records to subscribers, one DELIVER per access broker and chunk."""
-        groups: dict[str, tuple[NodeInfo, list[str]]] = {}
-        for s in subs:
-            g = groups.get(s.access.id)
-            if g is None:
-                groups[s.access.id] = (s.access, [s.session])
-            else:
-                g[1].append(s.session)
+        groups = _by_access(subs)
         if not groups or not recs:
             return
         for batch in chunks(recs):
@@ -313,3 +315,15 @@ class TopicTable:
                 else:
                     for group in session_groups(sessions):
                         self.reply_bytes(access, group, body)
+
+
+def _by_access(subs: Iterable[SubRef]) -> dict[str, tuple[NodeInfo, list[str]]]:
+    """Subscribers grouped by access broker: node id -> (that broker, its sessions)."""
+    groups: dict[str, tuple[NodeInfo, list[str]]] = {}
+    for s in subs:
+        g = groups.get(s.access.id)
+        if g is None:
+            groups[s.access.id] = (s.access, [s.session])
+        else:
+            g[1].append(s.session)
+    return groups

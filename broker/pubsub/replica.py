@@ -475,6 +475,8 @@ class Replica:
     offered_at: float = 0.0
     # Stored something since the primary last compared digests with its copies (anti-entropy).
     unchecked: bool = False
+    # At a primary: publishers last seen up to here were named in a HEADS already (replication `_tell_heads`).
+    heads_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.copy = Copy(self.name)

@@ -38,7 +38,20 @@ from broker.store import Missing
 from overlay.delegation import DelegateUpdate
 from overlay.geometry import Coord
 from overlay.protocol import NodeInfo
-from overlay.pubsub import Delegation, Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe, later
+from overlay.pubsub import (
+    SUBSCRIBED_TABLE_MAX,
+    Delegation,
+    Heads,
+    Offer,
+    Publish,
+    Pull,
+    Record,
+    Replicate,
+    Replicated,
+    SubRef,
+    Subscribe,
+    later,
+)
 from overlay.seqset import SeqRanges, covers, ranges_of
 
 if TYPE_CHECKING:
@@ -910,8 +923,25 @@ class ReplicationRole:
         if idle and (nxt := self.next_holder(r)) is not None:
             self.backfill(r, nxt)
 
+    def _tell_heads(self, r: Replica, now: float) -> None:
+        """HEADS to r's subscribers: the newest seq of each publisher that went quiet since the last round (last
+        seen after the last HEADS' horizon, and at least heads_quiet ago).  A subscriber that lacks such a
+        publisher's last messages finds no gap to repair until its next message, and one that stopped for good
+        sends none (the subscriber's side: client `Subscription._heads`).  Not while records wait for the
+        secondary: a head would name a message not yet delivered; the next round covers them."""
+        if r.undelivered:
+            return
+        horizon = now - self.t.config.heads_quiet
+        since, r.heads_at = r.heads_at, max(r.heads_at, horizon)
+        last = r.log.last_seq
+        quiet = [(p, last[p]) for p, t in r.log.last_seen.items() if since < t <= horizon and p in last]
+        for i in range(0, len(quiet), SUBSCRIBED_TABLE_MAX):
+            self.t.counters["heads"] += 1
+            self.t.tell_subscribers(r.subscribers.values(), Heads(r.name, dict(quiet[i : i + SUBSCRIBED_TABLE_MAX])))
+
     def tick(self, now: float) -> None:
-        """Re-send unconfirmed batches, finish or repeat pulls that are slow, repeat offers, anti-entropy."""
+        """Re-send unconfirmed batches, finish or repeat pulls that are slow, repeat offers, anti-entropy (with the
+        copies, and HEADS to the subscribers)."""
         anti_entropy = now - self._last_anti_entropy >= self.t.config.anti_entropy_interval
         if anti_entropy:
             self._last_anti_entropy = now
@@ -942,6 +972,8 @@ class ReplicationRole:
                 sec = self.t.secondary(r)
                 if sec is not None and r.copy.holder == sec.id:
                     self.offer(r, [sec], track=False)
+            if anti_entropy and r.subscribers and r.stage is Stage.SERVING and r.rank == 1:
+                self._tell_heads(r, now)
             self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
             if live and now - live[0].sent_at > r.rto:

@@ -85,6 +85,12 @@ SAME_COORD: Final = 1e-12
 # and a home that lost its list learns it again.  Before, such a copy stayed where it was until the next view
 # change near it, holding disk and counting in its brokers' loads.
 LOCATION_CHECK_INTERVAL: Final = 30.0
+# Every anti-entropy round a primary tells its subscribers the newest seq of each publisher that went quiet
+# since the last round, once it has been quiet this long (HEADS; a publisher still publishing shows a gap with
+# its next message).  A subscriber that lost such a publisher's last messages on the way (a DELIVER lost with a
+# link, records merged from another holder without a push) so fetches them within a round or two, instead of
+# never if the publisher stays quiet.  Long enough that what it names was delivered (replication takes ms).
+HEADS_QUIET: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,7 @@ class PubSubConfig:
     offer_timeout: float = OFFER_TIMEOUT
     anti_entropy_interval: float = ANTI_ENTROPY_INTERVAL
     location_check_interval: float = LOCATION_CHECK_INTERVAL
+    heads_quiet: float = HEADS_QUIET
     handoff_timeout: float = HANDOFF_TIMEOUT
     forward_ttl: float = FORWARD_TTL
     move_cooldown: float = defaults.MOVE_COOLDOWN
