@@ -216,7 +216,7 @@ class Subscription:
         self._last_ts: dict[str, float] = {}  # publisher -> ts of its last message handed out
         # From the first SUBSCRIBED of a subscription from now, if it carried the topic's publisher table: each
         # publisher's last seq when the subscription began (one not in it owes every message from seq 0), and
-        # where the subscription began (`Client._fetch_gap`).  None: no table, a publisher's first message is taken as
+        # where the subscription began (`Client._fetch_gaps`).  None: no table, a publisher's first message is taken as
         # it comes (a subscription with `since`, or a broker that sends no table).
         self._expect: dict[str, int] | None = None
         self._began = 0.0
@@ -906,66 +906,84 @@ class Client:
                 await self._send(Unsubscribe(0, topic))
 
     async def _repair(self, sub: Subscription) -> None:
-        """Fetch what the live stream of sub lost before the messages it holds back (`Subscription._deliver`).
+        """Fetch what the live stream of sub lost before the messages it holds back (`Subscription._deliver`), and
+        the last messages a HEADS says it lacks (`Subscription._heads`).
 
-        Per publisher with a gap, the stored messages from its last handed-out one up to the first held back
-        are read with FETCH; whatever the holders do not have either was lost with a failed broker."""
+        Every publisher with a gap is repaired at once: the stored messages from the earliest of their last
+        handed-out ones on are read with FETCH, asked again while some are still missing, and each publisher's
+        are handed out as soon as its gap is filled or its patience ran out; whatever the holders do not have
+        then was lost with a failed broker.  (One publisher at a time, a subscription whose every publisher had a
+        gap nothing filled - registered at a primary that served without the history - waited up to K x 8 s.)"""
+        loop = asyncio.get_running_loop()
+        began: dict[str, float] = {}  # publisher -> when its repair began
+        attempts: dict[str, int] = {}
+        retry = REPAIR_RETRY
+        replicated = False  # a holder said level 2 or 3: a gap there is messages on their way (REPAIR_PATIENCE_...)
         try:
             while sub._behind and not sub.closed:
-                publisher = next(iter(sub._behind))
-                found: list[Record] = []
-                loop = asyncio.get_running_loop()
-                started, retry, patience = loop.time(), REPAIR_RETRY, REPAIR_PATIENCE
-                for attempt in itertools.count(1):
-                    found, level = await self._fetch_gap(sub, publisher)
-                    if level >= 2:
-                        patience = REPAIR_PATIENCE_REPLICATED
-                    # Every seq up to the highest held back: messages pushed while the fetch ran (a merge's)
-                    # land among the held ones, and a gap can remain between them, not only before the first.
-                    if sub._first_gap(publisher):
-                        patience = REPAIR_PATIENCE  # (FIRST_GAP_MARGIN says why)
-                    held = sub._behind.get(publisher, {})
+                publishers = list(sub._behind)
+                for publisher in publishers:
+                    began.setdefault(publisher, loop.time())
+                found, level = await self._fetch_gaps(sub, publishers)
+                replicated = replicated or level >= 2
+                now = loop.time()
+                for publisher in publishers:
+                    held = sub._behind.get(publisher)
+                    if held is None:
+                        continue
+                    attempts[publisher] = attempt = attempts.get(publisher, 0) + 1
+                    got = found.get(publisher, [])
+                    # Every seq up to the highest held back (or the HEADS' seq): messages pushed while the fetch
+                    # ran (a merge's) land among the held ones, and a gap can remain between them too.
                     last = sub._floor(publisher)
-                    upto = max(max(held, default=last), sub._owed.get(publisher, -1) + 1)  # (a HEADS: up to its seq)
-                    missing = set(range(last + 1, upto)) - held.keys() - {r.seq for r in found}
-                    if not missing or sub.closed:
-                        break
-                    if attempt >= REPAIR_MIN_ATTEMPTS and loop.time() + retry > started + patience:
-                        break
-                    if len(held) >= sub._maxsize:
-                        break  # memory stays bounded: what waits behind the gap is at most a queue's worth
+                    upto = max(max(held, default=last), sub._owed.get(publisher, -1) + 1)
+                    missing = set(range(last + 1, upto)) - held.keys() - {r.seq for r in got}
+                    # (FIRST_GAP_MARGIN says why a first gap waits REPAIR_PATIENCE at every level)
+                    first = sub._first_gap(publisher)
+                    patience = REPAIR_PATIENCE_REPLICATED if replicated and not first else REPAIR_PATIENCE
+                    out_of_patience = attempt >= REPAIR_MIN_ATTEMPTS and now + retry > began[publisher] + patience
+                    # (memory stays bounded: what waits behind a gap is at most a queue's worth)
+                    if not missing or sub.closed or out_of_patience or len(held) >= sub._maxsize:
+                        sub._release(publisher, got)
+                        del began[publisher], attempts[publisher]
+                if sub._behind and not sub.closed:
                     await asyncio.sleep(retry)  # a wait for the holders to merge, not synchronisation of ours
                     retry = min(2 * retry, REPAIR_RETRY_MAX)
-                sub._release(publisher, found)
         finally:
             sub._repairing = False
-        if sub._behind and not sub.closed:  # more arrived behind a new gap while the last fetch ran
-            sub._repairing = True
-            self._spawn(self._repair(sub))
 
-    async def _fetch_gap(self, sub: Subscription, publisher: str) -> tuple[list[Record], int]:
-        """The stored messages of publisher between its last handed-out one and the last held back, and the
-        answering holder's resilience level (0 if none answered)."""
-        behind = sub._behind.get(publisher)
-        if behind is None:
-            return [], 0
-        # Nothing held back: the publisher's last messages (`Subscription._heads`), up to the newest stored.
-        upto = max((r.ts for r in behind.values()), default=math.inf)
-        since = sub._last_ts.get(publisher)
-        if since is None:  # a gap before the publisher's first message: from where the subscription began
-            since = max(0.0, sub._began - FIRST_GAP_MARGIN)
-        found: list[Record] = []
+    async def _fetch_gaps(self, sub: Subscription, publishers: list[str]) -> tuple[dict[str, list[Record]], int]:
+        """The stored messages of each publisher between its last handed-out one and its last held back (with
+        none held back, the newest), by publisher, and the answering holder's resilience level (0 if none
+        answered).  One FETCH pass from the earliest of them."""
+        since: dict[str, float] = {}
+        upto: dict[str, float] = {}
+        for publisher in publishers:
+            behind = sub._behind.get(publisher)
+            if behind is None:
+                continue
+            # Nothing held back: the publisher's last messages (`Subscription._heads`), up to the newest stored.
+            upto[publisher] = max((r.ts for r in behind.values()), default=math.inf)
+            last_ts = sub._last_ts.get(publisher)
+            # (a gap before the publisher's first message: from where the subscription began)
+            since[publisher] = max(0.0, sub._began - FIRST_GAP_MARGIN) if last_ts is None else last_ts
+        found: dict[str, list[Record]] = {}
+        if not since:
+            return found, 0
+        at, end = min(since.values()), max(upto.values())
         level = 0
         try:
-            while since < upto:
-                fetch = Fetch(next(self._corr), sub.topic, since, CATCH_UP_PAGE)
+            while at < end:
+                fetch = Fetch(next(self._corr), sub.topic, at, CATCH_UP_PAGE)
                 reply = await self._request(fetch, min(self.request_timeout, REPAIR_FETCH_TIMEOUT))
                 assert isinstance(reply, Fetched)
                 level = reply.resilience
-                found += [r for r in reply.records if r.publisher == publisher and r.ts < upto]
+                for r in reply.records:
+                    if (u := upto.get(r.publisher)) is not None and since[r.publisher] < r.ts < u:
+                        found.setdefault(r.publisher, []).append(r)
                 if not reply.more or not reply.records:
                     break
-                since = reply.records[-1].ts
+                at = reply.records[-1].ts
         except (RequestFailed, TimeoutError, ClientError) as exc:
             log.warning("topic %s: could not fetch the messages missing from the stream: %r", sub.topic, exc)
         return found, level

@@ -16,10 +16,10 @@ from cluster import Relay, raw_connect, wait_for
 from conftest import FAST_ARGS
 
 from cli.cluster import LocalCluster
-from client.client import Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
+from client.client import REPAIR_MIN_ATTEMPTS, Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
 from client.errors import ClientClosed
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
-from overlay.pubsub import Deliver, Located, Publish, Record, Subscribe
+from overlay.pubsub import Deliver, Fetch, Located, Publish, Record, Subscribe
 
 pytestmark = pytest.mark.slow
 
@@ -512,6 +512,37 @@ async def test_a_publisher_that_resumes_past_zero_is_handed_out_not_counted_lost
             writer.close()
         assert got == [("resumer", 5)]
         assert (sub.gaps, sub.repaired) == (0, 0)
+
+
+async def test_gaps_of_several_publishers_are_repaired_together(tmp_path: Path) -> None:
+    # Five publishers new to the topic each resume past 0 (as every publisher does for a subscription registered
+    # at a primary that served without the history): five first gaps nothing fills.  One repair fetches for all
+    # five at once, one FETCH per round, and hands each out after REPAIR_PATIENCE; it used to take them one
+    # after the other, at least REPAIR_MIN_ATTEMPTS FETCHes and REPAIR_PATIENCE each (five times the wait).
+    async with LocalCluster(1, seed=36, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/first/resumed-five"
+        fetches: list[Fetch] = []
+
+        def count_fetches(m: object, up: bool) -> bool:
+            if up and isinstance(m, Fetch):
+                fetches.append(m)
+            return False
+
+        async with Relay(c.nodes[0].listen, count_fetches) as relay, Client(relay.address) as sc:
+            sub = await sc.subscribe(topic)
+            writers = []
+            for k in range(5):
+                _reader, writer = await raw_connect(c.nodes[0])
+                writer.write(encode_control(Hello(PROTOCOL_VERSION, f"resumer-{k}", "client")))
+                writer.write(encode_control(Publish(topic, f"resumer-{k}", 5, b"m5", 5)))
+                writers.append(writer)
+            got = await drain(sub, 5, 60.0)
+            for writer in writers:
+                writer.close()
+        assert sorted(got) == [(f"resumer-{k}", 5) for k in range(5)]
+        assert (sub.gaps, sub.repaired) == (0, 0)
+        assert len(fetches) < 5 * REPAIR_MIN_ATTEMPTS, f"{len(fetches)} FETCHes: one repair per publisher"
 
 
 async def test_a_resubscribe_that_goes_unanswered_is_asked_again(tmp_path: Path) -> None:
