@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from cluster import Relay, raw_connect, wait_for
@@ -419,6 +420,23 @@ def deliver_dropper(
     return drop, dropped
 
 
+M = TypeVar("M")
+
+
+def request_dropper(kind: type[M], drop_first: int = 0) -> tuple[Callable[[object, bool], bool], list[M]]:
+    """A Relay's drop function that lists every request of type `kind` from the client and drops the first
+    `drop_first` of them, and that list."""
+    seen: list[M] = []
+
+    def drop(m: object, up: bool) -> bool:
+        if up and isinstance(m, kind):
+            seen.append(m)
+            return len(seen) <= drop_first
+        return False
+
+    return drop, seen
+
+
 async def test_a_message_lost_with_the_access_broker_before_the_first_delivery_is_fetched(tmp_path: Path) -> None:
     # The subscriber's access broker dies with the subscription's first message on its way (a relay of ours
     # drops the DELIVER, then cuts the connection).  The client re-subscribes elsewhere from where the
@@ -522,13 +540,7 @@ async def test_gaps_of_several_publishers_are_repaired_together(tmp_path: Path) 
     async with LocalCluster(1, seed=36, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
         await c.wait_converged(30.0)
         topic = "grid/first/resumed-five"
-        fetches: list[Fetch] = []
-
-        def count_fetches(m: object, up: bool) -> bool:
-            if up and isinstance(m, Fetch):
-                fetches.append(m)
-            return False
-
+        count_fetches, fetches = request_dropper(Fetch)
         async with Relay(c.nodes[0].listen, count_fetches) as relay, Client(relay.address) as sc:
             sub = await sc.subscribe(topic)
             writers = []
@@ -553,14 +565,7 @@ async def test_a_resubscribe_that_goes_unanswered_is_asked_again(tmp_path: Path)
     async with LocalCluster(3, seed=32, resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
         await c.wait_converged(30.0)
         topic = "grid/resubscribe/lost"
-        seen: list[Subscribe] = []
-
-        def drop_two(m: object, up: bool) -> bool:
-            if up and isinstance(m, Subscribe):
-                seen.append(m)
-                return len(seen) <= 2
-            return False
-
+        drop_two, seen = request_dropper(Subscribe, drop_first=2)
         async with (
             Relay(c.nodes[0].listen) as first,
             Relay(c.nodes[1].listen, drop_two) as second,
