@@ -64,6 +64,24 @@ def test_append_dedup_and_size() -> None:
         store.get("nope")
 
 
+@pytest.mark.parametrize("max_bytes", [None, 5 * (30 + 1 + MESSAGE_OVERHEAD)])
+def test_a_run_appended_at_once_leaves_the_log_as_one_by_one_would(max_bytes: int | None) -> None:
+    # append_run (a batched PUBLISH that follows the publisher's last message) against append per message.
+    def filled(at_once: bool) -> object:
+        log = TopicStore(Retention(max_age=None, max_bytes=max_bytes)).ensure("t")
+        log.append(msg(1.0, 0, size=30), now=1.0)
+        log.append(msg(1.5, 0, pub="q", size=30), now=1.5)
+        run = [msg(2.0 + i / 100, 1 + i, size=30) for i in range(6)]
+        if at_once:
+            log.append_run(run, now=2.0)
+        else:
+            for m in run:
+                log.append(m, now=2.0)
+        return (list(log.rows), log.size, log.last_seq, log.held, log.expired, log.last_seen)
+
+    assert filled(at_once=True) == filled(at_once=False)
+
+
 def test_retention_by_age_and_bytes() -> None:
     log = TopicStore(Retention(max_age=10.0, max_bytes=None)).ensure("t")
     for i in range(5):

@@ -344,6 +344,9 @@ class HolderRole:
         if not p.more:
             self._publish_one(r, access, session, p.publisher, seq, p.payload, p.base)
             return
+        if r.log.last_seq.get(p.publisher, -2) == seq - 1 and not r.log.writes_each:
+            self._publish_run(r, access, session, p.publisher, seq, p.payloads())
+            return
         for payload in p.payloads():
             if not self._publish_one(r, access, session, p.publisher, seq, payload, p.base):
                 break  # out of order: the publisher re-sends from the expected number, the rest with it
@@ -422,6 +425,27 @@ class HolderRole:
         r.outbox.append(rec)
         self.t.mark(r)
         return True
+
+    def _publish_run(
+        self, r: Replica, access: NodeInfo, session: str, publisher: str, seq: int, payloads: tuple[bytes, ...]
+    ) -> None:
+        """A batch that follows the publisher's last stored message (the common case: nothing re-sent, nothing
+        out of order, a publisher the topic knows): stored as `_publish_one` stores each of them, in one pass."""
+        now = self.t.ov.now()
+        ts = max(now, r.last_ts + TS_EPSILON)
+        recs = [Record(ts + i * TS_EPSILON, publisher, seq + i, x) for i, x in enumerate(payloads)]
+        r.last_ts = recs[-1].ts
+        r.log.append_run(recs, now)
+        self.t.counters["published"] += len(recs)
+        self.t.counters["published_bytes"] += sum([len(x) for x in payloads])
+        r.waiting += [Waiting(rec, access, session) for rec in recs]
+        r.first_waiting.setdefault(publisher, seq)
+        key = (access.id, session, publisher)
+        if r.waiter_max.get(key, -1) < recs[-1].seq:
+            r.waiter_max[key] = recs[-1].seq
+        r.undelivered += recs
+        r.outbox += recs
+        self.t.mark(r)
 
     @staticmethod
     def _keep_waiting(r: Replica, waiting: list[Waiting]) -> None:
