@@ -190,6 +190,37 @@ def _dec_record(v: Any) -> Record:
     return check_record(Record(dec_float(ts), pub, seq, payload))
 
 
+_isfinite = math.isfinite
+_tuple_new = tuple.__new__
+
+
+def _dec_records(v: Any) -> tuple[Record, ...]:
+    """[[ts, publisher, seq, payload], ...] as Records, checked as `_dec_record` checks one (which also says what
+    is wrong with one that fails here): the publisher id once per run of records that share it, the array taken
+    as the Record itself.  With a call of `_dec_record` per record a DELIVER or REPLICATE of 512 records took
+    1.6 µs a record to decode, as much as the subscriber's whole handling of the message."""
+    out: list[Record] = []
+    checked = ""  # the publisher id of the record before, already checked
+    for x in dec_list(v):
+        if type(x) is list and len(x) == 4:
+            ts, pub, seq, payload = x
+            if (
+                type(ts) is float
+                and _isfinite(ts)
+                and type(pub) is str
+                and type(seq) is int
+                and 0 <= seq <= MAX_CORR
+                and type(payload) is bytes
+            ):
+                if pub != checked:
+                    _check_publisher(pub, seq)
+                    checked = pub
+                out.append(_tuple_new(Record, x))
+                continue
+        out.append(_dec_record(x))  # an integer timestamp (msgpack packs 2.0 as a float), or what is wrong
+    return tuple(out)
+
+
 def _enc_subrefs(subs: tuple[SubRef, ...]) -> list[list[Any]]:
     """A topic's subscribers as [[access broker, [session, ...]], ...]: the broker once per group, not once per
     subscriber (~15 bytes a subscriber instead of ~90, which is what lets MAX_TOPIC_ENTRIES fit a frame)."""
@@ -232,7 +263,7 @@ def _dec_delegation(v: Any) -> Delegation:
 register_field_type(
     "tuple[Record, ...]",
     lambda rs: rs,  # records are tuples: msgpack packs them as arrays as they are
-    lambda v: tuple(_dec_record(x) for x in dec_list(v)),
+    _dec_records,
 )
 register_field_type("tuple[SubRef, ...]", _enc_subrefs, _dec_subrefs)  # a topic's subscribers
 register_field_type(

@@ -471,3 +471,29 @@ def test_consecutive_publishes_of_one_read_become_one_batch() -> None:
     half = MAX_BATCH_BYTES // 2
     heavy = coalesce_publishes([pub(i, b"z" * half) for i in range(3)], max_payload=MAX_BATCH_BYTES)
     assert [f.message.count for f in heavy if isinstance(f.message, Publish)] == [2, 1]
+
+
+def test_records_decode_as_each_checked_alone() -> None:
+    # A DELIVER's records go through overlay.pubsub._dec_records (a publisher id checked once per run of records
+    # that share it); every record must still be checked as `_dec_record` checks one.
+    from overlay.pubsub import Deliver, Record
+
+    good = [[1.5, "p", 0, b"a"], [2, "p", 1, b"b"], [2.5, "q", 0, b""], [3.0, "p", 2, b"c"]]
+    m = p.decode_message(msgpack.packb(["deliver", "t", good]))
+    assert isinstance(m, Deliver)
+    assert m.records == (Record(1.5, "p", 0, b"a"), Record(2.0, "p", 1, b"b"), Record(2.5, "q", 0, b""),
+                         Record(3.0, "p", 2, b"c"))  # fmt: skip
+    assert all(type(r) is Record for r in m.records) and type(m.records[1].ts) is float
+    for bad in (  # each after a valid record of the same publisher: its id was checked already
+        [float("nan"), "p", 4, b"x"],
+        [1.0, "p", -1, b"x"],
+        [1.0, "p", 5, "text"],
+        [1.0, "p\n", 5, b"x"],
+        [1.0, "", 5, b"x"],
+        [1.0, "p", True, b"x"],
+        [1.0, "p", 5],
+        [1.0, "p", 5, b"x", 0],
+        "record",
+    ):
+        with pytest.raises(p.RemoteProtocolError):
+            p.decode_message(msgpack.packb(["deliver", "t", [[1.0, "p", 3, b"x"], bad]]))
