@@ -185,6 +185,7 @@ class Broker(Membership, Routing):
         self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)
         self.routes = DispatchTable()
         self._hops = 0  # hops of the routed message being handled (a ROUTE_REPLY reports them)
+        self._local_depth = 0
         self._register_routes()
 
     # ------------------------------------------------------------------------------------------ lifecycle

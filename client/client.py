@@ -111,6 +111,13 @@ CATCH_UP_PAGE: Final = 512
 # so a gap there is messages on their way: the other side of a partition, merged once the overlay has healed,
 # however long the cut lasted.  The client then holds the gap for REPAIR_PATIENCE_REPLICATED, or until as many
 # messages wait behind it as the subscription's queue holds.
+# The topic's primary sends each subscriber something every anti-entropy round (5 s): DELIVERs, or a HEADS (empty
+# for an idle topic).  A subscription that heard nothing from it for this long is registered nowhere that serves
+# it (a primary restarted at level 1 comes back without its subscribers: they are not on disk; a registration
+# at a broker that served for a moment while the overlay formed), while its own connection is fine, so nothing
+# else would make the client subscribe again: it does (UNSUBSCRIBE, then catch-up and SUBSCRIBE from where it
+# was), and the HEADS of the primary it reaches name what merges left behind.
+SUBSCRIPTION_LEASE: Final = 20.0
 REPAIR_RETRY: Final = 0.2
 REPAIR_RETRY_MAX: Final = 1.6
 REPAIR_PATIENCE: Final = 8.0
@@ -240,6 +247,10 @@ class Subscription:
         self._want_room = False
         self.catching_up = False
         self.restoring = False  # a task catches it up and subscribes it again (Client._resubscribe)
+        # A DELIVER or HEADS came since the client's last look (`Client._check_leases`), and when that look found
+        # it silent first.
+        self._heard = True
+        self._silent_since = 0.0
         self._error: Exception | None = None
 
     def _fail(self, exc: Exception) -> None:
@@ -574,6 +585,7 @@ class Client:
         self.reconnects = 0
         self.resent = 0
         self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
+        self.renewals = 0  # subscriptions subscribed again after SUBSCRIPTION_LEASE without a word (`_renew`)
         self.sent_at_once = 0  # publishes written as soon as they were made (the first of their loop turn)
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
@@ -774,6 +786,7 @@ class Client:
             case Deliver():
                 sub = self._subs.get(m.topic)
                 if sub is not None:
+                    sub._heard = True
                     for rec in m.records:
                         sub._deliver(rec)
             case Ack():
@@ -787,6 +800,7 @@ class Client:
             case Heads():
                 sub = self._subs.get(m.topic)
                 if sub is not None:
+                    sub._heard = True
                     sub._heads(m.publishers)
             case Done() | Fetched() | Located() | Failed() | BalancePlanned():
                 self._resolve(m.corr, m)
@@ -1309,9 +1323,29 @@ class Client:
                 if first is not None and first.sent_at < now - delay:
                     self._resend_delay[topic] = min(delay * 2, MAX_RESEND_DELAY)
                     self._resend_topic(topic)
+            self._check_leases(now)
             conn = self._conn
             if conn is not None and conn.buffered:  # a thousand idle devices' ticks need not each await a drain
                 await conn.drain()
+
+    def _check_leases(self, now: float) -> None:
+        """Subscribe again each subscription that heard nothing from its primary for SUBSCRIPTION_LEASE."""
+        for sub in list(self._subs.values()):
+            if sub._heard or sub.restoring or sub.catching_up or sub.closed:
+                sub._heard = False
+                sub._silent_since = now
+            elif now - sub._silent_since >= SUBSCRIPTION_LEASE:
+                sub._silent_since = now
+                self._spawn(self._renew(sub))
+
+    async def _renew(self, sub: Subscription) -> None:
+        """SUBSCRIPTION_LEASE without a word from the topic's primary: subscribe again, from where it was."""
+        if sub.closed or sub.restoring or self._closing:
+            return
+        self.renewals += 1
+        log.warning("topic %s: nothing from its primary for %.0f s; subscribing again", sub.topic, SUBSCRIPTION_LEASE)
+        await self._withdraw_subscribe(sub.topic)
+        await self._resubscribe(sub, "renewing the subscription to")
 
     # ---- subscribing, fetching, locating ---------------------------------------------------------------
     def subscribe(

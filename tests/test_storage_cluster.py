@@ -297,3 +297,31 @@ async def test_a_moved_topic_and_its_stale_copies_become_one_again_after_full_re
             await c.restart(keeper)
         assert "unreadable delegate lists" in str(err.value) and "move the file away" in str(err.value)
         assert "Traceback" not in str(err.value)
+
+
+async def test_a_subscription_its_restarted_primary_forgot_is_renewed(tmp_path: Path) -> None:
+    # Level 1, two brokers with disks.  The topic's primary is SIGKILLed and started again: it reads its records
+    # back, not its subscribers (they are not on disk, and at level 1 no copy holds them).  The subscriber is
+    # connected to the other broker, which stayed up, so its client had no reason to subscribe again, and the
+    # subscription stayed silent for good.  A subscription now hears from its primary at least every round
+    # (a DELIVER, or a HEADS, empty for an idle topic); hearing nothing for SUBSCRIPTION_LEASE it subscribes
+    # again from where it was, and the message published meanwhile arrives.
+    async with LocalCluster(2, seed=7, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS, data_dirs=True,
+                            tls=False) as c:  # fmt: skip
+        await c.wait_converged(30.0)
+        topic = "grid/lease/renewed"
+        async with Client(c.nodes[0].listen) as probe:
+            primary_id = (await probe.locate(topic)).primary.id
+        p = next(bp.index for bp in c.nodes if bp.node_id == primary_id)
+        access = c.nodes[1 - p].listen
+        async with Client(access) as sc, Client(access) as pub:
+            sub = await sc.subscribe(topic)
+            await pub.publish(topic, "m0")
+            first = await asyncio.wait_for(anext(sub), 20.0)
+            await c.kill(p)
+            await c.restart(p)
+            await c.wait_converged(30.0)
+            await pub.publish(topic, "m1")
+            second = await asyncio.wait_for(anext(sub), 60.0)
+        assert (first.payload, second.payload) == (b"m0", b"m1")
+        assert sc.renewals >= 1
