@@ -100,6 +100,13 @@ DEFAULT_MAX_INFLIGHT: Final = 4096
 DEFAULT_SUB_QUEUE: Final = 65536
 # Records per FETCH page when a subscription catches up on stored messages before (re-)subscribing.
 CATCH_UP_PAGE: Final = 512
+# The topic's primary sends each subscriber something every anti-entropy round (5 s): DELIVERs, or a HEADS (empty
+# for an idle topic).  A subscription that heard nothing from it for this long is registered nowhere that serves
+# it (a primary restarted at level 1 comes back without its subscribers: they are not on disk; a registration
+# at a broker that served for a moment while the overlay formed), while its own connection is fine, so nothing
+# else would make the client subscribe again: it does (UNSUBSCRIBE, then catch-up and SUBSCRIBE from where it
+# was), and the HEADS of the primary it reaches name what merges left behind.
+SUBSCRIPTION_LEASE: Final = 20.0
 # A gap the first repair FETCH does not fill is asked for again, REPAIR_RETRY apart at first and doubling up to
 # REPAIR_RETRY_MAX, until REPAIR_PATIENCE has passed; only then does it count as lost.  After a healed
 # partition the holder merges the other side's records a moment after the other side's old primary delivered
@@ -111,13 +118,6 @@ CATCH_UP_PAGE: Final = 512
 # so a gap there is messages on their way: the other side of a partition, merged once the overlay has healed,
 # however long the cut lasted.  The client then holds the gap for REPAIR_PATIENCE_REPLICATED, or until as many
 # messages wait behind it as the subscription's queue holds.
-# The topic's primary sends each subscriber something every anti-entropy round (5 s): DELIVERs, or a HEADS (empty
-# for an idle topic).  A subscription that heard nothing from it for this long is registered nowhere that serves
-# it (a primary restarted at level 1 comes back without its subscribers: they are not on disk; a registration
-# at a broker that served for a moment while the overlay formed), while its own connection is fine, so nothing
-# else would make the client subscribe again: it does (UNSUBSCRIBE, then catch-up and SUBSCRIBE from where it
-# was), and the HEADS of the primary it reaches name what merges left behind.
-SUBSCRIPTION_LEASE: Final = 20.0
 REPAIR_RETRY: Final = 0.2
 REPAIR_RETRY_MAX: Final = 1.6
 REPAIR_PATIENCE: Final = 8.0
