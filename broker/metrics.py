@@ -103,7 +103,8 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "heads": (
         "sedax_heads",
-        "HEADS this primary sent, one per topic and round to all its subscribers: publishers gone quiet, newest seq.",
+        "HEADS this primary sent, one per topic and round to all its subscribers: quiet publishers' newest seqs, "
+        "or empty for an idle topic.",
     ),
     "restamped": (
         "sedax_restamped_records",
