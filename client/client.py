@@ -267,20 +267,25 @@ class Subscription:
             self._expect = dict(reply.publishers)
             self._began = reply.last_ts if reply.last_ts is not None else 0.0
 
-    def _floor(self, publisher: str) -> int:
+    def _known_floor(self, publisher: str) -> int | None:
         """The seq of publisher after which the subscription is owed everything: the last handed out, else the
-        one its table had when the subscription began; -1 for every message (or no table: nothing known)."""
+        one its table had when the subscription began (-1: every message); None when neither says (no table)."""
         last = self._last_seq.get(publisher)
-        if last is None:
-            return -1 if self._expect is None else self._expect.get(publisher, -1)
+        if last is None and self._expect is not None:
+            return self._expect.get(publisher, -1)
         return last
+
+    def _floor(self, publisher: str) -> int:
+        """`_known_floor`, with -1 (every message) when nothing is known."""
+        floor = self._known_floor(publisher)
+        return -1 if floor is None else floor
 
     def _first_gap(self, publisher: str) -> bool:
         """A gap before the first message of publisher handed out (known from the SUBSCRIBED table)."""
         return publisher not in self._last_seq
 
     def _deliver(self, d: Record) -> None:
-        # `_floor`, inlined (this runs per message), but None when nothing is known: then a publisher's first
+        # `_known_floor`, inlined (this runs per message): None when nothing is known, and then a publisher's first
         # message is taken as it comes.
         last = self._last_seq.get(d.publisher)
         if last is None and self._expect is not None:
@@ -296,11 +301,15 @@ class Subscription:
                 behind = self._behind[d.publisher] = {}
             if d.seq not in behind:
                 behind[d.seq] = d
-            if not self._repairing:
-                self._repairing = True
-                self._client._spawn(self._client._repair(self))
+            self._start_repair()
             return
         self._hand_out(d)
+
+    def _start_repair(self) -> None:
+        """Fetch what the held-back publishers miss (`Client._repair`), unless that runs already."""
+        if not self._repairing:
+            self._repairing = True
+            self._client._spawn(self._client._repair(self))
 
     def _heads(self, heads: Mapping[str, int]) -> None:
         """HEADS: the newest seq of publishers that went quiet, as the topic's primary holds them.  A publisher
@@ -309,16 +318,13 @@ class Subscription:
         lost on the way, records merged from another holder without a push).  A publisher never seen by a
         subscription without a table is left alone: what it is owed of it is not known."""
         for publisher, seq in heads.items():
-            floor = self._last_seq.get(publisher)
-            if floor is None and self._expect is not None:
-                floor = self._expect.get(publisher, -1)
+            floor = self._known_floor(publisher)
             if floor is None or seq <= floor:
                 continue
             self._owed[publisher] = max(seq, self._owed.get(publisher, seq))
             self._behind.setdefault(publisher, {})
-        if self._behind and not self._repairing:
-            self._repairing = True
-            self._client._spawn(self._client._repair(self))
+        if self._behind:
+            self._start_repair()
 
     def _release(self, publisher: str, fetched: Iterable[Record]) -> None:
         """After a repair FETCH: hand out the held-back messages of publisher with what the fetch found, in

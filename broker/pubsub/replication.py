@@ -935,15 +935,11 @@ class ReplicationRole:
         since, r.heads_at = r.heads_at, max(r.heads_at, horizon)
         last = r.log.last_seq
         quiet = [(p, last[p]) for p, t in r.log.last_seen.items() if since < t <= horizon and p in last]
-        if not quiet:
-            if r.last_ts >= now - self.t.config.anti_entropy_interval:
-                return  # it delivered this round: its subscribers heard from it
-            # An idle topic's subscribers hear from it anyway, an empty HEADS: one that hears nothing for a while
-            # is registered nowhere that serves it, and subscribes again (client SUBSCRIPTION_LEASE).
-            self.t.counters["heads"] += 1
-            self.t.tell_subscribers(r.subscribers.values(), Heads(r.name, {}))
-            return
-        for i in range(0, len(quiet), SUBSCRIBED_TABLE_MAX):
+        if not quiet and r.last_ts >= now - self.t.config.anti_entropy_interval:
+            return  # nothing went quiet, and it delivered this round: its subscribers heard from it
+        # An idle topic's subscribers hear from it anyway, an empty HEADS: one that hears nothing for a while is
+        # registered nowhere that serves it, and subscribes again (client SUBSCRIPTION_LEASE).
+        for i in range(0, max(len(quiet), 1), SUBSCRIBED_TABLE_MAX):
             self.t.counters["heads"] += 1
             self.t.tell_subscribers(r.subscribers.values(), Heads(r.name, dict(quiet[i : i + SUBSCRIBED_TABLE_MAX])))
 
