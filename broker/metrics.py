@@ -101,6 +101,11 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_coalesced_publishes",
         "One-message PUBLISH frames a client sent in one read with the one before, handled as one batch with it.",
     ),
+    "resubscribed": (
+        "sedax_resubscribed",
+        "Local sessions' subscriptions this access broker registered again at the broker that became their topic's "
+        "primary (a view change).",
+    ),
     "heads": (
         "sedax_heads",
         "HEADS this primary sent, one per topic and round to all its subscribers: quiet publishers' newest seqs, "

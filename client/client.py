@@ -538,15 +538,23 @@ class Client:
         batch_publishes: bool = True,
         on_event: Callable[[str, str], None] | None = None,
         credentials: Credentials | None = None,
+        subscription_lease: float = SUBSCRIPTION_LEASE,
     ) -> None:
-        """Raises ValueError for a bad address and CredentialsError (a ValueError) for unusable credentials;
-        credentials default to the environment (net/credentials.py: SEDAX_CA, ... SEDAX_INSECURE)."""
+        """Raises ValueError for a bad address or lease and CredentialsError (a ValueError) for unusable
+        credentials; credentials default to the environment (net/credentials.py: SEDAX_CA, ... SEDAX_INSECURE).
+
+        `subscription_lease`: seconds of silence from a topic's primary after which a subscription subscribes
+        again (SUBSCRIPTION_LEASE); keep it above two of the brokers' anti-entropy rounds (5 s each), in which
+        an idle topic's primary sends each subscriber an empty HEADS."""
         addrs = [brokers] if isinstance(brokers, str) else list(brokers)
         if not addrs:
             raise ValueError("give at least one broker address HOST:PORT")
         for a in addrs:
             parse_address(a)  # ValueError with the reason
+        if not (isinstance(subscription_lease, int | float) and 0 < subscription_lease < float("inf")):
+            raise ValueError(f"subscription_lease must be a positive number of seconds, got {subscription_lease!r}")
         self.brokers = addrs
+        self.subscription_lease = float(subscription_lease)
         self.credentials = credentials if credentials is not None else Credentials.from_env()
         self._ssl = self.credentials.ssl_context()
         if client_id is not None and not 0 < len(client_id) <= MAX_CLIENT_ID_LEN:
@@ -591,7 +599,7 @@ class Client:
         self.reconnects = 0
         self.resent = 0
         self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
-        self.renewals = 0  # subscriptions subscribed again after SUBSCRIPTION_LEASE without a word (`_renew`)
+        self.renewals = 0  # subscriptions subscribed again after subscription_lease without a word (`_renew`)
         self.sent_at_once = 0  # publishes written as soon as they were made (the first of their loop turn)
         # Per-topic re-send delay: ack_timeout, doubling while acknowledgements stay away (a failover in
         # progress, a busy broker), so re-sends never become a storm that keeps the broker busy.
@@ -1335,21 +1343,23 @@ class Client:
                 await conn.drain()
 
     def _check_leases(self, now: float) -> None:
-        """Subscribe again each subscription that heard nothing from its primary for SUBSCRIPTION_LEASE."""
+        """Subscribe again each subscription that heard nothing from its primary for the subscription lease."""
+        lease = self.subscription_lease
         for sub in list(self._subs.values()):
             if sub._heard or sub.restoring or sub.catching_up or sub.closed:
                 sub._heard = False
                 sub._silent_since = now
-            elif now - sub._silent_since >= SUBSCRIPTION_LEASE:
+            elif now - sub._silent_since >= lease:
                 sub._silent_since = now
                 self._spawn(self._renew(sub))
 
     async def _renew(self, sub: Subscription) -> None:
-        """SUBSCRIPTION_LEASE without a word from the topic's primary: subscribe again, from where it was."""
+        """The lease passed without a word from the topic's primary: subscribe again, from where it was."""
         if sub.closed or sub.restoring or self._closing:
             return
         self.renewals += 1
-        log.warning("topic %s: nothing from its primary for %.0f s; subscribing again", sub.topic, SUBSCRIPTION_LEASE)
+        lease = self.subscription_lease
+        log.warning("topic %s: nothing from its primary for %.0f s; subscribing again", sub.topic, lease)
         await self._withdraw_subscribe(sub.topic)
         await self._resubscribe(sub, "renewing the subscription to")
 

@@ -20,7 +20,7 @@ from cli.cluster import LocalCluster
 from client.client import REPAIR_MIN_ATTEMPTS, Client, PublishAck, ReceivedMessage, RequestFailed, Subscription
 from client.errors import ClientClosed
 from overlay.protocol import PROTOCOL_VERSION, ControlFrame, FrameDecoder, Hello, encode_control, parse_address
-from overlay.pubsub import Deliver, Fetch, Located, Publish, Record, Subscribe
+from overlay.pubsub import Deliver, Failed, Fetch, Located, Publish, Record, Subscribe
 
 pytestmark = pytest.mark.slow
 
@@ -514,6 +514,49 @@ async def test_a_publishers_last_messages_lost_on_the_way_arrive_though_it_publi
         assert (sub.repaired, sub.gaps, sub.duplicates) == (2, 0, 0)
 
 
+async def test_a_subscription_that_hears_nothing_for_its_lease_subscribes_again(tmp_path: Path) -> None:
+    # The subscription's registration is lost without any change of membership the access broker could see (as
+    # at a broker that served the topic for a moment while the overlay formed): a relay of ours stands for it,
+    # dropping everything the topic's primary sends the subscriber (DELIVERs and the idle topic's HEADS) until
+    # the client subscribes again.  After its lease of silence the client does (UNSUBSCRIBE, catch-up from where
+    # it was, SUBSCRIBE), and the message published meanwhile arrives.
+    silenced: list[object] = []
+    renewing = False
+
+    def drop(m: object, up: bool) -> bool:
+        nonlocal renewing
+        if up and type(m).__name__ == "Unsubscribe" and silenced:
+            renewing = True
+        if up or renewing or not silenced or type(m).__name__ not in ("Deliver", "Heads"):
+            return False
+        silenced.append(m)
+        return True
+
+    async with LocalCluster(1, seed=36, resilience=1, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as c:
+        await c.wait_converged(30.0)
+        topic = "grid/lease/silent"
+        async with (
+            Relay(c.nodes[0].listen, drop) as relay,
+            Client(relay.address, subscription_lease=6.0) as sc,
+            Client(c.nodes[0].listen) as pub,
+        ):
+            sub = await sc.subscribe(topic)
+            await pub.publish(topic, "m0")
+            first = await drain(sub, 1, 20.0)
+            silenced.append("from now")
+            await pub.publish(topic, "m1")
+            second = await drain(sub, 1, 60.0)
+        assert [q for _, q in first + second] == [0, 1]
+        assert sc.renewals >= 1 and renewing
+        assert any(type(m).__name__ == "Deliver" for m in silenced), "the relay dropped m1's DELIVER"
+
+
+def test_a_subscription_lease_must_be_positive() -> None:
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="subscription_lease must be a positive number of seconds"):
+            Client("127.0.0.1:1", subscription_lease=bad)
+
+
 async def test_a_publisher_that_resumes_past_zero_is_handed_out_not_counted_lost(tmp_path: Path) -> None:
     # A publisher new to the topic whose first message is seq 5 (one the primary had lost track of, resuming):
     # the subscription, owed it from seq 0, fetches for 0-4, finds none, and hands 5 out without counting 0-4
@@ -623,14 +666,19 @@ async def test_bad_input_gets_clear_errors(cluster10: LocalCluster) -> None:
         writer.write(encode_control(Hello(PROTOCOL_VERSION, "raw", "client")))
         writer.write(encode_control(Publish("bad//name", "raw", 0, b"x", 0)))
         writer.write(encode_control(Publish("grid/ok", "raw", 0, b"x" * ((1 << 20) - 1000), 0)))
+        # corr 0 is an access broker's own registration of its session again, which gets no answer
+        writer.write(encode_control(Subscribe(0, "grid/ok")))
         await writer.drain()
-        dec, nacks = FrameDecoder(), []
+        dec, nacks, failed = FrameDecoder(), [], []
         async with asyncio.timeout(10):
-            while len(nacks) < 2:
+            while len(nacks) < 2 or not failed:
                 for f in dec.feed(await reader.read(65536)):
                     if isinstance(f, ControlFrame) and isinstance(f.message, Nack):
                         nacks.append(f.message.code)
+                    elif isinstance(f, ControlFrame) and isinstance(f.message, Failed):
+                        failed.append((f.message.code, f.message.text))
         assert nacks == ["bad_topic", "too_large"]
+        assert failed == [("bad_request", "a SUBSCRIBE needs a correlation id above 0")]
         writer.close()
         # and the broker still serves everyone
         assert (await c.publish("grid/ok", "still fine")).seq == 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from broker.pubsub.core import TopicTable, control_frame, frame_chunks, same
 from overlay.delegation import MoveTopic
-from overlay.geometry import Coord, geohash
+from overlay.geometry import Coord
 from overlay.protocol import Message, RemoteProtocolError, decode_message, encode_message
 from overlay.pubsub import (
     MAX_PAYLOAD_SIZE,
@@ -51,6 +51,11 @@ class AccessRole:
         # This turn's requests for other brokers: coordinate -> session -> encoded requests, in order.
         self._outgoing: dict[Coord, dict[str, list[bytes]]] = {}
         self._valid_topics: set[str] = set()
+        # Each topic a local session subscribed: the broker its requests went to (N1 of its coordinate when the
+        # view last changed) and how many local sessions subscribe it.  Registrations are soft state at the
+        # holders (a primary that restarts reads its records back, not its subscribers); this broker owns them,
+        # so when another broker becomes N1 it registers its sessions there again (`view_changed`).
+        self._primaries: dict[str, tuple[str, int]] = {}
 
     def client_message(self, session: str, msg: Message) -> None:
         """A message from a client attached to this broker."""
@@ -73,6 +78,10 @@ class AccessRole:
                     self.to_local(session, Failed(msg.corr, msg.topic, "bad_request", text))
                     return
                 if isinstance(msg, Subscribe):
+                    if not msg.corr:  # (corr 0 is this broker's own registration again: no answer comes)
+                        text = "a SUBSCRIBE needs a correlation id above 0"
+                        self.to_local(session, Failed(0, msg.topic, "bad_request", text))
+                        return
                     topics = self.session_topics.setdefault(session, set())
                     if msg.topic in topics:
                         self.to_local(
@@ -86,8 +95,9 @@ class AccessRole:
                         )
                         return
                     topics.add(msg.topic)
+                    self._count(msg.topic, +1)
                 elif isinstance(msg, Unsubscribe):
-                    self.session_topics.get(session, set()).discard(msg.topic)
+                    self._forget(session, msg.topic)
             case _:
                 raise RemoteProtocolError(f"{msg.op} is not a client request")
         self.send_request(msg.topic, session, msg)
@@ -109,7 +119,7 @@ class AccessRole:
 
     def send_request(self, topic: str, session: str, msg: Message) -> None:
         """Hand a request to the topic's primary: at once if that is this broker, else in this turn's batch."""
-        coord = self.coords.get(topic) or self.t.home(topic)
+        coord = self.coords.get(topic) or self.t.home(topic)  # (`coord`, inlined: once per request)
         me = self.t.ov.me
         r = self.t.replicas.get(topic)
         if (r.rank == 1 and r.coord == coord) if r is not None else self.t.closest_id(coord) == me.id:
@@ -137,8 +147,55 @@ class AccessRole:
     def session_closed(self, session: str) -> None:
         """A local client went away: end its subscriptions at the topics' primaries."""
         for topic in self.session_topics.pop(session, set()):
+            self._count(topic, -1)
             self.send_request(topic, session, Unsubscribe(0, topic))
         self.identities.pop(session, None)
+
+    def _forget(self, session: str, topic: str) -> None:
+        """The session no longer subscribes topic (unsubscribed, or refused by the primary)."""
+        topics = self.session_topics.get(session)
+        if topics is not None and topic in topics:
+            topics.discard(topic)
+            self._count(topic, -1)
+
+    def _count(self, topic: str, delta: int) -> None:
+        """One local subscription of topic more or fewer; a topic with none is no longer followed."""
+        entry = self._primaries.get(topic)
+        n = (entry[1] if entry is not None else 0) + delta
+        if n <= 0:
+            self._primaries.pop(topic, None)
+        elif entry is not None:
+            self._primaries[topic] = (entry[0], n)
+        else:
+            self._primaries[topic] = (self.t.closest_id(self.coord(topic)), n)
+
+    def coord(self, topic: str) -> Coord:
+        """Where this broker sends a topic's requests: C(t) as a redirect taught it, else h(t)."""
+        return self.coords.get(topic) or self.t.home(topic)
+
+    def view_changed(self) -> None:
+        """The overlay changed: a subscribed topic whose coordinate another broker is now closest to has this
+        broker's sessions registered there again, each by a SUBSCRIBE with corr 0 (no answer, nothing replayed).
+
+        A holder keeps subscriptions in memory: a level-1 primary that restarts reads its records back, not its
+        subscribers, and every holder of a topic may restart while the subscribers' access broker stays up (a
+        rolling restart).  The broker that took over, and the one that came back, hear of the subscriptions at
+        once instead of after the client's lease (SUBSCRIPTION_LEASE, 20 s of silence).  What was published in
+        between reaches the subscription as a gap it fetches (at its next message, or at the primary's HEADS).
+        A registration that was never lost is registered again harmlessly (one entry per access broker and
+        session)."""
+        changed: set[str] = set()
+        for topic, (before, n) in self._primaries.items():
+            now = self.t.closest_id(self.coord(topic))
+            if now != before:
+                self._primaries[topic] = (now, n)  # (an existing key: the dict's size does not change)
+                changed.add(topic)
+        if not changed:
+            return
+        for session, topics in self.session_topics.items():
+            for topic in topics & changed:
+                self.t.counters["resubscribed"] += 1
+                self.send_request(topic, session, Subscribe(0, topic))
 
     def subscriptions(self, session: str) -> int:
         """How many topics a local session is subscribed to."""
@@ -181,7 +238,7 @@ class AccessRole:
             return
         if isinstance(msg, Failed) and msg.code == "topic_full":
             for s in sessions:
-                self.session_topics.get(s, set()).discard(msg.topic)
+                self._forget(s, msg.topic)
 
     def _sessions_gone(self, sessions: Iterable[str], reply: bytes) -> None:
         try:
@@ -189,7 +246,7 @@ class AccessRole:
         except RemoteProtocolError:
             return
         if isinstance(msg, Deliver):
-            coord = self.coords.get(msg.topic) or geohash(msg.topic)
+            coord = self.coord(msg.topic)
             for s in sessions:
                 self.t.ov.route(coord, SessionGone(msg.topic, self.t.ov.me.id, s))
 
@@ -201,6 +258,8 @@ class AccessRole:
             self.coords.pop(m.topic, None)
         elif len(self.coords) < 100_000 or m.topic in self.coords:
             self.coords[m.topic] = m.coord
+        if (entry := self._primaries.get(m.topic)) is not None:
+            self._primaries[m.topic] = (self.t.closest_id(self.coord(m.topic)), entry[1])  # (the move carried them)
         frame = control_frame(encode_message(Redirect(m.topic, m.coord)))
         for s in m.sessions:
             self.t.ov.to_session(s, frame)

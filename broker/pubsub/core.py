@@ -181,6 +181,7 @@ class TopicTable:
             "empty_forgotten": 0,  # replicas of topics with nothing in them, forgotten (holder.sweep_empty)
             "relocations": 0,  # copies a move left behind that followed the topic (replication `relocate`)
             "coalesced": 0,  # a client's one-message PUBLISH frames handled in one batch with the one before
+            "resubscribed": 0,  # local sessions' subscriptions registered again at a topic's new N1 (access)
             "heads": 0,  # HEADS sent to subscribers: publishers gone quiet with their newest seq, or empty (idle)
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).

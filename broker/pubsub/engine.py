@@ -197,6 +197,7 @@ class PubSub:
         gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop."""
         self.home.view_changed()
         self.replication.view_changed(failed)
+        self.access.view_changed()  # (after the holders re-ranked: a local registration finds its replica)
 
     def tick(self) -> None:
         """Timers: replication, pull and move time-outs, delegate-list re-sends, notes, retention, empty topics."""

@@ -125,7 +125,8 @@ class HolderRole:
         # delegate, old primary to new) travel between authenticated brokers and are not checked again.
         acl = None if via_home else self.t.config.acl
         if acl is not None and (denied := refusal(acl, identity, req, "holder")) is not None:
-            self.t.reply(access, [session], denied)
+            if not (type(req) is Subscribe and not req.corr):  # (a registration again wants no answer: `serve`)
+                self.t.reply(access, [session], denied)
             return
         r = self.t.replicas.get(topic)
         if r is not None and r.waits:
@@ -198,12 +199,18 @@ class HolderRole:
             case Publish():
                 self._publish(r, access, session, req)
             case Subscribe():
+                # corr 0: the access broker registering its session again at a new N1 (access `view_changed`);
+                # nobody waits for an answer, and the subscription fetches what it lacks itself.
                 key = (access.id, session)
                 if key not in r.subscribers and (text := self._full(r)):
-                    self.t.reply(access, [session], Failed(req.corr, r.name, "topic_full", text))
+                    if req.corr:
+                        self.t.reply(access, [session], Failed(req.corr, r.name, "topic_full", text))
                     return
                 r.subscribers[key] = SubRef(access, session)
                 r.meta_dirty = True
+                if not req.corr:
+                    self.t.mark(r)
+                    return
                 if req.since is not None:
                     self.t.deliver_to([SubRef(access, session)], r.name, list(r.log.since(req.since)))
                 # The publisher table, for a subscription from now: what the subscriber is owed of each publisher.
