@@ -1096,3 +1096,34 @@ def test_a_home_that_holds_the_delegates_copy_and_lost_its_list_forwards_instead
     fresh.request("q", Publish(topic, "Q", 0, b"through the home", 0))
     assert [m.seq for m in fresh.inbox["q"] if isinstance(m, Ack)] == [0]
     assert _fetch_all(pub, topic) == [0, 0, 1, 2, 3, 4]
+
+
+def test_an_access_broker_registers_its_subscribers_again_where_a_topic_now_lives() -> None:
+    # Level 1: a primary keeps its subscribers in memory only, and no copy holds them.  It fails and a new broker
+    # comes up at its coordinate (a restart): the subscriber's access broker, which stayed up, registers the
+    # subscription again with whoever is now closest to the topic (the successor, then the newcomer), so what is
+    # published after the restart is delivered.  A change that leaves the topic where it was registers nothing,
+    # and a registration again gets no answer.
+    net = Net(grid(6, seed=3), resilience=1)
+    topic = "grid/registered/again"
+    h = geohash(topic)
+    primary = closest({k: v.me.coord for k, v in net.nodes.items()}, h)[0]
+    access = next(n for nid, n in net.nodes.items() if nid != primary)
+    access.request("s", Subscribe(1, topic))
+    access.request("p", Publish(topic, "P", 0, b"m0", 0))
+    assert [r.payload for r in delivered(access, "s")] == [b"m0"]
+    counters = access.ps.table.counters
+    far = max([(0.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0)], key=lambda c: (c[0] - h[0]) ** 2 + (c[1] - h[1]) ** 2)
+    net.join(far)
+    assert closest({k: v.me.coord for k, v in net.nodes.items()}, h)[0] == primary
+    assert counters["resubscribed"] == 0, "the topic's N1 did not change"
+    coord = net.nodes[primary].me.coord
+    net.kill(primary)
+    net.run()
+    assert counters["resubscribed"] == 1, "registered at the successor"
+    net.join(coord)
+    assert counters["resubscribed"] == 2, "registered at the broker back at the coordinate"
+    access.request("p", Publish(topic, "P", 1, b"m1", 1))
+    assert [r.payload for r in delivered(access, "s")] == [b"m0", b"m1"]
+    assert sum(isinstance(m, Subscribed) for m in access.inbox["s"]) == 1
+    assert not [m for m in access.inbox["s"] if isinstance(m, Failed)]
