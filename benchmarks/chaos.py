@@ -137,6 +137,7 @@ class Subscriber:
     got: dict[str, list[tuple[str, int, bytes]]] = field(default_factory=lambda: defaultdict(list))
     errors: list[str] = field(default_factory=list)
     subscriptions: dict[str, Subscription] = field(default_factory=dict)  # (their counters, for a post-mortem)
+    client: Client | None = None  # (its renewals: subscriptions whose registration was lost, found by the lease)
 
     async def receive(self, topic: str, sub: Subscription) -> None:
         self.subscriptions[topic] = sub
@@ -333,6 +334,7 @@ class Chaos:
                 sc = await stack.enter_async_context(
                     Client(order(self.rng.randrange(len(addrs))), credentials=creds, heartbeat_interval=0.25)
                 )
+                s.client = sc
                 for t in s.topics:
                     for attempt in range(10):  # as an application does: a subscribe refused mid-fault is retried
                         try:
@@ -481,6 +483,7 @@ class Chaos:
             "sent": sum(p.sent for p in self.pubs),
             "acked": sum(p.acked for p in self.pubs),
             "drained": drained,
+            "renewals": sum(s.client.renewals for s in self.subs if s.client is not None),
             "problems": problems,
         }
 
