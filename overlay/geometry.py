@@ -11,7 +11,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -140,6 +140,58 @@ def closest(nodes: Mapping[K, Sequence[float]], c: Sequence[float], k: int = 1) 
     """N_1(c) .. N_k(c) among nodes: their keys ordered by distance to c, ties broken by key."""
     ranked = sorted(nodes.items(), key=lambda kv: _order_key(distance(kv[1], c), kv[0]))
     return [key for key, _ in ranked[:k]]
+
+
+# Above this many nodes `NearestNodes` pre-selects each coordinate's candidates with numpy; at or below it, sorting
+# them all per coordinate is as fast (measured per coordinate, k = 3: 125.6 against 33.3 µs at 100 nodes, 33.2
+# against 26.5 at 32, 17.2 against 32.3 at 16).
+NEAREST_NUMPY_NODES: Final = 32
+# The relative margin of that pre-selection: a few ulps of rounding in a squared distance are far below it.
+_NEAREST_MARGIN: Final = 1e-9
+_NEAREST_CHUNK: Final = 256  # coordinates per numpy pass (a chunk x nodes matrix of squared distances)
+
+
+class NearestNodes(Generic[K]):
+    """N_1(c) .. N_k(c) among one set of nodes, for many coordinates: exactly what `closest` answers (the same
+    distances, the same tie-break), without sorting every node per coordinate.
+
+    A broker re-ranks every topic it holds, and every topic its sessions subscribe, when its view of the overlay
+    changes; with a hundred brokers known, `closest` per topic cost ~0.1 ms, so a thousand topics held up the
+    event loop (and a take-over behind it) for ~0.1 s.  Here numpy computes the squared distances of a chunk of
+    coordinates to every node at once and keeps, per coordinate, the nodes no farther than its k-th smallest
+    plus a relative margin (1e-9); `closest` orders those few exactly.  A node outside the margin has k nodes
+    truly closer than it by far more than rounding moves a distance, so it is not among the first k whichever
+    way `closest`'s own arithmetic rounds.  (`nearest_k`, the simulator's KD-tree query, breaks ties in
+    distance its own way; brokers must all pick the same N_1, so they rank with `closest`'s order.)"""
+
+    def __init__(self, nodes: Mapping[K, Sequence[float]]) -> None:
+        self._nodes = dict(nodes)
+        self._keys = list(self._nodes)
+        self._xy: FloatArray | None = None
+        if len(self._keys) > NEAREST_NUMPY_NODES:
+            self._xy = np.array([self._nodes[key] for key in self._keys], dtype=np.float64).reshape(-1, 2)
+
+    def __call__(self, coords: Sequence[Sequence[float]], k: int = 1) -> list[list[K]]:
+        """N_1 .. N_k of each coordinate, in the order given."""
+        xy, nodes, keys = self._xy, self._nodes, self._keys
+        if xy is None or not 0 < k < len(keys):
+            return [closest(nodes, c, k) for c in coords]
+        out: list[list[K]] = []
+        for start in range(0, len(coords), _NEAREST_CHUNK):
+            chunk = coords[start : start + _NEAREST_CHUNK]
+            cs = np.array(chunk, dtype=np.float64).reshape(-1, 2)
+            d2 = (cs[:, 0:1] - xy[:, 0]) ** 2 + (cs[:, 1:2] - xy[:, 1]) ** 2
+            kth = np.partition(d2, k - 1, axis=1)[:, k - 1]
+            # (+ the smallest normal double: a node exactly at the coordinate, kth 0, keeps its candidates)
+            within = d2 <= (kth * (1.0 + _NEAREST_MARGIN))[:, None] + np.finfo(np.float64).tiny
+            rows, cols = np.nonzero(within)  # (row by row: each coordinate's candidates are one stretch)
+            ends = np.searchsorted(rows, np.arange(1, len(chunk) + 1)).tolist()
+            picked = cols.tolist()
+            begin = 0
+            for c, end in zip(chunk, ends, strict=True):
+                out.append(closest({keys[i]: nodes[keys[i]] for i in picked[begin:end]}, c, k))
+                begin = end
+        return out
 
 
 def greedy_next_hop(

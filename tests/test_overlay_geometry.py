@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlay.geometry import (
+    NEAREST_NUMPY_NODES,
     UNIT_SQUARE,
     BadCoordinate,
+    NearestNodes,
     Space,
     closest,
     delaunay_neighbour_map,
@@ -101,3 +103,24 @@ def test_nearest_k_orders_by_distance() -> None:
     pts = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.4, 0.4]])
     assert nearest_k(pts, np.array([[0.1, 0.0]]), 3).tolist() == [[0, 3, 1]]
     assert closest({"a": (0.0, 0.0), "b": (1.0, 0.0)}, (0.5, 0.0), 2) == ["a", "b"]  # tie broken by key
+
+
+@pytest.mark.parametrize("n", [5, NEAREST_NUMPY_NODES, NEAREST_NUMPY_NODES + 1, 100, 300])
+def test_nearest_nodes_answers_what_closest_answers(n: int) -> None:
+    # The broker ranks many coordinates at once after a view change (numpy pre-selection above
+    # NEAREST_NUMPY_NODES): the answer must be closest()'s exactly, ties included, or brokers would disagree
+    # on a topic's N_1.
+    rng = np.random.default_rng(n)
+    nodes = {f"n{i}": (float(x), float(y)) for i, (x, y) in enumerate(rng.random((n, 2)))}
+    coords = [(float(x), float(y)) for x, y in rng.random((600, 2))]
+    coords += list(nodes.values())[:20]  # a coordinate exactly at a node
+    # exact ties: two nodes mirrored about a coordinate, and the coordinate between them
+    nodes["tie-b"], nodes["tie-a"] = (0.25, 0.5), (0.75, 0.5)
+    coords.append((0.5, 0.5))
+    near = NearestNodes(nodes)
+    for k in (1, 3, 4):
+        assert near(coords, k) == [closest(nodes, c, k) for c in coords]
+    assert near([(0.5, 0.5)], n + 2) == [closest(nodes, (0.5, 0.5), n + 2)]  # k beyond the node count
+    assert near([], 3) == []
+    pair = NearestNodes({"b": (0.0, 0.0), "a": (1.0, 0.0)})
+    assert pair([(0.5, 0.0)], 2) == [["a", "b"]]  # tie broken by key, as closest does

@@ -185,6 +185,7 @@ class AccessRole:
         A registration that was never lost is registered again harmlessly (one entry per access broker and
         session)."""
         changed: set[str] = set()
+        self.t.rank_many(self.coord(topic) for topic in self._primaries)
         for topic, (before, n) in self._primaries.items():
             now = self.t.closest_id(self.coord(topic))
             if now != before:

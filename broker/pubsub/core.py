@@ -16,7 +16,7 @@ from typing import Final, Protocol, TypeVar
 from broker.pubsub.replica import Replica, Stage, Transition
 from broker.pubsub.settings import SAME_COORD, PubSubConfig
 from broker.store import TopicStore
-from overlay.geometry import Coord, closest, distance, geohash
+from overlay.geometry import Coord, NearestNodes, distance, geohash
 from overlay.protocol import (
     MAX_FRAME_SIZE,
     MAX_LINK_FRAME_SIZE,
@@ -140,9 +140,10 @@ class TopicTable:
         self.replicas: dict[str, Replica] = {}
         self._corr = count(1)
         self._homes: dict[str, Coord] = {}
-        # ranked() per coordinate for the current view (`_ranked_nodes`).
+        # ranked() per coordinate for the current view (`_ranked_nodes`), and that view's nodes by distance.
         self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}
         self._ranked_view: Mapping[str, NodeInfo] | None = None
+        self._nearest: NearestNodes[str] = NearestNodes({})
         # Topics with new work, flushed once per batch of input (one replication, ACK and DELIVER frame carry
         # everything that arrived together); the engine flushes them through `on_flush`.
         self.dirty: dict[str, Replica] = {}
@@ -210,17 +211,27 @@ class TopicTable:
     def _ranked_nodes(self, coord: Coord) -> tuple[NodeInfo, ...]:
         # Cached per coordinate for the current view: an access broker asks for every request whether it is
         # N1 of the topic's coordinate, a primary ranks its topic's holders on every flush.
+        hit = self._ranked.get(coord) if self.ov.view() is self._ranked_view else None
+        if hit is None:
+            self.rank_many((coord,))
+            hit = self._ranked.get(coord)
+            if hit is None:  # (the cache is full)
+                view = self.ov.view()
+                hit = tuple(view[i] for i in self._nearest([coord], 3)[0])
+        return hit
+
+    def rank_many(self, coords: Iterable[Coord]) -> None:
+        """Rank many coordinates for the current view at once, into the cache `_ranked_nodes` reads: a view
+        change re-ranks every topic held and every topic this broker's sessions subscribe (NearestNodes)."""
         view = self.ov.view()
         if view is not self._ranked_view:
             self._ranked_view = view
             self._ranked.clear()
-        hit = self._ranked.get(coord)
-        if hit is None:
-            ids = closest({nid: n.coord for nid, n in view.items()}, coord, 3)
-            hit = tuple(view[i] for i in ids)
-            if len(self._ranked) < RANKED_CACHE:
-                self._ranked[coord] = hit
-        return hit
+            self._nearest = NearestNodes({nid: n.coord for nid, n in view.items()})
+        ranked = self._ranked
+        todo = list({c: None for c in coords if c not in ranked})[: max(0, RANKED_CACHE - len(ranked))]
+        for c, ids in zip(todo, self._nearest(todo, 3), strict=True):
+            ranked[c] = tuple(view[i] for i in ids)
 
     def rank_of_me(self, coord: Coord) -> int:
         """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""
@@ -232,9 +243,10 @@ class TopicTable:
 
     def holders(self, coord: Coord, *, without_me: bool = False) -> list[NodeInfo]:
         """The brokers that keep a topic at coord: N1 .. N_resilience (this one left out when it is leaving)."""
+        self.rank_many(())  # (the current view's NearestNodes)
         view = self.ov.view()
         me = self.ov.me.id
-        ids = [i for i in closest({nid: n.coord for nid, n in view.items()}, coord, 4) if not (without_me and i == me)]
+        ids = [i for i in self._nearest([coord], 4)[0] if not (without_me and i == me)]
         return [view[i] for i in ids[: self.config.resilience]]
 
     def secondary(self, r: Replica) -> NodeInfo | None:

@@ -191,6 +191,7 @@ class HomeRole:
     def view_changed(self) -> None:
         """Keep the lists of topics whose home (or home's secondary) this broker still is."""
         dropped = False
+        self.t.rank_many(self.t.home(topic) for topic in self.delegate_lists)
         for topic in list(self.delegate_lists):
             rank = self.t.rank_of_me(self.t.home(topic))
             if rank == 1:

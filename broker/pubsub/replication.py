@@ -772,6 +772,7 @@ class ReplicationRole:
     def view_changed(self, failed: Collection[str]) -> None:
         """Re-rank every topic held: take-over, new secondary, or drop (moves in progress finish first)."""
         self._leaving &= set(self.t.ov.view())
+        self.t.rank_many(r.coord for r in self.t.replicas.values())  # (at once: then rank_of_me reads the cache)
         for r in list(self.t.replicas.values()):
             old = r.rank
             r.rank = self.t.rank_of_me(r.coord)
