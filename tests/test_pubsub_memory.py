@@ -15,7 +15,7 @@ import pytest
 from broker.acl import Acl, parse_acl
 from broker.pubsub import PubSub, PubSubConfig
 from broker.pubsub.core import chunks, frame_chunks
-from broker.pubsub.settings import EMPTY_TOPIC_SWEEP
+from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, REGISTER_AGAIN
 from broker.store import Retention
 from overlay.geometry import Coord, closest, geohash
 from overlay.protocol import (
@@ -1123,6 +1123,9 @@ def test_an_access_broker_registers_its_subscribers_again_where_a_topic_now_live
     assert counters["resubscribed"] == 1, "registered at the successor"
     net.join(coord)
     assert counters["resubscribed"] == 2, "registered at the broker back at the coordinate"
+    net.tick(REGISTER_AGAIN + 0.1)
+    net.tick(REGISTER_AGAIN + 0.1)
+    assert counters["resubscribed"] == 3, "and once more a second later (the first may be lost while links form)"
     access.request("p", Publish(topic, "P", 1, b"m1", 1))
     assert [r.payload for r in delivered(access, "s")] == [b"m0", b"m1"]
     assert sum(isinstance(m, Subscribed) for m in access.inbox["s"]) == 1

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from broker.pubsub.core import TopicTable, control_frame, frame_chunks, same
+from broker.pubsub.settings import REGISTER_AGAIN
 from overlay.delegation import MoveTopic
 from overlay.geometry import Coord
 from overlay.protocol import Message, RemoteProtocolError, decode_message, encode_message
@@ -56,6 +57,8 @@ class AccessRole:
         # holders (a primary that restarts reads its records back, not its subscribers); this broker owns them,
         # so when another broker becomes N1 it registers its sessions there again (`view_changed`).
         self._primaries: dict[str, tuple[str, int]] = {}
+        # Topics registered again at a view change, and when to register them once more (`tick`).
+        self._again: dict[str, float] = {}
 
     def client_message(self, session: str, msg: Message) -> None:
         """A message from a client attached to this broker."""
@@ -193,8 +196,29 @@ class AccessRole:
                 changed.add(topic)
         if not changed:
             return
-        for session, topics in self.session_topics.items():
-            for topic in topics & changed:
+        self._register_again(changed)
+        # While the overlay forms, a registration can be dropped on the way (the new N1 in the view before a link
+        # leads there: routing's MAX_LOCAL_DEPTH), and nobody waits for it to ask again: made once more a second
+        # later, when the links are up.
+        again = self.t.ov.now() + REGISTER_AGAIN
+        for topic in changed:
+            self._again[topic] = again
+
+    def tick(self, now: float) -> None:
+        """Registrations made at a view change, made once more (`view_changed`)."""
+        if not self._again:
+            return
+        due = {topic for topic, at in self._again.items() if at <= now}
+        for topic in due:
+            del self._again[topic]
+        self._register_again(due & self._primaries.keys())
+
+    def _register_again(self, topics: set[str]) -> None:
+        """Register every local session's subscription of these topics again at the topic's N1 (corr 0)."""
+        if not topics:
+            return
+        for session, subscribed in self.session_topics.items():
+            for topic in subscribed & topics:
                 self.t.counters["resubscribed"] += 1
                 self.send_request(topic, session, Subscribe(0, topic))
 

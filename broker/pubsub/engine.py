@@ -200,9 +200,11 @@ class PubSub:
         self.access.view_changed()  # (after the holders re-ranked: a local registration finds its replica)
 
     def tick(self) -> None:
-        """Timers: replication, pull and move time-outs, delegate-list re-sends, notes, retention, empty topics."""
+        """Timers: replication, pull and move time-outs, registrations made again, delegate-list re-sends, notes,
+        retention, empty topics."""
         now = self.table.ov.now()
         self.replication.tick(now)
+        self.access.tick(now)
         self.moves.tick(now)
         self.home.tick(now)
         self.accounting.tick(now)

@@ -56,6 +56,9 @@ OFFER_TIMEOUT: Final = 2.0
 # A primary compares digests with its copies this often, for the topics that stored something since the last
 # comparison (anti-entropy: a stretch a copy missed is sent again; an idle topic costs nothing).
 ANTI_ENTROPY_INTERVAL: Final = 5.0
+# An access broker that registered its sessions again where a view change moved a topic's N1 does so once more
+# after this long (access `view_changed`): the first may have been dropped while the links formed.
+REGISTER_AGAIN: Final = 1.0
 # A long answer to a pull (a new holder's history) goes SYNC_WINDOW chunks of SYNC_CHUNK records at a time
 # (replication.py `_Answer`): the next leaves when the asker confirmed one.  Sent all at once, 300,000 records
 # stalled the answering broker's event loop ~0.4 s and queued 36 MB ahead of the topic's next batches on the
