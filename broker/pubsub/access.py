@@ -190,9 +190,9 @@ class AccessRole:
         changed: set[str] = set()
         self.t.rank_many(self.coord(topic) for topic in self._primaries)
         for topic, (before, n) in self._primaries.items():
-            now = self.t.closest_id(self.coord(topic))
-            if now != before:
-                self._primaries[topic] = (now, n)  # (an existing key: the dict's size does not change)
+            n1 = self.t.closest_id(self.coord(topic))
+            if n1 != before:
+                self._primaries[topic] = (n1, n)  # (an existing key: the dict's size does not change)
                 changed.add(topic)
         if not changed:
             return
