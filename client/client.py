@@ -551,7 +551,8 @@ class Client:
             raise ValueError("give at least one broker address HOST:PORT")
         for a in addrs:
             parse_address(a)  # ValueError with the reason
-        if not (isinstance(subscription_lease, int | float) and 0 < subscription_lease < float("inf")):
+        lease_ok = isinstance(subscription_lease, int | float) and not isinstance(subscription_lease, bool)
+        if not (lease_ok and 0 < subscription_lease < float("inf")):
             raise ValueError(f"subscription_lease must be a positive number of seconds, got {subscription_lease!r}")
         self.brokers = addrs
         self.subscription_lease = float(subscription_lease)

@@ -552,7 +552,7 @@ async def test_a_subscription_that_hears_nothing_for_its_lease_subscribes_again(
 
 
 def test_a_subscription_lease_must_be_positive() -> None:
-    for bad in (0, -1.0, float("nan"), float("inf")):
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "20"):
         with pytest.raises(ValueError, match="subscription_lease must be a positive number of seconds"):
             Client("127.0.0.1:1", subscription_lease=bad)
 
