@@ -216,22 +216,27 @@ class TopicTable:
             self.rank_many((coord,))
             hit = self._ranked.get(coord)
             if hit is None:  # (the cache is full)
-                view = self.ov.view()
-                hit = tuple(view[i] for i in self._nearest([coord], 3)[0])
+                view, nearest = self._view_nearest()
+                hit = tuple(view[i] for i in nearest([coord], 3)[0])
         return hit
 
     def rank_many(self, coords: Iterable[Coord]) -> None:
         """Rank many coordinates for the current view at once, into the cache `_ranked_nodes` reads: a view
         change re-ranks every topic held and every topic this broker's sessions subscribe (NearestNodes)."""
+        view, nearest = self._view_nearest()
+        ranked = self._ranked
+        todo = list({c: None for c in coords if c not in ranked})[: max(0, RANKED_CACHE - len(ranked))]
+        for c, ids in zip(todo, nearest(todo, 3), strict=True):
+            ranked[c] = tuple(view[i] for i in ids)
+
+    def _view_nearest(self) -> tuple[Mapping[str, NodeInfo], NearestNodes[str]]:
+        """The current view and its NearestNodes; a new view also empties the ranking cache."""
         view = self.ov.view()
         if view is not self._ranked_view:
             self._ranked_view = view
             self._ranked.clear()
             self._nearest = NearestNodes({nid: n.coord for nid, n in view.items()})
-        ranked = self._ranked
-        todo = list({c: None for c in coords if c not in ranked})[: max(0, RANKED_CACHE - len(ranked))]
-        for c, ids in zip(todo, self._nearest(todo, 3), strict=True):
-            ranked[c] = tuple(view[i] for i in ids)
+        return view, self._nearest
 
     def rank_of_me(self, coord: Coord) -> int:
         """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""
@@ -243,10 +248,9 @@ class TopicTable:
 
     def holders(self, coord: Coord, *, without_me: bool = False) -> list[NodeInfo]:
         """The brokers that keep a topic at coord: N1 .. N_resilience (this one left out when it is leaving)."""
-        self.rank_many(())  # (the current view's NearestNodes)
-        view = self.ov.view()
+        view, nearest = self._view_nearest()
         me = self.ov.me.id
-        ids = [i for i in self._nearest([coord], 4)[0] if not (without_me and i == me)]
+        ids = [i for i in nearest([coord], 4)[0] if not (without_me and i == me)]
         return [view[i] for i in ids[: self.config.resilience]]
 
     def secondary(self, r: Replica) -> NodeInfo | None:
