@@ -213,11 +213,10 @@ class TopicTable:
         # N1 of the topic's coordinate, a primary ranks its topic's holders on every flush.
         hit = self._ranked.get(coord) if self.ov.view() is self._ranked_view else None
         if hit is None:
-            self.rank_many((coord,))
-            hit = self._ranked.get(coord)
-            if hit is None:  # (the cache is full)
-                view, nearest = self._view_nearest()
-                hit = tuple(view[i] for i in nearest([coord], 3)[0])
+            view, nearest = self._view_nearest()
+            hit = tuple(view[i] for i in nearest([coord], 3)[0])
+            if len(self._ranked) < RANKED_CACHE:
+                self._ranked[coord] = hit
         return hit
 
     def rank_many(self, coords: Iterable[Coord]) -> None:
@@ -225,7 +224,7 @@ class TopicTable:
         change re-ranks every topic held and every topic this broker's sessions subscribe (NearestNodes)."""
         view, nearest = self._view_nearest()
         ranked = self._ranked
-        todo = list({c: None for c in coords if c not in ranked})[: max(0, RANKED_CACHE - len(ranked))]
+        todo = list(dict.fromkeys(c for c in coords if c not in ranked))[: max(0, RANKED_CACHE - len(ranked))]
         for c, ids in zip(todo, nearest(todo, 3), strict=True):
             ranked[c] = tuple(view[i] for i in ids)
 
