@@ -8,9 +8,10 @@ secondary, hand-over: replication `view_changed`) and of every topic its session
 
 * ranking alone: `closest` per coordinate (a sort of every known broker each, what the broker did until
   2026-11-28) against `NearestNodes` over all coordinates at once (overlay/geometry.py), the same answers;
-* the whole `view_changed` of a real `PubSub` engine (level 3) with one local session subscribed to every topic,
-  as a broker joins at a corner of the space and leaves again, and how many subscriptions that moved to or from
-  the corner broker were registered again per view change (the rest is the check alone).
+* the whole `view_changed` of a `PubSub` engine (level 3, on bench_engine.py's in-memory overlay) with one local
+  session subscribed to every topic, as a broker joins at a corner of the space and leaves again, and how many
+  subscriptions that moved to or from the corner broker were registered again per view change (the rest is the
+  check alone).
 
 Best of --repeat, milliseconds per view change.  The event loop runs nothing else meanwhile, so this is also
 how long a take-over behind it waits.
@@ -21,57 +22,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_engine as be
 import numpy as np
 
-from broker.pubsub import PubSub, PubSubConfig
-from overlay.geometry import Coord, NearestNodes, closest, geohash
-from overlay.protocol import Message, NodeInfo
+from broker.pubsub import PubSub
+from overlay.geometry import NearestNodes, closest, geohash
+from overlay.protocol import NodeInfo
 from overlay.pubsub import Subscribe
 
 
-class _Overlay:
-    """The engine's Overlay port with a fixed view: sends go nowhere, deferred calls run when asked."""
-
-    def __init__(self, me: NodeInfo, view: dict[str, NodeInfo]) -> None:
-        self._me = me
-        self._view = view
-        self.deferred: list[Callable[[], None]] = []
-        self.routed = 0
-
-    @property
-    def me(self) -> NodeInfo:
-        return self._me
-
-    def view(self) -> Mapping[str, NodeInfo]:
-        return self._view
-
-    def route(self, dest: Coord, msg: Message) -> None:
-        self.routed += 1
-
-    def to_session(self, session: str, frame: bytes, sent: Message | None = None) -> bool:
-        return True
-
-    def now(self) -> float:
-        return 1000.0
-
-    def defer(self, fn: Callable[[], None]) -> None:
-        self.deferred.append(fn)
-
-    def run(self) -> None:
-        while self.deferred:
-            self.deferred.pop(0)()
-
-
-def _join_and_leave(ov: _Overlay, ps: PubSub) -> None:
-    """A broker joins at a corner and leaves again: two new views, as membership makes them."""
-    ov._view = {**ov._view, "corner": NodeInfo("corner", (0.0, 0.0), "127.0.0.1:1")}
+def _join_and_leave(net: be.Net, ps: PubSub) -> None:
+    """A broker joins at a corner and leaves again: two new views, as membership makes them (the registrations
+    they send stay queued: only the view change is timed)."""
+    net.view = {**net.view, "corner": NodeInfo("corner", (0.0, 0.0), "127.0.0.1:1")}
     ps.view_changed()
-    ov._view = {k: v for k, v in ov._view.items() if k != "corner"}
+    net.view = {k: v for k, v in net.view.items() if k != "corner"}
     ps.view_changed()
 
 
@@ -104,21 +75,22 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for n in sizes:
         rng = np.random.default_rng(n)
-        view = {f"n{i}": NodeInfo(f"n{i}", (float(x), float(y)), f"127.0.0.1:{7000 + i}") for i, (x, y) in
-                enumerate(rng.uniform(0.05, 0.95, (n, 2)))}  # fmt: skip
-        coords = {nid: info.coord for nid, info in view.items()}
+        sites = [(float(x), float(y)) for x, y in rng.uniform(0.05, 0.95, (n, 2))]
+        coords = {f"n{i}": c for i, c in enumerate(sites)}
         for t in counts:
             topics = [f"grid/rank/{i}" for i in range(t)]
             homes = [geohash(topic) for topic in topics]
             per_topic = _best(lambda h=homes, c=coords: [closest(c, x, 3) for x in h], args.repeat)
             at_once = _best(lambda h=homes, c=coords: NearestNodes(c)(h, 3), args.repeat)
-            ov = _Overlay(view["n0"], dict(view))
-            ps = PubSub(ov, PubSubConfig(resilience=3))
+            net = be.Net(sites, 3)  # (bench_engine's in-memory overlay: the subscriptions are registered)
+            access = net.nodes["n0"]
+            access.frames_to["s"] = 0
+            ps = access.ps
             for i, topic in enumerate(topics):
                 ps.client_message("s", Subscribe(i + 1, topic))
-            ov.run()
+            net.run()
             before = ps.table.counters["resubscribed"]
-            engine = _best(lambda o=ov, e=ps: _join_and_leave(o, e), args.repeat) / 2
+            engine = _best(lambda o=net, e=ps: _join_and_leave(o, e), args.repeat) / 2
             moved = (ps.table.counters["resubscribed"] - before) / (2 * args.repeat)
             print(f"| {n} | {t} | {per_topic:.1f} | {at_once:.1f} | {engine:.1f} | {moved:.0f} |", flush=True)
     return 0
