@@ -188,9 +188,10 @@ class AccessRole:
         A registration that was never lost is registered again harmlessly (one entry per access broker and
         session)."""
         changed: set[str] = set()
-        self.t.rank_many(self.coord(topic) for topic in self._primaries)
+        coords = {topic: self.coord(topic) for topic in self._primaries}
+        self.t.rank_many(coords.values())
         for topic, (before, n) in self._primaries.items():
-            n1 = self.t.closest_id(self.coord(topic))
+            n1 = self.t.closest_id(coords[topic])
             if n1 != before:
                 self._primaries[topic] = (n1, n)  # (an existing key: the dict's size does not change)
                 changed.add(topic)
