@@ -129,6 +129,7 @@ class Membership:
     _new_link: Callable[..., PeerLink]
     _register: Callable[[PeerLink, int], int | None]
     send_routed: Callable[..., None]
+    release_held: Callable[[], None]
     event: Callable[..., None]
 
     async def join(self) -> None:
@@ -368,6 +369,8 @@ class Membership:
                         link.write(data)
         if self.stats.healing_since is not None:
             self._check_healed(frozen)
+        # A link that came up (or a closer broker forgotten) may be what held routed messages wait for.
+        self.release_held()
 
     async def _dial(self, info: NodeInfo, *, quiet: bool = False) -> None:
         try:

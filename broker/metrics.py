@@ -47,6 +47,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_routed_delivered_messages",
         "Routed messages that ended at this broker (the closest to their destination), pub/sub and control.",
     ),
+    "routed_held": (
+        "sedax_routed_held_messages",
+        "Routed messages held because a known broker was closer than this one but no link led there yet.",
+    ),
     "failures_detected": ("sedax_failures_detected", "Neighbour brokers this broker found dead (reset, silence)."),
     "suspicions_refuted": (
         "sedax_suspicions_refuted",

@@ -186,6 +186,7 @@ class Broker(Membership, Routing):
         self.routes = DispatchTable()
         self._hops = 0  # hops of the routed message being handled (a ROUTE_REPLY reports them)
         self._local_depth = 0
+        self._held = []  # routed messages held until a link leads closer (routing.HOLD_FOR)
         self._register_routes()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -451,7 +452,14 @@ class Broker(Membership, Routing):
             if on_beat:
                 self.balancer.tick(now)
                 beat_at = next_beat(max(now, beat_at) + TICK_SLACK)
-            if self._pubsub_input or self.stats.routed_delivered != delivered or self._known_ids is not known:
+            if self._held:
+                self.release_held()  # (their time up: handled here; `_reconcile` releases them when links come up)
+            if (
+                self._pubsub_input
+                or self.stats.routed_delivered != delivered
+                or self._known_ids is not known
+                or self._held
+            ):
                 self._pubsub_input = False
                 delivered = self.stats.routed_delivered
                 known = self._known_ids

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from broker.link import LinkClosed, PeerLink
@@ -66,8 +66,28 @@ FLUSH_THRESHOLD: Final = 256 * 1024
 # as having no route; the client asks again.  Legitimate chains (a request that answers a local session) are a
 # few deep.
 MAX_LOCAL_DEPTH: Final = 16
+# A routed message that stops here while the view knows a closer broker that no link leads to yet (a Delaunay
+# neighbour being linked, as while the overlay forms after a restart: `NeighbourView.knows_closer`) is held, not
+# handled here: handled, a request for a topic whose closest broker is that one went round to this broker until
+# MAX_LOCAL_DEPTH dropped it, and an answer for that broker's clients was lost.  It goes on once a link leads
+# closer (tried after each reconciliation of the links and at pub/sub's ticks) or, after this long, is handled here
+# as before ...
+HOLD_FOR: Final = 1.0
+# ... and at most this many are held at once; beyond, a message is handled as before at once.
+MAX_HELD: Final = 4096
 
 Handler = Callable[[Any], None]
+
+
+@dataclass(slots=True)
+class Held:
+    """A routed message held until a link leads closer to its destination (HOLD_FOR)."""
+
+    until: float  # loop time after which it is handled here
+    dest: Coord
+    msg: Message | None  # originated here (`send_routed`) ...
+    flags: int
+    frame: RoutedFrame | None  # ... or passed on by a neighbour (`on_routed`)
 
 
 class DuplicateHandler(ValueError):
@@ -124,9 +144,11 @@ class Routing:
     _congested: set[PeerLink]
     _hops: int
     _local_depth: int  # local deliveries of messages this broker originated, nested (MAX_LOCAL_DEPTH)
+    _held: list[Held]  # routed messages waiting for a link that leads closer (HOLD_FOR)
     # ... and the parts of the other modules it calls.
     _answer_join: Callable[[Join], JoinAccept | Refuse]
     _outside_text: Callable[[Coord], str]
+    _now: Callable[[], float]
 
     def written(self, link: PeerLink) -> None:
         """Something was written to link in this turn (checked for backpressure by needs_flush)."""
@@ -162,8 +184,12 @@ class Routing:
         if self.guard.forged(frame, peer, self.info, None if nh is None else onward):
             return
         if nh is None:
-            self._deliver(frame)
+            if not self._hold(Held(0.0, (frame.x, frame.y), None, 0, frame)):
+                self._deliver(frame)
             return
+        self._forward(frame, nh)
+
+    def _forward(self, frame: RoutedFrame, nh: str) -> None:
         if frame.hops + 1 >= frame.hop_limit:  # same test as protocol.may_forward, inlined on the hot path
             self.stats.dropped_hop_limit += 1
             if self.stats.dropped_hop_limit % DROP_LOG_EVERY == 1:
@@ -204,10 +230,13 @@ class Routing:
             return None
         return encode_message(replace(probe, path=(*probe.path, self.info)))
 
-    def send_routed(self, dest: Coord, msg: Message, flags: int = 0) -> None:
-        """Originate a routed message (or handle it here if this broker is the closest)."""
+    def send_routed(self, dest: Coord, msg: Message, flags: int = 0, until: float = 0.0) -> None:
+        """Originate a routed message (or handle it here if this broker is the closest).  until: the end of its
+        hold, for a message held before (HOLD_FOR)."""
         nh = self.view.next_hop(dest[0], dest[1])
         if nh is None:
+            if self._hold(Held(until, dest, msg, flags, None)):
+                return
             if self._local_depth >= MAX_LOCAL_DEPTH:
                 self.stats.dropped_no_route += 1
                 self.log.warning(
@@ -243,6 +272,41 @@ class Routing:
             self.stats.dropped_no_route += 1
             return
         self._dirty.add(out)
+
+    # ---- held until a link leads closer (HOLD_FOR) --------------------------------------------------------
+
+    def _hold(self, h: Held) -> bool:
+        """Hold h if a known broker is closer to its destination than this one (see HOLD_FOR); False: handle
+        it here now."""
+        if not self.view.knows_closer(h.dest[0], h.dest[1]):
+            return False
+        now = self._now()
+        if not h.until:
+            if len(self._held) >= MAX_HELD:
+                return False
+            h.until = now + HOLD_FOR
+            self.stats.routed_held += 1
+        elif now >= h.until:
+            return False
+        self._held.append(h)
+        return True
+
+    def release_held(self) -> None:
+        """Route the held messages again: on to a link that now leads closer, held on, or (their time up, or
+        the closer broker forgotten) handled here."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for h in held:
+            if h.frame is not None:
+                frame = h.frame
+                nh = self.view.next_hop(frame.x, frame.y)
+                if nh is not None:
+                    self._forward(frame, nh)
+                elif not self._hold(h):
+                    self._deliver(frame)
+            elif h.msg is not None:
+                self.send_routed(h.dest, h.msg, h.flags, h.until)
 
     def _deliver(self, frame: RoutedFrame) -> None:
         try:

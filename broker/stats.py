@@ -164,6 +164,8 @@ class BrokerStats:
         self.dropped_bad_body = 0
         self.dropped_no_route = 0
         self.dropped_too_large = 0
+        # Routed messages held because the view knew a closer broker that no link led to yet (routing.HOLD_FOR).
+        self.routed_held = 0
         self.failures_detected = 0  # neighbours found dead (reset, silence)
         # Silent links whose peer a common neighbour still heard: no failover (a false one avoided).
         self.suspicions_refuted = 0
@@ -185,6 +187,7 @@ class BrokerStats:
             "dropped_bad_body": self.dropped_bad_body,
             "dropped_no_route": self.dropped_no_route,
             "dropped_too_large": self.dropped_too_large,
+            "routed_held": self.routed_held,
             "failures_detected": self.failures_detected,
             "suspicions_refuted": self.suspicions_refuted,
             "joins_accepted": self.joins_accepted,

@@ -62,6 +62,10 @@ class NeighbourView:
     # broker's coordinate, so a busy broker asks about the same few again and again (a 3-hop level-2 message
     # asks 12 times across its brokers).  Emptied whenever the table changes.
     _routes: dict[tuple[float, float], tuple[str | None, float]] = field(default_factory=dict)
+    # `knows_closer`'s answers by destination, and the known nodes it compares (id, x, y); both emptied whenever
+    # what the view knows changes (`_known_changed`).
+    _closer: dict[tuple[float, float], bool] = field(default_factory=dict)
+    _known_points: list[tuple[str, float, float]] | None = None
 
     # ----------------------------------------------------------------------------------------- updates
 
@@ -95,12 +99,14 @@ class NeighbourView:
                 self.nodes[info.id] = info
             ids.add(info.id)
         self.adverts[node_id] = frozenset(ids)
+        self._known_changed()
 
     def add_candidates(self, infos: Iterable[NodeInfo]) -> None:
         """Nodes worth considering as neighbours (JOIN_ACCEPT view, LEAVE list of a departing neighbour)."""
         for info in infos:
             if self._note(info) and info.id not in self.linked:
                 self.candidates.add(info.id)
+        self._known_changed()
 
     def unlink(self, node_id: str) -> None:
         """The link to node_id closed although the node is alive (not a Delaunay edge any more)."""
@@ -137,6 +143,8 @@ class NeighbourView:
             info = self.withheld.pop(k, None)
             if info is not None and any(k in advert for advert in self.adverts.values()):
                 self.nodes[info.id] = info
+        if gone:
+            self._known_changed()
         return bool(gone)
 
     def prune(self, keep: set[str]) -> None:
@@ -147,6 +155,9 @@ class NeighbourView:
             referenced |= advert
         for k in [k for k in self.nodes if k not in referenced]:
             del self.nodes[k]
+        # (`knows_closer` cannot change here: a pruned node is no Delaunay neighbour, and a node closer to a point
+        # than self that is no Delaunay neighbour implies one that is; emptied all the same, for `_known_points`.)
+        self._known_changed()
 
     # --------------------------------------------------------------------------------------- queries
 
@@ -187,6 +198,11 @@ class NeighbourView:
         entries += [(via, *self.nodes[k].coord, k) for k, via in self.detours.items()]
         self._route = sorted(entries, key=lambda e: e[3])
         self._routes.clear()
+        self._known_changed()
+
+    def _known_changed(self) -> None:
+        self._closer.clear()
+        self._known_points = None
 
     def next_hop(self, x: float, y: float) -> str | None:
         """Greedy forwarding over linked neighbours: the one closest to (x, y), or None if self is closest.
@@ -196,6 +212,36 @@ class NeighbourView:
         reached through its neighbour.
         """
         return self.route(x, y)[0]
+
+    def knows_closer(self, x: float, y: float) -> bool:
+        """True if the view knows a node closer to (x, y) than self, linked or not (same distance and tie-break,
+        then id, as `route`).
+
+        Where `route` finds no neighbour closer than self and this is True, the closer node is a Delaunay
+        neighbour not linked yet (as while the overlay forms after a restart): in a linked Delaunay overlay
+        greedy forwarding always finds a closer neighbour when any node is closer.  A message that stops here
+        then is here too early, not at its destination (broker/routing.py holds it).
+        """
+        answer = self._closer.get((x, y))
+        if answer is not None:
+            return answer
+        points = self._known_points
+        if points is None:
+            known = self.known()
+            del known[self.me.id]
+            points = self._known_points = [(k, cx, cy) for k, (cx, cy) in known.items()]
+        me_d = math.hypot(self.me.coord[0] - x, self.me.coord[1] - y)
+        me_id = self.me.id
+        answer = False
+        for k, cx, cy in points:
+            d = math.hypot(cx - x, cy - y)
+            if d < me_d or (d == me_d and k < me_id):
+                answer = True
+                break
+        if len(self._closer) >= ROUTE_CACHE:
+            self._closer.clear()
+        self._closer[(x, y)] = answer
+        return answer
 
     def route(self, x: float, y: float) -> tuple[str | None, float]:
         """(next hop, distance to (x, y) of the node it leads to): `next_hop` and how close that gets."""

@@ -156,6 +156,44 @@ def test_remembered_routes_follow_every_change_of_the_table(seed: int) -> None:
     assert view.next_hop(*b.coord) == a.id
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_knows_closer_follows_every_change_of_what_the_view_knows(seed: int) -> None:
+    # knows_closer remembers its answers per destination: links, adverts, candidates, failures, tombstones
+    # lapsing and pruning each change what is known, and the next question must see it (brute force over
+    # known(), with route's tie-break by id).
+    rng = np.random.default_rng(seed)
+    pts = np.unique(rng.integers(0, 5, size=(20, 2)) / 4.0, axis=0)
+    infos = _infos(pts)
+    me, others = infos[0], infos[1:]
+    view = NeighbourView(me)
+    targets = [(float(x), float(y)) for x, y in rng.integers(0, 9, size=(40, 2)) / 8.0]
+    for step in range(80):
+        o = others[int(rng.integers(len(others)))]
+        action = int(rng.integers(7))
+        if action == 0:
+            view.link_up(o)
+        elif action == 1:
+            view.unlink(o.id)
+        elif action == 2 and view.linked:
+            via = sorted(view.linked)[int(rng.integers(len(view.linked)))]
+            view.learn(via, [others[int(i)] for i in rng.integers(len(others), size=3)])
+        elif action == 3:
+            view.add_candidates([o])
+        elif action == 4:
+            view.forget(o.id, now=float(step), ttl=0.5)
+        elif action == 5:
+            view.expire(float(step))
+        else:
+            view.prune(view.desired())
+        known = view.known()
+        for t in targets:
+            me_key = (float(np.hypot(me.coord[0] - t[0], me.coord[1] - t[1])), me.id)
+            closer = any(
+                (float(np.hypot(c[0] - t[0], c[1] - t[1])), k) < me_key for k, c in known.items() if k != me.id
+            )
+            assert view.knows_closer(*t) == closer, (step, t)
+
+
 def test_remembered_routes_are_bounded() -> None:
     view = NeighbourView(NodeInfo("me", (0.5, 0.5), "127.0.0.1:1"))
     view.link_up(NodeInfo("n1", (0.9, 0.9), "127.0.0.1:2"))

@@ -198,9 +198,9 @@ class AccessRole:
         if not changed:
             return
         self._register_again(changed)
-        # While the overlay forms, a registration can be dropped on the way (the new N1 in the view before a link
-        # leads there: routing's MAX_LOCAL_DEPTH), and nobody waits for it to ask again: made once more a second
-        # later, when the links are up.
+        # While the overlay forms, the new N1 can be in the view before a link leads there: routing holds the
+        # registration until one does, for up to a second (routing.HOLD_FOR), and nobody waits for it to ask
+        # again if a link takes longer: made once more a second later.
         again = self.t.ov.now() + REGISTER_AGAIN
         for topic in changed:
             self._again[topic] = again
