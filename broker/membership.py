@@ -334,6 +334,7 @@ class Membership:
         view.expire(self._now())
         desired = view.desired()
         view.prune(desired)
+        view.settle(desired)
         now = self._now()
         for nid in sorted(desired):
             if nid in self.view.detours and self._detour_dial_at.get(nid, 0.0) > now:

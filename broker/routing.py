@@ -184,7 +184,7 @@ class Routing:
         if self.guard.forged(frame, peer, self.info, None if nh is None else onward):
             return
         if nh is None:
-            if not self._hold(Held(0.0, (frame.x, frame.y), None, 0, frame)):
+            if self.view.settled or not self._hold(Held(0.0, (frame.x, frame.y), None, 0, frame)):
                 self._deliver(frame)
             return
         self._forward(frame, nh)
@@ -235,7 +235,7 @@ class Routing:
         hold, for a message held before (HOLD_FOR)."""
         nh = self.view.next_hop(dest[0], dest[1])
         if nh is None:
-            if self._hold(Held(until, dest, msg, flags, None)):
+            if not self.view.settled and self._hold(Held(until, dest, msg, flags, None)):
                 return
             if self._local_depth >= MAX_LOCAL_DEPTH:
                 self.stats.dropped_no_route += 1

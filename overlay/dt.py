@@ -66,6 +66,10 @@ class NeighbourView:
     # what the view knows changes (`_known_changed`).
     _closer: dict[tuple[float, float], bool] = field(default_factory=dict)
     _known_points: list[tuple[str, float, float]] | None = None
+    # True once the caller found every Delaunay neighbour linked or detoured (`settle`), False again after any
+    # change of what is known.  While True, greedy forwarding reaches whatever is closer than self, so a message
+    # that stops here is at its destination and `knows_closer` need not be asked (routing asks it otherwise).
+    settled: bool = False
 
     # ----------------------------------------------------------------------------------------- updates
 
@@ -203,6 +207,16 @@ class NeighbourView:
     def _known_changed(self) -> None:
         self._closer.clear()
         self._known_points = None
+        self.settled = False
+
+    def settle(self, desired: set[str]) -> None:
+        """desired is `desired()` of the view as it is now: note whether each of them is linked or detoured.
+
+        If so, no point has a known node closer than self while no link leads closer: a Delaunay edge of the
+        known set holds for every point that is closer to some known node than self a neighbour that is closer
+        too (greedy routing on a Delaunay triangulation), and that neighbour is linked or detoured.
+        """
+        self.settled = all(k in self.linked or k in self.detours for k in desired)
 
     def next_hop(self, x: float, y: float) -> str | None:
         """Greedy forwarding over linked neighbours: the one closest to (x, y), or None if self is closest.

@@ -194,6 +194,30 @@ def test_knows_closer_follows_every_change_of_what_the_view_knows(seed: int) -> 
             assert view.knows_closer(*t) == closer, (step, t)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_settled_view_knows_no_closer_node_that_no_link_leads_toward(seed: int) -> None:
+    # Routing skips `knows_closer` while the view is settled (every Delaunay neighbour linked): sound only if no
+    # point then has a known node closer than self with no linked neighbour closer.  Checked on 2-hop views of
+    # random overlays, for grid points and every node's own coordinate.
+    pts = np.random.default_rng(seed).random((40, 2))
+    infos = _infos(pts)
+    by_id = {i.id: i for i in infos}
+    truth = delaunay_neighbour_map({i.id: i.coord for i in infos})
+    targets = [(float(x), float(y)) for x in np.linspace(0, 1, 15) for y in np.linspace(0, 1, 15)]
+    targets += [i.coord for i in infos]
+    for me in infos[:10]:
+        view = _view_from_truth(me, by_id, truth)
+        view.settle(view.desired())
+        assert view.settled
+        for t in targets:
+            assert not (view.next_hop(*t) is None and view.knows_closer(*t)), (me.id, t)
+        # One neighbour's link not up yet: not settled.
+        view.unlink(sorted(view.linked)[0])
+        assert not view.settled
+        view.settle(view.desired())
+        assert not view.settled
+
+
 def test_remembered_routes_are_bounded() -> None:
     view = NeighbourView(NodeInfo("me", (0.5, 0.5), "127.0.0.1:1"))
     view.link_up(NodeInfo("n1", (0.9, 0.9), "127.0.0.1:2"))
