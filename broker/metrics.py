@@ -51,6 +51,10 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_routed_held_messages",
         "Routed messages held because a known broker was closer than this one but no link led there yet.",
     ),
+    "routed_held_expired": (
+        "sedax_routed_held_expired_messages",
+        "Held routed messages handled here after 1 s because no link led closer by then.",
+    ),
     "failures_detected": ("sedax_failures_detected", "Neighbour brokers this broker found dead (reset, silence)."),
     "suspicions_refuted": (
         "sedax_suspicions_refuted",

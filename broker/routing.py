@@ -287,6 +287,7 @@ class Routing:
             h.until = now + HOLD_FOR
             self.stats.routed_held += 1
         elif now >= h.until:
+            self.stats.routed_held_expired += 1
             return False
         self._held.append(h)
         return True

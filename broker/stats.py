@@ -166,6 +166,7 @@ class BrokerStats:
         self.dropped_too_large = 0
         # Routed messages held because the view knew a closer broker that no link led to yet (routing.HOLD_FOR).
         self.routed_held = 0
+        self.routed_held_expired = 0  # ... and of them, handled here after HOLD_FOR because no link led closer
         self.failures_detected = 0  # neighbours found dead (reset, silence)
         # Silent links whose peer a common neighbour still heard: no failover (a false one avoided).
         self.suspicions_refuted = 0
@@ -188,6 +189,7 @@ class BrokerStats:
             "dropped_no_route": self.dropped_no_route,
             "dropped_too_large": self.dropped_too_large,
             "routed_held": self.routed_held,
+            "routed_held_expired": self.routed_held_expired,
             "failures_detected": self.failures_detected,
             "suspicions_refuted": self.suspicions_refuted,
             "joins_accepted": self.joins_accepted,

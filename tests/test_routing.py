@@ -109,7 +109,7 @@ async def test_a_message_for_a_closer_broker_no_link_leads_to_is_held_not_handle
     assert handled == [1, 2, 3]
     now += 0.02
     b.release_held()
-    assert handled == [1, 2, 3, 4] and not b._held
+    assert handled == [1, 2, 3, 4] and not b._held and b.stats.routed_held_expired == 1
     # A frame a neighbour passed on is held and handled the same way.
     frame = RoutedFrame(0.2, 0.2, 1, 8, 0, encode_message(_status(5, b)))
     assert b._hold(Held(0.0, (0.2, 0.2), None, 0, frame))
