@@ -187,6 +187,7 @@ class Broker(Membership, Routing):
         self._hops = 0  # hops of the routed message being handled (a ROUTE_REPLY reports them)
         self._local_depth = 0
         self._held = []  # routed messages held until a link leads closer (routing.HOLD_FOR)
+        self._held_bytes = 0
         self._register_routes()
 
     # ------------------------------------------------------------------------------------------ lifecycle

@@ -73,8 +73,10 @@ MAX_LOCAL_DEPTH: Final = 16
 # closer (tried after each reconciliation of the links and at pub/sub's ticks) or, after this long, is handled here
 # as before ...
 HOLD_FOR: Final = 1.0
-# ... and at most this many are held at once; beyond, a message is handled as before at once.
+# ... and at most this many, of at most this many encoded bytes, are held at once; beyond, a message is handled
+# as before at once.
 MAX_HELD: Final = 4096
+MAX_HELD_BYTES: Final = 32 * 1024 * 1024
 
 Handler = Callable[[Any], None]
 
@@ -84,6 +86,7 @@ class Held:
     """A routed message held until a link leads closer to its destination (HOLD_FOR)."""
 
     until: float  # loop time after which it is handled here
+    size: int  # encoded bytes (MAX_HELD_BYTES)
     dest: Coord
     msg: Message | None  # originated here (`send_routed`) ...
     flags: int
@@ -144,7 +147,8 @@ class Routing:
     _congested: set[PeerLink]
     _hops: int
     _local_depth: int  # local deliveries of messages this broker originated, nested (MAX_LOCAL_DEPTH)
-    _held: list[Held]  # routed messages waiting for a link that leads closer (HOLD_FOR)
+    _held: list[Held]  # routed messages waiting for a link that leads closer (HOLD_FOR) ...
+    _held_bytes: int  # ... and their encoded bytes
     # ... and the parts of the other modules it calls.
     _answer_join: Callable[[Join], JoinAccept | Refuse]
     _outside_text: Callable[[Coord], str]
@@ -184,7 +188,7 @@ class Routing:
         if self.guard.forged(frame, peer, self.info, None if nh is None else onward):
             return
         if nh is None:
-            if self.view.settled or not self._hold(Held(0.0, (frame.x, frame.y), None, 0, frame)):
+            if self.view.settled or not self._hold(Held(0.0, len(frame.body), (frame.x, frame.y), None, 0, frame)):
                 self._deliver(frame)
             return
         self._forward(frame, nh)
@@ -235,7 +239,7 @@ class Routing:
         hold, for a message held before (HOLD_FOR)."""
         nh = self.view.next_hop(dest[0], dest[1])
         if nh is None:
-            if not self.view.settled and self._hold(Held(until, dest, msg, flags, None)):
+            if not self.view.settled and self._hold(Held(until, 0, dest, msg, flags, None)):
                 return
             if self._local_depth >= MAX_LOCAL_DEPTH:
                 self.stats.dropped_no_route += 1
@@ -282,7 +286,12 @@ class Routing:
             return False
         now = self._now()
         if not h.until:
-            if len(self._held) >= MAX_HELD:
+            if h.msg is not None:
+                try:
+                    h.size = len(encode_message(h.msg, MAX_LINK_FRAME_SIZE))  # (held messages are rare)
+                except LocalProtocolError:
+                    return False  # more than a frame: `send_routed` says so
+            if len(self._held) >= MAX_HELD or self._held_bytes + h.size > MAX_HELD_BYTES:
                 return False
             h.until = now + HOLD_FOR
             self.stats.routed_held += 1
@@ -290,6 +299,7 @@ class Routing:
             self.stats.routed_held_expired += 1
             return False
         self._held.append(h)
+        self._held_bytes += h.size
         return True
 
     def release_held(self) -> None:
@@ -298,6 +308,7 @@ class Routing:
         if not self._held:
             return
         held, self._held = self._held, []
+        self._held_bytes = 0
         for h in held:
             if h.frame is not None:
                 frame = h.frame

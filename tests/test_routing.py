@@ -7,7 +7,15 @@ from cluster import wait_for
 
 from broker.config import BrokerConfig
 from broker.node import Broker
-from broker.routing import HOLD_FOR, MAX_HELD, MAX_LOCAL_DEPTH, DispatchTable, DuplicateHandler, Held
+from broker.routing import (
+    HOLD_FOR,
+    MAX_HELD,
+    MAX_HELD_BYTES,
+    MAX_LOCAL_DEPTH,
+    DispatchTable,
+    DuplicateHandler,
+    Held,
+)
 from overlay.delegation import CoordOffer, CoordQuery
 from overlay.protocol import (
     Join,
@@ -112,14 +120,22 @@ async def test_a_message_for_a_closer_broker_no_link_leads_to_is_held_not_handle
     assert handled == [1, 2, 3, 4] and not b._held and b.stats.routed_held_expired == 1
     # A frame a neighbour passed on is held and handled the same way.
     frame = RoutedFrame(0.2, 0.2, 1, 8, 0, encode_message(_status(5, b)))
-    assert b._hold(Held(0.0, (0.2, 0.2), None, 0, frame))
+    assert b._hold(Held(0.0, len(frame.body), (0.2, 0.2), None, 0, frame))
     now += HOLD_FOR + 0.01
     b.release_held()
     assert handled == [1, 2, 3, 4, 5]
-    # At most MAX_HELD at once; beyond, handled here at once.
+    # At most MAX_HELD at once; beyond, handled here at once ...
     for i in range(MAX_HELD + 1):
         b.send_routed((0.2, 0.2), _status(10 + i, b))
     assert len(b._held) == MAX_HELD and handled[-1] == 10 + MAX_HELD
+    now += HOLD_FOR + 0.01
+    b.release_held()
+    assert not b._held and b._held_bytes == 0
+    # ... and at most MAX_HELD_BYTES of them.
+    big = RoutedFrame(0.2, 0.2, 1, 8, 0, b"x" * (MAX_HELD_BYTES // 2))
+    assert b._hold(Held(0.0, len(big.body), (0.2, 0.2), None, 0, big))
+    assert b._hold(Held(0.0, len(big.body), (0.2, 0.2), None, 0, big))
+    assert not b._hold(Held(0.0, len(big.body), (0.2, 0.2), None, 0, big))
 
 
 async def test_a_held_message_goes_on_once_a_link_leads_closer() -> None:
