@@ -123,44 +123,10 @@ def test_next_hop_matches_geometry_greedy_including_ties(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_remembered_routes_follow_every_change_of_the_table(seed: int) -> None:
-    # route() remembers its answers per destination: links coming up, closing and failing, and detours, must
-    # each be seen by the next question about a destination asked before.
-    rng = np.random.default_rng(seed)
-    pts = np.unique(rng.integers(0, 5, size=(20, 2)) / 4.0, axis=0)
-    infos = _infos(pts)
-    me, others = infos[0], infos[1:]
-    view = NeighbourView(me)
-    targets = [(float(x), float(y)) for x, y in rng.integers(0, 9, size=(40, 2)) / 8.0]
-    for step in range(60):
-        o = others[int(rng.integers(len(others)))]
-        action = int(rng.integers(3))
-        if action == 0:
-            view.link_up(o)
-        elif action == 1:
-            view.unlink(o.id)
-        else:
-            view.forget(o.id, now=float(step), ttl=0.0)
-            view.expire(float(step) + 1.0)
-        linked = {k: view.nodes[k].coord for k in view.linked}
-        for t in targets:
-            assert view.next_hop(*t) == greedy_next_hop(me.id, me.coord, linked, t), (step, t)
-    # A detour: an alive node whose link broke is reached through the neighbour that still hears it.
-    a, b = others[0], others[1]
-    view.link_up(a)
-    view.link_up(b)
-    assert view.next_hop(*b.coord) == b.id
-    view.unlink(b.id)
-    assert view.next_hop(*b.coord) != b.id
-    view.detour(b.id, a.id)
-    assert view.next_hop(*b.coord) == a.id
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_knows_closer_follows_every_change_of_what_the_view_knows(seed: int) -> None:
-    # knows_closer remembers its answers per destination: links, adverts, candidates, failures, tombstones
-    # lapsing and pruning each change what is known, and the next question must see it (brute force over
-    # known(), with route's tie-break by id).
+def test_remembered_answers_follow_every_change_of_the_view(seed: int) -> None:
+    # route() and knows_closer() remember their answers per destination: links coming up, closing and failing,
+    # adverts, candidates, tombstones lapsing, pruning and detours must each be seen by the next question about a
+    # destination asked before (greedy over the linked nodes; brute force over known(), with route's tie-break).
     rng = np.random.default_rng(seed)
     pts = np.unique(rng.integers(0, 5, size=(20, 2)) / 4.0, axis=0)
     infos = _infos(pts)
@@ -185,13 +151,24 @@ def test_knows_closer_follows_every_change_of_what_the_view_knows(seed: int) -> 
             view.expire(float(step))
         else:
             view.prune(view.desired())
+        linked = {k: view.nodes[k].coord for k in view.linked}
         known = view.known()
         for t in targets:
+            assert view.next_hop(*t) == greedy_next_hop(me.id, me.coord, linked, t), (step, t)
             me_key = (float(np.hypot(me.coord[0] - t[0], me.coord[1] - t[1])), me.id)
             closer = any(
                 (float(np.hypot(c[0] - t[0], c[1] - t[1])), k) < me_key for k, c in known.items() if k != me.id
             )
             assert view.knows_closer(*t) == closer, (step, t)
+    # A detour: an alive node whose link broke is reached through the neighbour that still hears it.
+    a, b = others[0], others[1]
+    view.link_up(a)
+    view.link_up(b)
+    assert view.next_hop(*b.coord) == b.id
+    view.unlink(b.id)
+    assert view.next_hop(*b.coord) != b.id
+    view.detour(b.id, a.id)
+    assert view.next_hop(*b.coord) == a.id
 
 
 @pytest.mark.parametrize("seed", range(4))
