@@ -188,6 +188,7 @@ class Broker(Membership, Routing):
         self._local_depth = 0
         self._held = []  # routed messages held until a link leads closer (routing.HOLD_FOR)
         self._held_bytes = 0
+        self._gave_up = {}
         self._register_routes()
 
     # ------------------------------------------------------------------------------------------ lifecycle

@@ -77,6 +77,10 @@ HOLD_FOR: Final = 1.0
 # as before at once.
 MAX_HELD: Final = 4096
 MAX_HELD_BYTES: Final = 32 * 1024 * 1024
+# Once a hold ran out for a destination, the next messages for it are handled here at once until the view changes:
+# a closer broker this one cannot link to (say, across a partition, learned again from an advert) must not delay
+# every message of a topic this side serves meanwhile by HOLD_FOR.  At most this many destinations are noted.
+MAX_GAVE_UP: Final = 4096
 
 Handler = Callable[[Any], None]
 
@@ -149,6 +153,7 @@ class Routing:
     _local_depth: int  # local deliveries of messages this broker originated, nested (MAX_LOCAL_DEPTH)
     _held: list[Held]  # routed messages waiting for a link that leads closer (HOLD_FOR) ...
     _held_bytes: int  # ... and their encoded bytes
+    _gave_up: dict[Coord, int]  # destination -> the view's version when a hold for it ran out (MAX_GAVE_UP)
     # ... and the parts of the other modules it calls.
     _answer_join: Callable[[Join], JoinAccept | Refuse]
     _outside_text: Callable[[Coord], str]
@@ -282,10 +287,13 @@ class Routing:
     def _hold(self, h: Held) -> bool:
         """Hold h if a known broker is closer to its destination than this one (see HOLD_FOR); False: handle
         it here now."""
-        if not self.view.knows_closer(h.dest[0], h.dest[1]):
+        view = self.view
+        if not view.knows_closer(h.dest[0], h.dest[1]):
             return False
         now = self._now()
         if not h.until:
+            if self._gave_up.get(h.dest) == view.version:
+                return False
             if h.msg is not None:
                 try:
                     h.size = len(encode_message(h.msg, MAX_LINK_FRAME_SIZE))  # (held messages are rare)
@@ -297,6 +305,9 @@ class Routing:
             self.stats.routed_held += 1
         elif now >= h.until:
             self.stats.routed_held_expired += 1
+            if len(self._gave_up) >= MAX_GAVE_UP:
+                self._gave_up.clear()
+            self._gave_up[h.dest] = view.version
             return False
         self._held.append(h)
         self._held_bytes += h.size

@@ -70,6 +70,8 @@ class NeighbourView:
     # change of what is known.  While True, greedy forwarding reaches whatever is closer than self, so a message
     # that stops here is at its destination and `knows_closer` need not be asked (routing asks it otherwise).
     settled: bool = False
+    # Counts the changes of what is known: an answer that depends on it holds while this is unchanged.
+    version: int = 0
 
     # ----------------------------------------------------------------------------------------- updates
 
@@ -208,6 +210,7 @@ class NeighbourView:
         self._closer.clear()
         self._known_points = None
         self.settled = False
+        self.version += 1
 
     def settle(self, desired: set[str]) -> None:
         """desired is `desired()` of the view as it is now: note whether each of them is linked or detoured.

@@ -118,13 +118,24 @@ async def test_a_message_for_a_closer_broker_no_link_leads_to_is_held_not_handle
     now += 0.02
     b.release_held()
     assert handled == [1, 2, 3, 4] and not b._held and b.stats.routed_held_expired == 1
+    # Its hold ran out: the next messages for there are handled at once, until the view changes.
+    b.send_routed((0.2, 0.2), _status(6, b))
+    assert handled == [1, 2, 3, 4, 6] and not b._held
+    b.view.add_candidates([NodeInfo("z", (0.9, 0.1), "127.0.0.1:4")])
+    b.send_routed((0.2, 0.2), _status(7, b))
+    assert handled == [1, 2, 3, 4, 6] and len(b._held) == 1
+    now += HOLD_FOR + 0.01
+    b.release_held()
+    assert handled == [1, 2, 3, 4, 6, 7]
     # A frame a neighbour passed on is held and handled the same way.
+    b.view.add_candidates([NodeInfo("w", (0.9, 0.2), "127.0.0.1:5")])  # (a change: holds are tried again)
     frame = RoutedFrame(0.2, 0.2, 1, 8, 0, encode_message(_status(5, b)))
     assert b._hold(Held(0.0, len(frame.body), (0.2, 0.2), None, 0, frame))
     now += HOLD_FOR + 0.01
     b.release_held()
-    assert handled == [1, 2, 3, 4, 5]
+    assert handled == [1, 2, 3, 4, 6, 7, 5]
     # At most MAX_HELD at once; beyond, handled here at once ...
+    b.view.add_candidates([NodeInfo("v", (0.9, 0.3), "127.0.0.1:6")])
     for i in range(MAX_HELD + 1):
         b.send_routed((0.2, 0.2), _status(10 + i, b))
     assert len(b._held) == MAX_HELD and handled[-1] == 10 + MAX_HELD
@@ -132,6 +143,7 @@ async def test_a_message_for_a_closer_broker_no_link_leads_to_is_held_not_handle
     b.release_held()
     assert not b._held and b._held_bytes == 0
     # ... and at most MAX_HELD_BYTES of them.
+    b.view.add_candidates([NodeInfo("u", (0.9, 0.4), "127.0.0.1:7")])
     big = RoutedFrame(0.2, 0.2, 1, 8, 0, b"x" * (MAX_HELD_BYTES // 2))
     assert b._hold(Held(0.0, len(big.body), (0.2, 0.2), None, 0, big))
     assert b._hold(Held(0.0, len(big.body), (0.2, 0.2), None, 0, big))
