@@ -9,9 +9,11 @@ callgrind, which counts the instructions the process executes (user space only: 
 uvloop, libc; not the kernel's reads and writes) whatever else the machine does.  Each configuration runs
 twice, with B and with B + N messages after the same start-up; the difference divided by N is the count per
 message, start-up and shut-down cancelled out.  Two runs of the same tree agree to within ~500 instructions
-per message, 0.1 % (of ~386,000 at level 1).  Run it on a quiet machine all the same: under valgrind a message
-takes ~50x longer, and the brokers' timers fire per second of wall time, so a machine busy with something else
-adds timer work to every message (a level-2, 3-hop count came out 5.7 % high beside a running test suite, and
+per message, 0.1 % (of ~386,000 at level 1), on a quiet machine; on stop 43's (noisy) one the same tree's
+level-2, 3-hop count moved by up to 2.7 % between runs, so give the base tree twice (`--tree base --tree new
+--tree base --tree new`: each is measured) and read the difference against that spread.  Run it on a quiet
+machine all the same: under valgrind a message takes ~50x longer, and the brokers' timers fire per second of wall
+time, so a machine busy with something else adds timer work to every message (a level-2, 3-hop count came out 5.7 % high beside a running test suite, and
 2.9 % low against the same base once the machine was quiet).
 
 `client` counts the other end: bench_client.py's publishing and subscribing `Client`s (one PUBLISH per
@@ -111,21 +113,25 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("error: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 1
-    jobs = [(t, c, n) for t in trees for c in configs for n in (args.base, args.base + args.messages)]
+    # A tree given twice is measured twice (its i tells the runs apart): how far two runs of one tree differ is
+    # the noise to judge a comparison by.
+    jobs = [(i, c, n) for i in range(len(trees)) for c in configs for n in (args.base, args.base + args.messages)]
     try:
         # Two at a time (one per core): a count does not depend on what runs beside it.
         with ThreadPoolExecutor(max_workers=2) as pool:
-            counts = dict(zip(jobs, pool.map(lambda j: count(j[0], j[1], j[2], args.window), jobs), strict=True))
+            counts = dict(
+                zip(jobs, pool.map(lambda j: count(trees[j[0]], j[1], j[2], args.window), jobs), strict=True)
+            )
     except (CountFailed, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     hi = args.base + args.messages
     rows = [
-        Row(str(t), commit_of(t), c, (counts[(t, c, hi)] - counts[(t, c, args.base)]) / args.messages)
-        for t in trees
+        Row(str(t), commit_of(t), c, (counts[(i, c, hi)] - counts[(i, c, args.base)]) / args.messages)
+        for i, t in enumerate(trees)
         for c in configs
     ]
-    first = {r.config: r.per_message for r in rows if r.tree == str(trees[0])}
+    first = {r.config: r.per_message for r in rows[: len(configs)]}
     print(f"Instructions per message, {args.base} and {args.base + args.messages} messages, window {args.window}:\n")
     print("| tree | commit | configuration | instructions per message | vs first tree |")
     print("|---|---|---|---:|---:|")
