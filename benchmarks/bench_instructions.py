@@ -13,8 +13,8 @@ per message, 0.1 % (of ~386,000 at level 1), on a quiet machine; on stop 43's (n
 level-2, 3-hop count moved by up to 2.7 % between runs, so give the base tree twice (`--tree base --tree new
 --tree base --tree new`: each is measured) and read the difference against that spread.  Run it on a quiet
 machine all the same: under valgrind a message takes ~50x longer, and the brokers' timers fire per second of wall
-time, so a machine busy with something else adds timer work to every message (a level-2, 3-hop count came out 5.7 % high beside a running test suite, and
-2.9 % low against the same base once the machine was quiet).
+time, so a machine busy with something else adds timer work to every message (a level-2, 3-hop count came out
+5.7 % high beside a running test suite, and 2.9 % low against the same base once the machine was quiet).
 
 `client` counts the other end: bench_client.py's publishing and subscribing `Client`s (one PUBLISH per
 message, the next once the last is acknowledged and delivered), with the broker in a child process that
@@ -119,9 +119,7 @@ def main() -> int:
     try:
         # Two at a time (one per core): a count does not depend on what runs beside it.
         with ThreadPoolExecutor(max_workers=2) as pool:
-            counts = dict(
-                zip(jobs, pool.map(lambda j: count(trees[j[0]], j[1], j[2], args.window), jobs), strict=True)
-            )
+            counts = dict(zip(jobs, pool.map(lambda j: count(trees[j[0]], j[1], j[2], args.window), jobs), strict=True))
     except (CountFailed, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
