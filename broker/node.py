@@ -454,8 +454,7 @@ class Broker(Membership, Routing):
             if on_beat:
                 self.balancer.tick(now)
                 beat_at = next_beat(max(now, beat_at) + TICK_SLACK)
-            if self._held:
-                self.release_held()  # (their time up: handled here; `_reconcile` releases them when links come up)
+            self.release_held()  # (their time up: handled here; `_reconcile` releases them when links come up)
             if (
                 self._pubsub_input
                 or self.stats.routed_delivered != delivered

@@ -239,12 +239,12 @@ class Routing:
             return None
         return encode_message(replace(probe, path=(*probe.path, self.info)))
 
-    def send_routed(self, dest: Coord, msg: Message, flags: int = 0, until: float = 0.0) -> None:
-        """Originate a routed message (or handle it here if this broker is the closest).  until: the end of its
-        hold, for a message held before (HOLD_FOR)."""
+    def send_routed(self, dest: Coord, msg: Message, flags: int = 0, held: Held | None = None) -> None:
+        """Originate a routed message (or handle it here if this broker is the closest).  held: its hold, for a
+        message held before (HOLD_FOR)."""
         nh = self.view.next_hop(dest[0], dest[1])
         if nh is None:
-            if not self.view.settled and self._hold(Held(until, 0, dest, msg, flags, None)):
+            if not self.view.settled and self._hold(held or Held(0.0, 0, dest, msg, flags, None)):
                 return
             if self._local_depth >= MAX_LOCAL_DEPTH:
                 self.stats.dropped_no_route += 1
@@ -298,7 +298,7 @@ class Routing:
                 try:
                     h.size = len(encode_message(h.msg, MAX_LINK_FRAME_SIZE))  # (held messages are rare)
                 except LocalProtocolError:
-                    return False  # more than a frame: `send_routed` says so
+                    return False  # more than a frame: it could go on to no neighbour; handled here, as before
             if len(self._held) >= MAX_HELD or self._held_bytes + h.size > MAX_HELD_BYTES:
                 return False
             h.until = now + HOLD_FOR
@@ -329,7 +329,7 @@ class Routing:
                 elif not self._hold(h):
                     self._deliver(frame)
             elif h.msg is not None:
-                self.send_routed(h.dest, h.msg, h.flags, h.until)
+                self.send_routed(h.dest, h.msg, h.flags, h)  # (h keeps its deadline and its size)
 
     def _deliver(self, frame: RoutedFrame) -> None:
         try:

@@ -103,8 +103,9 @@ async def test_a_message_for_a_closer_broker_no_link_leads_to_is_held_not_handle
     b.send_routed((0.1, 0.1), _status(2, b))
     b.send_routed((0.1, 0.1), _status(3, b))
     assert handled == [1] and b.stats.routed_held == 2
-    b.release_held()  # nothing changed: held on, counted once
+    b.release_held()  # nothing changed: held on, counted once, with their sizes
     assert handled == [1] and len(b._held) == 2 and b.stats.routed_held == 2
+    assert b._held_bytes == 2 * len(encode_message(_status(2, b))) > 0
     # The closer broker is forgotten (it failed): this broker is the closest now, and handles them, in order.
     b.view.forget("x", now, ttl=60.0)
     b.release_held()
