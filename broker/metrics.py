@@ -53,7 +53,7 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "routed_held_expired": (
         "sedax_routed_held_expired_messages",
-        "Held routed messages handled here after 1 s because no link led closer by then.",
+        "Held routed messages handled here once their hold ran out (routing.HOLD_FOR): no link led closer by then.",
     ),
     "failures_detected": ("sedax_failures_detected", "Neighbour brokers this broker found dead (reset, silence)."),
     "suspicions_refuted": (

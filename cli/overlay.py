@@ -231,15 +231,15 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     from cli.cluster import STATE_FILE, stop_pids
 
     path = Path(args.state_dir) / STATE_FILE
-    if not path.exists():
+    try:
+        state = json.loads(path.read_text())
+        pids = [int(n["pid"]) for n in state["nodes"]]
+    except FileNotFoundError:
         return fail(
             f"no readable cluster state at {path}: no cluster was started with this --state-dir "
             "(give the --state-dir `sedax cluster up` printed)",
             EXIT_FAILED,
         )
-    try:
-        state = json.loads(path.read_text())
-        pids = [int(n["pid"]) for n in state["nodes"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail(f"no readable cluster state at {path}: {exc}", EXIT_FAILED)
     result = stop_pids(pids, grace=args.grace)
