@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from overlay.delegation import (
 )
 from overlay.geometry import FloatArray
 from overlay.load import CoordMetric, Level
-from overlay.protocol import Coord, Message, NodeInfo, encode_message
+from overlay.protocol import CORR_SPAN, Coord, Message, NodeInfo, encode_message
 from overlay.region import RegionLoads, cell_candidates
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class Balancer:
         )
         self.records: dict[str, _Record] = {}
         self._pending: dict[int, _Collect] = {}
-        self._corr = itertools.count(1)
+        self._corr = itertools.count(1 + secrets.randbelow(CORR_SPAN))  # (CORR_SPAN says why)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._cand_key: tuple[tuple[float, float], ...] | None = None
         self._cand: FloatArray | None = None

@@ -370,7 +370,8 @@ class Membership:
                         link.write(data)
         if self.stats.healing_since is not None:
             self._check_healed(frozen)
-        # A link that came up (or a closer broker forgotten) may be what held routed messages wait for.
+        # A link that came up (or a closer broker forgotten, or a broken link let go) may be what held routed
+        # messages wait for.
         self.release_held()
 
     async def _dial(self, info: NodeInfo, *, quiet: bool = False) -> None:

@@ -49,11 +49,13 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "routed_held": (
         "sedax_routed_held_messages",
-        "Routed messages held because a known broker was closer than this one but no link led there yet.",
+        "Routed messages held because a known broker was closer than this one but no link led there yet, or"
+        " because the link to their next hop had just broken.",
     ),
     "routed_held_expired": (
         "sedax_routed_held_expired_messages",
-        "Held routed messages handled here once their hold ran out (routing.HOLD_FOR): no link led closer by then.",
+        "Held routed messages whose hold ran out (routing.HOLD_FOR): handled here if no link led closer by then,"
+        " dropped if their next hop's link was still broken.",
     ),
     "failures_detected": ("sedax_failures_detected", "Neighbour brokers this broker found dead (reset, silence)."),
     "suspicions_refuted": (

@@ -43,6 +43,7 @@ from net.transport import Transport
 from overlay.delegation import BalancePlan, BalancePlanned, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
 from overlay.protocol import (
+    CORR_SPAN,
     MAX_CORR,
     MAX_LINK_FRAME_SIZE,
     RATE_WINDOW,
@@ -125,7 +126,7 @@ class Broker(Membership, Routing):
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._advertised: frozenset[str] = frozenset()
         self._pending: dict[int, tuple[PeerLink, int]] = {}
-        self._corr = itertools.count(1)
+        self._corr = itertools.count(1 + secrets.randbelow(CORR_SPAN))  # (CORR_SPAN says why)
         self._dirty: set[PeerLink] = set()
         self._congested: set[PeerLink] = set()
         self._reconcile_handle: asyncio.Handle | None = None

@@ -71,7 +71,11 @@ MAX_LOCAL_DEPTH: Final = 16
 # handled here: handled, a request for a topic whose closest broker is that one went round to this broker until
 # MAX_LOCAL_DEPTH dropped it, and an answer for that broker's clients was lost.  It goes on once a link leads
 # closer (tried after each reconciliation of the links and at pub/sub's ticks) or, after this long, is handled here
-# as before ...
+# as before.  A routed message whose next hop's link has just broken (the neighbour died, and its link's close has
+# not reached the view yet) is held the same way, not dropped: once the view has let the neighbour go, it goes on
+# around it, or to the broker now closest to its destination (it was dropped, and a replication batch, an ACK or a
+# DELIVER waited for its time-out or repair; chaos.py counted ~100 such drops in a run of 24 faults).  One whose
+# link is still broken after this long is dropped, as before ...
 HOLD_FOR: Final = 1.0
 # ... and at most this many, of at most this many encoded bytes, are held at once; beyond, a message is handled
 # as before at once.
@@ -87,9 +91,10 @@ Handler = Callable[[Any], None]
 
 @dataclass(slots=True)
 class Held:
-    """A routed message held until a link leads closer to its destination (HOLD_FOR)."""
+    """A routed message held until a link leads closer to its destination, or leads around a link that broke
+    (HOLD_FOR)."""
 
-    until: float  # loop time after which it is handled here
+    until: float  # loop time after which it is handled here (or, its next hop's link broken, dropped)
     size: int  # encoded bytes (MAX_HELD_BYTES)
     dest: Coord
     msg: Message | None  # originated here (`send_routed`) ...
@@ -198,7 +203,8 @@ class Routing:
             return
         self._forward(frame, nh)
 
-    def _forward(self, frame: RoutedFrame, nh: str) -> None:
+    def _forward(self, frame: RoutedFrame, nh: str, held: Held | None = None) -> None:
+        """Pass frame on to neighbour nh.  held: its hold, for a frame held before (HOLD_FOR)."""
         if frame.hops + 1 >= frame.hop_limit:  # same test as protocol.may_forward, inlined on the hot path
             self.stats.dropped_hop_limit += 1
             if self.stats.dropped_hop_limit % DROP_LOG_EVERY == 1:
@@ -221,7 +227,8 @@ class Routing:
         try:
             out.write(forward_routed(frame, body))
         except LinkClosed:
-            self.stats.dropped_no_route += 1
+            if not self._keep(held or Held(0.0, len(frame.body), (frame.x, frame.y), None, 0, frame)):
+                self.stats.dropped_no_route += 1
             return
         self.stats.forwarded += 1
         self.stats.forwarded_bytes += len(frame.body)
@@ -278,7 +285,8 @@ class Routing:
         try:
             out.write(encode_routed(dest, body, hop_limit=self.config.max_hops, flags=flags))
         except LinkClosed:
-            self.stats.dropped_no_route += 1
+            if not self._keep(held or Held(0.0, len(body), dest, msg, flags, None)):
+                self.stats.dropped_no_route += 1
             return
         self._dirty.add(out)
 
@@ -299,15 +307,27 @@ class Routing:
                     h.size = len(encode_message(h.msg, MAX_LINK_FRAME_SIZE))  # (held messages are rare)
                 except LocalProtocolError:
                     return False  # more than a frame: it could go on to no neighbour; handled here, as before
+        elif now >= h.until:
+            self.stats.routed_held_expired += 1
+            if len(self._gave_up) >= MAX_GAVE_UP:
+                self._gave_up.clear()
+            self._gave_up[h.dest] = view.version
+            return False
+        return self._keep(h, now)
+
+    def _keep(self, h: Held, now: float | None = None) -> bool:
+        """Hold h until HOLD_FOR after it was first held, within MAX_HELD and MAX_HELD_BYTES; False if it may not be
+        (its time is up, or the bounds are reached).  Called by `_hold`, and for a message whose next hop's link
+        broke under it."""
+        if now is None:
+            now = self._now()
+        if not h.until:
             if len(self._held) >= MAX_HELD or self._held_bytes + h.size > MAX_HELD_BYTES:
                 return False
             h.until = now + HOLD_FOR
             self.stats.routed_held += 1
         elif now >= h.until:
             self.stats.routed_held_expired += 1
-            if len(self._gave_up) >= MAX_GAVE_UP:
-                self._gave_up.clear()
-            self._gave_up[h.dest] = view.version
             return False
         self._held.append(h)
         self._held_bytes += h.size
@@ -325,7 +345,7 @@ class Routing:
                 frame = h.frame
                 nh = self.view.next_hop(frame.x, frame.y)
                 if nh is not None:
-                    self._forward(frame, nh)
+                    self._forward(frame, nh, h)
                 elif not self._hold(h):
                     self._deliver(frame)
             elif h.msg is not None:

@@ -170,3 +170,61 @@ async def test_a_held_message_goes_on_once_a_link_leads_closer() -> None:
     finally:
         await a.shutdown()
         await b.shutdown()
+
+
+async def test_a_message_whose_next_hop_link_just_broke_is_held_not_dropped() -> None:
+    # Two real brokers, linked.  a's link to b breaks (its connection is torn down), and in the same step, before
+    # the close has reached a's view, a originates a PING and passes on a frame from a neighbour, both for b's
+    # coordinate: the write finds the link closed.  They were dropped (counted as having no route); now they are
+    # held, and once the view has let b go they reach the broker now closest to their destination (here a
+    # itself: b is declared failed at a).
+    a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
+    b = Broker(BrokerConfig(coord=(0.2, 0.2), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
+    await a.start()
+    await b.start()
+    try:
+        a.view.add_candidates([b.info])
+        a._schedule_reconcile()
+        await wait_for(lambda: b.info.id in a.view.linked and a.peers[b.info.id].established, 10, "a linked to b")
+        delivered = a.stats.routed_delivered + b.stats.routed_delivered
+        dropped = a.stats.dropped_no_route
+        a.peers[b.info.id]._t.abort()  # the connection is gone; the link's close is on its way
+        a.send_routed(b.info.coord, Ping(7))
+        a._forward(RoutedFrame(*b.info.coord, 1, 8, 0, encode_message(Ping(8))), b.info.id)
+        assert a.stats.routed_held == 2 and len(a._held) == 2
+        assert a.stats.dropped_no_route == dropped
+        await wait_for(
+            lambda: a.stats.routed_delivered + b.stats.routed_delivered == delivered + 2, 10, "both held PINGs handled"
+        )
+        assert not a._held and a.stats.dropped_no_route == dropped and a.stats.routed_held_expired == 0
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+
+
+async def test_a_held_message_whose_link_stays_broken_is_dropped_after_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A hold for a broken link ends like any other after HOLD_FOR: a message the view still routes into the broken
+    # link then is dropped, as before (counted as having no route and as an expired hold).
+    a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
+    b = Broker(BrokerConfig(coord=(0.2, 0.2), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
+    await a.start()
+    await b.start()
+    try:
+        a.view.add_candidates([b.info])
+        a._schedule_reconcile()
+        await wait_for(lambda: b.info.id in a.view.linked and a.peers[b.info.id].established, 10, "a linked to b")
+        now = 100.0
+        monkeypatch.setattr(a, "_now", lambda: now)
+        monkeypatch.setattr(a, "on_closed", lambda *_: None)  # the close never reaches the view
+        a.peers[b.info.id]._t.abort()
+        dropped = a.stats.dropped_no_route
+        a.send_routed(b.info.coord, Ping(7))
+        a.release_held()
+        assert len(a._held) == 1 and a.stats.dropped_no_route == dropped
+        now += HOLD_FOR + 0.01
+        a.release_held()
+        assert not a._held and a.stats.dropped_no_route == dropped + 1 and a.stats.routed_held_expired == 1
+    finally:
+        a.peers.clear()
+        await a.shutdown()
+        await b.shutdown()

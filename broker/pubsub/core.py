@@ -8,6 +8,7 @@ topic for the end-of-turn flush).  No role reaches into another's fields; they c
 
 from __future__ import annotations
 
+import secrets
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count
@@ -18,6 +19,7 @@ from broker.pubsub.settings import SAME_COORD, PubSubConfig
 from broker.store import TopicStore
 from overlay.geometry import Coord, NearestNodes, distance, geohash
 from overlay.protocol import (
+    CORR_SPAN,
     MAX_FRAME_SIZE,
     MAX_LINK_FRAME_SIZE,
     MAX_LONG_LIST_LEN,
@@ -138,7 +140,7 @@ class TopicTable:
         self.config = config
         self.store = store
         self.replicas: dict[str, Replica] = {}
-        self._corr = count(1)
+        self._corr = count(1 + secrets.randbelow(CORR_SPAN))  # (CORR_SPAN says why)
         self._homes: dict[str, Coord] = {}
         # ranked() per coordinate for the current view (`_ranked_nodes`), and that view's nodes by distance.
         self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}
