@@ -18,6 +18,7 @@ from broker.routing import (
 )
 from overlay.delegation import CoordOffer, CoordQuery
 from overlay.protocol import (
+    CORR_SPAN,
     Join,
     NodeInfo,
     Ping,
@@ -202,7 +203,9 @@ async def test_a_message_whose_next_hop_link_just_broke_is_held_not_dropped() ->
         await b.shutdown()
 
 
-async def test_a_held_message_whose_link_stays_broken_is_dropped_after_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_held_message_whose_link_stays_broken_is_dropped_after_the_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A hold for a broken link ends like any other after HOLD_FOR: a message the view still routes into the broken
     # link then is dropped, as before (counted as having no route and as an expired hold).
     a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
@@ -228,3 +231,14 @@ async def test_a_held_message_whose_link_stays_broken_is_dropped_after_the_hold(
         a.peers.clear()
         await a.shutdown()
         await b.shutdown()
+
+
+async def test_each_life_of_a_broker_numbers_its_routed_requests_from_its_own_point() -> None:
+    # Answers are matched by corr and sender at the asker's coordinate: a late confirmation meant for an earlier
+    # life of a broker at the same coordinate (or for one that died) must not match a request of this life.  Every
+    # life counted from 1, so the first batches and pulls of a restarted broker had the corrs of its last life's.
+    lives = [Broker(BrokerConfig(coord=(0.5, 0.5), insecure=True)) for _ in range(2)]
+    firsts = [(next(b._corr), b.pubsub.table.next_corr(), next(b.balancer._corr)) for b in lives]
+    for first in firsts:
+        assert all(1 <= c <= CORR_SPAN for c in first)
+    assert all(x != y for x, y in zip(firsts[0], firsts[1], strict=True))
