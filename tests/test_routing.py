@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 from cluster import wait_for
 
@@ -152,15 +155,30 @@ async def test_a_message_for_a_closer_broker_no_link_leads_to_is_held_not_handle
     assert not b._hold(Held(0.0, len(big.body), (0.2, 0.2), None, 0, big))
 
 
+@contextlib.asynccontextmanager
+async def _pair(*, linked: bool) -> AsyncIterator[tuple[Broker, Broker]]:
+    """Two real brokers on loopback, a at (0.5, 0.5) and b at (0.2, 0.2); linked: a has dialled b and the link is
+    up."""
+    a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
+    b = Broker(BrokerConfig(coord=(0.2, 0.2), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
+    await a.start()
+    await b.start()
+    try:
+        if linked:
+            a.view.add_candidates([b.info])
+            a._schedule_reconcile()
+            await wait_for(lambda: b.info.id in a.view.linked and a.peers[b.info.id].established, 10, "a linked to b")
+        yield a, b
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+
+
 async def test_a_held_message_goes_on_once_a_link_leads_closer() -> None:
     # Two real brokers on loopback, not linked: a learns of b (as a JOIN_ACCEPT teaches a newcomer its
     # neighbours) and routes a PING to b's coordinate in the same step, before any link is up.  Held, it reaches
     # b once a's reconciliation has dialled b; handled at a, it was lost.
-    a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="WARNING"))
-    b = Broker(BrokerConfig(coord=(0.2, 0.2), listen="127.0.0.1:0", insecure=True, log_level="WARNING"))
-    await a.start()
-    await b.start()
-    try:
+    async with _pair(linked=False) as (a, b):
         a.view.add_candidates([b.info])
         delivered_at_a = a.stats.routed_delivered
         a.send_routed(b.info.coord, Ping(7))
@@ -168,9 +186,6 @@ async def test_a_held_message_goes_on_once_a_link_leads_closer() -> None:
         a._schedule_reconcile()
         await wait_for(lambda: b.stats.routed_delivered >= 1, 10, "the held PING at b")
         assert not a._held and a.stats.routed_delivered == delivered_at_a
-    finally:
-        await a.shutdown()
-        await b.shutdown()
 
 
 async def test_a_message_whose_next_hop_link_just_broke_is_held_not_dropped() -> None:
@@ -179,14 +194,7 @@ async def test_a_message_whose_next_hop_link_just_broke_is_held_not_dropped() ->
     # coordinate: the write finds the link closed.  They were dropped (counted as having no route); now they are
     # held, and once the view has let b go they reach the broker now closest to their destination (here a
     # itself: b is declared failed at a).
-    a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
-    b = Broker(BrokerConfig(coord=(0.2, 0.2), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
-    await a.start()
-    await b.start()
-    try:
-        a.view.add_candidates([b.info])
-        a._schedule_reconcile()
-        await wait_for(lambda: b.info.id in a.view.linked and a.peers[b.info.id].established, 10, "a linked to b")
+    async with _pair(linked=True) as (a, b):
         delivered = a.stats.routed_delivered + b.stats.routed_delivered
         dropped = a.stats.dropped_no_route
         a.peers[b.info.id]._t.abort()  # the connection is gone; the link's close is on its way
@@ -198,9 +206,6 @@ async def test_a_message_whose_next_hop_link_just_broke_is_held_not_dropped() ->
             lambda: a.stats.routed_delivered + b.stats.routed_delivered == delivered + 2, 10, "both held PINGs handled"
         )
         assert not a._held and a.stats.dropped_no_route == dropped and a.stats.routed_held_expired == 0
-    finally:
-        await a.shutdown()
-        await b.shutdown()
 
 
 async def test_a_held_message_whose_link_stays_broken_is_dropped_after_the_hold(
@@ -208,29 +213,21 @@ async def test_a_held_message_whose_link_stays_broken_is_dropped_after_the_hold(
 ) -> None:
     # A hold for a broken link ends like any other after HOLD_FOR: a message the view still routes into the broken
     # link then is dropped, as before (counted as having no route and as an expired hold).
-    a = Broker(BrokerConfig(coord=(0.5, 0.5), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
-    b = Broker(BrokerConfig(coord=(0.2, 0.2), listen="127.0.0.1:0", insecure=True, log_level="ERROR"))
-    await a.start()
-    await b.start()
-    try:
-        a.view.add_candidates([b.info])
-        a._schedule_reconcile()
-        await wait_for(lambda: b.info.id in a.view.linked and a.peers[b.info.id].established, 10, "a linked to b")
+    async with _pair(linked=True) as (a, b):
         now = 100.0
         monkeypatch.setattr(a, "_now", lambda: now)
         monkeypatch.setattr(a, "on_closed", lambda *_: None)  # the close never reaches the view
         a.peers[b.info.id]._t.abort()
-        dropped = a.stats.dropped_no_route
-        a.send_routed(b.info.coord, Ping(7))
-        a.release_held()
-        assert len(a._held) == 1 and a.stats.dropped_no_route == dropped
-        now += HOLD_FOR + 0.01
-        a.release_held()
-        assert not a._held and a.stats.dropped_no_route == dropped + 1 and a.stats.routed_held_expired == 1
-    finally:
-        a.peers.clear()
-        await a.shutdown()
-        await b.shutdown()
+        try:
+            dropped = a.stats.dropped_no_route
+            a.send_routed(b.info.coord, Ping(7))
+            a.release_held()
+            assert len(a._held) == 1 and a.stats.dropped_no_route == dropped
+            now += HOLD_FOR + 0.01
+            a.release_held()
+            assert not a._held and a.stats.dropped_no_route == dropped + 1 and a.stats.routed_held_expired == 1
+        finally:
+            a.peers.clear()  # (the closed link its close never took out)
 
 
 async def test_each_life_of_a_broker_numbers_its_routed_requests_from_its_own_point() -> None:
