@@ -94,10 +94,10 @@ MAX_TOKEN_LEN: Final = 256
 MAX_CORR: Final = (1 << 63) - 1
 # A broker numbers the routed messages it expects answers to (REPLICATE, PULL, OFFER, a relayed JOIN, COORD_QUERY)
 # from a random point below this in each of its lives.  An answer is routed to the asker's coordinate and matched
-# there by its corr and its sender, so one meant for an earlier life of a broker at the same coordinate (a restart),
-# or for a broker that died (it reaches the one now closest), must not match the corr of a request under way: with
-# every life counting from 1, a confirmation of the dead life's first batches, late, could count as a pull of the
-# new life's answered with nothing.  Well below MAX_CORR, so a life can count on for ever.
+# there by its corr (pub/sub's also by its sender), so one meant for an earlier life of a broker at the same
+# coordinate (a restart), or for a broker that died (it reaches the one now closest), must not match the corr of a
+# request under way: with every life counting from 1, a confirmation of the dead life's first batches, late, could
+# count as a pull of the new life's answered with nothing.  Well below MAX_CORR, so a life can count on for ever.
 CORR_SPAN: Final = 1 << 48
 
 # ROUTED flag: every broker that receives the frame appends itself to the body's path (route probes only; it
