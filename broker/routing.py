@@ -307,12 +307,10 @@ class Routing:
                     h.size = len(encode_message(h.msg, MAX_LINK_FRAME_SIZE))  # (held messages are rare)
                 except LocalProtocolError:
                     return False  # more than a frame: it could go on to no neighbour; handled here, as before
-        elif now >= h.until:
-            self.stats.routed_held_expired += 1
+        elif now >= h.until:  # (`_keep` counts it and lets it go)
             if len(self._gave_up) >= MAX_GAVE_UP:
                 self._gave_up.clear()
             self._gave_up[h.dest] = view.version
-            return False
         return self._keep(h, now)
 
     def _keep(self, h: Held, now: float | None = None) -> bool:
