@@ -428,7 +428,7 @@ def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     assert most == SYNC_WINDOW
     assert _rows(net, new.id) == list(range(n))
     assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)
-    role = net.nodes[primary].ps.replication
+    role = net.nodes[primary].ps.sync
     assert not role._answers and not role._answer_chunks  # every chunk confirmed: nothing kept
 
 
@@ -437,7 +437,7 @@ def test_a_long_answer_whose_last_confirmations_never_come_is_forgotten() -> Non
     # forgotten after the offer time-out, its chunks with it (they were kept for ever before).
     n = SYNC_WINDOW * SYNC_CHUNK * 2 + 7
     net, primary, secondary, _ = _setup_history(2, n)
-    role = net.nodes[primary].ps.replication
+    role = net.nodes[primary].ps.sync
 
     def lost_after_the_last_chunk(to: str, m: Message) -> bool:
         answer = role._answer_chunks.get(m.corr) if isinstance(m, Replicated) and to == primary else None

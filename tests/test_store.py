@@ -294,7 +294,7 @@ def test_missing_from_finds_exactly_what_a_peer_lacks(seed: int) -> None:
             assert log.offerable() == {p: k.ranges() for p, k in kept.items()}  # what an OFFER names: the rows
             everything = [m for m in log.records() if lacks(theirs, m.publisher, m.seq)]
             assert log.missing_from(theirs) == everything
-            # ... and so does the answer taken a piece at a time (a long answer streams: replication._Answer).
+            # ... and so does the answer taken a piece at a time (a long answer streams: sync._Answer).
             stream, pieces = log.missing_stream(theirs), []
             while not stream.done:
                 pieces.extend(stream.take(rng.randrange(1, 40)))

@@ -1,9 +1,10 @@
 """What every role of the pub/sub engine shares: settings, the port to the broker, and the topic table.
 
-The roles (access.py, holder.py, replication.py, moves.py, home.py, loads.py) each own one part of the
-protocol; they share one `TopicTable`: the replicas this broker holds, the store, the counters, correlation ids,
-and the helpers every role needs (ranking brokers around a coordinate, replying to an access broker, marking a
-topic for the end-of-turn flush).  No role reaches into another's fields; they call each other's methods.
+The roles (access.py, holder.py, replication.py, sync.py, ranks.py, moves.py, home.py, loads.py) each own one
+part of the protocol; they share one `TopicTable`: the replicas this broker holds, the store, the counters,
+correlation ids, and the helpers every role needs (ranking brokers around a coordinate, replying to an access
+broker, marking a topic for the end-of-turn flush).  No role reaches into another's fields; they call each
+other's methods.
 """
 
 from __future__ import annotations

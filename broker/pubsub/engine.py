@@ -5,7 +5,9 @@ Each role owns one part of the protocol and sees the others only through their m
 
     access.py       client sessions of this broker: requests out, answers in
     holder.py       requests at the topic's holders: serve, publish, acknowledge and deliver
-    replication.py  copies at the secondary, pulls, take-over, re-ranking on view changes
+    replication.py  the primary's copies at the secondary (and tertiary): batches, back-fill, anti-entropy
+    sync.py         pulls and offers between a topic's holders, take-over after a failure, retiring
+    ranks.py        re-ranking the topics held when the view changes; copies a move left behind
     moves.py        delegation of a topic to another coordinate (lease, hand-over, activate)
     home.py         delegate lists, leases, placement of new topics (Alg. 1)
     loads.py        what is held by role, and the load model's L1/L2/L3
@@ -26,8 +28,10 @@ from broker.pubsub.holder import HolderRole
 from broker.pubsub.home import HomeRole
 from broker.pubsub.loads import LoadRole
 from broker.pubsub.moves import MoveRole
+from broker.pubsub.ranks import RankRole
 from broker.pubsub.replication import ReplicationRole
 from broker.pubsub.settings import PubSubConfig
+from broker.pubsub.sync import SyncRole
 from broker.storage import RecoveryReport
 from broker.store import TopicStore
 from overlay.delegation import (
@@ -58,16 +62,31 @@ class PubSub:
         self.access = AccessRole(t)
         self.holder = HolderRole(t)
         self.replication = ReplicationRole(t)
+        self.sync = SyncRole(t)
+        self.ranks = RankRole(t)
         self.moves = MoveRole(t)
         self.home = HomeRole(t)
         self.accounting = LoadRole(t, self.home)
         # Explicit wiring: who calls whom.
         self.access.holder = self.holder
-        self.holder.access, self.holder.replication = self.access, self.replication
-        self.holder.moves, self.holder.home = self.moves, self.home
+        self.holder.access, self.holder.replication, self.holder.sync = self.access, self.replication, self.sync
+        self.holder.ranks, self.holder.moves, self.holder.home = self.ranks, self.moves, self.home
         self.replication.holder, self.replication.moves, self.replication.home = self.holder, self.moves, self.home
+        self.replication.sync, self.replication.ranks = self.sync, self.ranks
+        self.sync.holder, self.sync.home, self.sync.ranks, self.sync.replication = (
+            self.holder,
+            self.home,
+            self.ranks,
+            self.replication,
+        )
+        self.ranks.holder, self.ranks.home, self.ranks.sync, self.ranks.replication = (
+            self.holder,
+            self.home,
+            self.sync,
+            self.replication,
+        )
         self.moves.holder, self.moves.replication, self.moves.home = self.holder, self.replication, self.home
-        self.home.holder, self.home.replication = self.holder, self.replication
+        self.home.holder, self.home.ranks = self.holder, self.ranks
         t.on_flush = self._flush_turn
         t.on_local_reply = self.access.local_reply
         handlers: dict[type[Message], Handler] = {
@@ -75,8 +94,8 @@ class PubSub:
             TopicReply: self.access.reply_arrived,
             Replicate: self.replication.replicate_arrived,
             Replicated: self.replication.replicated_arrived,
-            Pull: self.replication.pull_arrived,
-            Offer: self.replication.offer_arrived,
+            Pull: self.sync.pull_arrived,
+            Offer: self.sync.offer_arrived,
             Lease: self.home.lease_arrived,
             Leased: self.moves.leased_arrived,
             Activate: self.moves.activate_arrived,
@@ -182,11 +201,11 @@ class PubSub:
     def hand_off(self) -> int:
         """A graceful shutdown begins: offer every topic held to the brokers that hold it next; returns how many
         offers wait for confirmation (`handing_off`).  The broker leaves once that is 0 or time is up."""
-        return self.replication.hand_off()
+        return self.sync.hand_off()
 
     def handing_off(self) -> int:
         """Offers of a graceful shutdown (or of retiring replicas) not yet confirmed."""
-        return self.replication.handing_off()
+        return self.sync.handing_off()
 
     def close(self) -> None:
         """Write and close the disk journals (graceful shutdown)."""
@@ -196,7 +215,7 @@ class PubSub:
         """The broker's view of the overlay changed; failed names the brokers that died (not those that left
         gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop."""
         self.home.view_changed()
-        self.replication.view_changed(failed)
+        self.ranks.view_changed(failed)
         self.access.view_changed()  # (after the holders re-ranked: a local registration finds its replica)
 
     def tick(self) -> None:

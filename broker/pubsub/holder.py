@@ -50,7 +50,9 @@ if TYPE_CHECKING:
     from broker.pubsub.access import AccessRole
     from broker.pubsub.home import HomeRole
     from broker.pubsub.moves import MoveRole
+    from broker.pubsub.ranks import RankRole
     from broker.pubsub.replication import ReplicationRole
+    from broker.pubsub.sync import SyncRole
 
 log = logging.getLogger("sedax.pubsub")
 
@@ -74,6 +76,8 @@ class HolderRole:
         # Wired by the engine.
         self.access: AccessRole
         self.replication: ReplicationRole
+        self.sync: SyncRole
+        self.ranks: RankRole
         self.moves: MoveRole
         self.home: HomeRole
         # Topics the last sweep found empty (`sweep_empty`), and when the next sweep is due.
@@ -160,7 +164,7 @@ class HolderRole:
             # restart.)  It used to serve the request on the copy: a PUBLISH stored there was never acknowledged.
             self.forward_request(access, session, req, r.coord, via_home=True)
             return
-        if self.replication.start_pull(r, takeover=False):
+        if self.sync.start_pull(r, takeover=False):
             r.queued.append((access, session, req))  # served once the previous holders answered
             return
         if isinstance(req, (Publish, Subscribe)) and self.home.maybe_place(r):
@@ -543,20 +547,20 @@ class HolderRole:
                     # without its data directory) and made the topic afresh at h(t), or know a later one that
                     # this copy missed; either way the two follow the later list (home.py `_store`).
                     self.home.set_delegates(r.name, r.delegates)
-                if not self.replication.start_pull(r, takeover=False):
+                if not self.sync.start_pull(r, takeover=False):
                     r.enter(Transition.CAUGHT_UP)
                     self.release_queue(r)
                     self.replication.flush(r)
-            elif self.replication.keeps(r.rank):
+            elif self.ranks.keeps(r.rank):
                 r.enter(Transition.DEMOTE)
                 self.release_queue(r)
                 # It may hold what the primary lacks (everything was stopped and started again): offer it, again
                 # after each time-out until the primary answers.  Offered once, an offer lost while the overlay
                 # formed around this broker was never repeated: a copy a move left behind, told by the home's answer
                 # where the topic lives, stayed at the old coordinate for good.
-                self.replication.offer(r, self.t.holders(r.coord)[:1])
+                self.sync.offer(r, self.t.holders(r.coord)[:1])
             else:
-                self.replication.retire(r)  # what it kept may be all that is left of some records: hand it on
+                self.sync.retire(r)  # what it kept may be all that is left of some records: hand it on
 
     @staticmethod
     def _wait(r: Replica, rec: Record, access: NodeInfo, session: str) -> None:

@@ -19,7 +19,7 @@ from overlay.pubsub import Delegation, later
 
 if TYPE_CHECKING:
     from broker.pubsub.holder import HolderRole
-    from broker.pubsub.replication import ReplicationRole
+    from broker.pubsub.ranks import RankRole
 
 
 class HomeRole:
@@ -29,7 +29,7 @@ class HomeRole:
         self.t = table
         # Wired by the engine.
         self.holder: HolderRole
-        self.replication: ReplicationRole
+        self.ranks: RankRole
         # Delegate lists of topics whose home this broker is (or the home's secondary).
         self.delegate_lists: dict[str, list[Delegation]] = {}
         self._last_move: dict[str, float] = {}  # when each topic last moved (cool-down)
@@ -83,14 +83,14 @@ class HomeRole:
         if cur and later(cur, dl):
             # An older update arriving late, or a copy left behind by a move re-registering after a restart
             # (`HolderRole.resume`): a replica here follows the list the home has.
-            self.replication.follow(topic, cur)
+            self.ranks.follow(topic, cur)
             return
         if cur != dl:
             self.delegate_lists[topic] = list(dl)
             self._keep()
             self._last_move[topic] = self.t.ov.now()
             self._leases.pop(topic, None)
-        self.replication.follow(topic, dl)
+        self.ranks.follow(topic, dl)
         r = self.t.replicas.get(topic)
         if r is not None:
             r.meta_dirty = True  # with the next batch to the secondary, as before every batch carried them
@@ -115,12 +115,12 @@ class HomeRole:
 
     def learn_delegates(self, topic: str, dl: list[Delegation], origin: NodeInfo | None = None) -> None:
         """A delegate list heard from another holder: keep it if it is newer, and let this broker's replica of
-        the topic follow it (or tell origin ours, if ours is newer: `ReplicationRole.follow`)."""
+        the topic follow it (or tell origin ours, if ours is newer: `RankRole.follow`)."""
         cur = self.delegate_lists.get(topic)
         if dl and (not cur or cur[-1].start <= dl[-1].start) and cur != dl:
             self.delegate_lists[topic] = dl
             self._keep()
-        self.replication.follow(topic, dl, origin)
+        self.ranks.follow(topic, dl, origin)
 
     def _keep(self) -> None:
         """The lists on the disk (with a data directory): they are all that says where a moved topic lives,
@@ -211,7 +211,7 @@ class HomeRole:
         for topic, kept in list(self.delegate_lists.items()):
             r = self.t.replicas.get(topic)
             if r is not None and later(kept, r.delegates):
-                self.replication.follow(topic, kept)
+                self.ranks.follow(topic, kept)
         for corr, (topic, dl, sent) in list(self._unconfirmed.items()):
             if now - sent > 1.0:
                 self._unconfirmed[corr] = (topic, dl, now)

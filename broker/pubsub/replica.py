@@ -363,12 +363,12 @@ class Copy:
 
 @dataclass(slots=True)
 class Pulling:
-    """SYNCING, TAKING_OVER: the pull from the topic's other holders (replication.py `start_pull`)."""
+    """SYNCING, TAKING_OVER: the pull from the topic's other holders (sync.py `start_pull`)."""
 
     asked: dict[int, str] = field(default_factory=dict)  # pull corr -> the node asked, until it answered
     started: float = 0.0
     heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
-    retried: bool = False  # asked again once (replication.py `tick`)
+    retried: bool = False  # asked again once (sync.py `retry_pull`)
     answered_in: float = 0.0  # how long the first holder to answer took (0: none has yet)
     # A serving primary that found another holder had records it lacks (the other side of a healed partition)
     # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).

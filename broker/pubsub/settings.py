@@ -60,7 +60,7 @@ ANTI_ENTROPY_INTERVAL: Final = 5.0
 # after this long (access `view_changed`): the first may have been dropped while the links formed.
 REGISTER_AGAIN: Final = 1.0
 # A long answer to a pull (a new holder's history) goes SYNC_WINDOW chunks of SYNC_CHUNK records at a time
-# (replication.py `_Answer`): the next leaves when the asker confirmed one.  Sent all at once, 300,000 records
+# (sync.py `_Answer`): the next leaves when the asker confirmed one.  Sent all at once, 300,000 records
 # stalled the answering broker's event loop ~0.4 s and queued 36 MB ahead of the topic's next batches on the
 # link.  A batch now waits behind at most the chunks in flight at the secondary: with 4 x 512 each publish took
 # ~4.5 ms while the history streamed, with 2 x 128 ~1 ms, and the stream took as long (~0.7 s for 300,000

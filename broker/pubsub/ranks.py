@@ -1,0 +1,191 @@
+"""The ranking role: what a broker does with the topics it holds when the overlay changes.
+
+When the view changes, every broker re-ranks itself for each topic it holds (`view_changed`): a secondary that
+became closest takes over (sync.py: it merges what the other holders have, then re-delivers the last moments);
+a primary that gained a new secondary gives it the whole history (replication.py); a broker ranked out of the
+holders retires (sync.py: it offers its records to the holders now and lets go once they confirmed).  A copy
+that a move left behind follows the topic's later delegate list to where it lives (`follow`, `relocate`), and a
+broker that hears from such a copy tells it the later list (`left_behind`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from broker.pubsub.core import TopicTable, same
+from broker.pubsub.replica import Replica, Stage, Transition
+from overlay.delegation import DelegateUpdate
+from overlay.geometry import Coord
+from overlay.protocol import NodeInfo
+from overlay.pubsub import Delegation, later
+
+if TYPE_CHECKING:
+    from broker.pubsub.holder import HolderRole
+    from broker.pubsub.home import HomeRole
+    from broker.pubsub.replication import ReplicationRole
+    from broker.pubsub.sync import SyncRole
+
+log = logging.getLogger("sedax.pubsub")
+
+
+class RankRole:
+    """Re-ranking on view changes, and copies a move left behind (see the module docstring)."""
+
+    def __init__(self, table: TopicTable) -> None:
+        self.t = table
+        # Wired by the engine.
+        self.holder: HolderRole
+        self.home: HomeRole
+        self.replication: ReplicationRole
+        self.sync: SyncRole
+
+    def view_changed(self, failed: Collection[str]) -> None:
+        """Re-rank every topic held: take-over, new secondary, or drop (moves in progress finish first)."""
+        self.sync.leaving &= set(self.t.ov.view())
+        self.t.rank_many(r.coord for r in self.t.replicas.values())  # (at once: then rank_of_me reads the cache)
+        for r in list(self.t.replicas.values()):
+            old = r.rank
+            r.rank = self.t.rank_of_me(r.coord)
+            self._rerank(r, old)
+
+    def _rerank(self, r: Replica, old: int, *, offer: bool = False) -> None:
+        """r's rank changed from old (the view changed, or r follows the topic to a new coordinate: `relocate`):
+        take over, get a new secondary, become a copy, or retire.  offer: a copy offers what it holds to the
+        primary, as a demoted primary does (a relocated copy may hold what the topic's holders lack)."""
+        if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.RECOVERING):
+            return  # finishes (or times out, or resumes once joined) as it is; roles are settled then
+        if r.stage is Stage.RETIRING:
+            if not self.keeps(r.rank):
+                self.sync.retire(r)  # the holders changed: offer to the new ones
+                return
+            r.enter(Transition.KEEP)  # ranked again before it let go: a copy, or the primary below
+            old = 0
+        if r.rank == 1:
+            if old != 1 and r.stage is not Stage.PLACING:
+                self.sync.take_over(r)
+                # What this broker got from the dead primary, its secondary may lack (a batch it confirmed
+                # that never reached the old tertiary, at level 3): a back-fill, which costs one offer if not.
+                r.copy.want()
+            sec = self.t.secondary(r)
+            if sec is not None and r.copy.next_is(sec.id):
+                # A new secondary gets the whole history, after a failure too (replication.py).
+                if any(b.target != sec.id for b in r.window):
+                    r.window.clear()  # re-sent to the new secondary below
+                    r.outbox = r.unconfirmed()
+                r.meta_dirty = True
+            self.replication.flush(r)
+        elif self.keeps(r.rank):
+            was_primary = r.stage is not Stage.HOLDING
+            r.settle()
+            if r.stage is not Stage.HOLDING:
+                r.enter(Transition.DEMOTE)  # pulling or placing when a broker joined closer: a copy now
+            r.forget_primary_work()  # the new primary acknowledges: publishers re-send what we did not ack
+            if was_primary or old == 1 or offer:
+                # What only this former primary holds (the other side of a healed partition, the last
+                # batches it stored) goes to the new one, offered again after each time-out until the new
+                # primary confirms it holds all of it: once lost while the overlays merged, it was never
+                # repeated, and the primary served for good without what this copy kept (anti-entropy
+                # compares from the primary's side only).  At level 3 also to its next holder, now its
+                # tertiary, which may be its old secondary and lack the batches that never got there (one
+                # offer round trip if it lacks nothing).
+                self.sync.offer(r, self.t.holders(r.coord)[:1])
+                r.copy.want()
+            if (nxt := self.replication.next_holder(r)) is not None:
+                r.copy.next_is(nxt.id)  # level 3: a new tertiary gets the history from the secondary
+            self.replication.copy_down(r)
+            queued, r.queued = r.queued, []
+            for access, session, req in queued:
+                self.holder.handle_request(access, session, req)
+        else:
+            self.sync.retire(r)
+
+    def keeps(self, rank: int) -> bool:
+        """A broker of this rank keeps a copy of the topic (primary, secondary, tertiary at level 3)."""
+        return 1 <= rank <= max(2, self.t.config.resilience) and (rank == 1 or self.t.config.resilience >= 2)
+
+    def follow(self, topic: str, dl: list[Delegation], origin: NodeInfo | None = None) -> None:
+        """A delegate list heard from another broker (the home, a holder, a primary's batch) against this
+        broker's replica of the topic: a later list that names another coordinate moves the replica there
+        (`relocate`); an earlier one that names another coordinate than ours comes from a copy left behind,
+        and origin is told ours, so that it follows."""
+        r = self.t.replicas.get(topic)
+        if r is None or r.stage is Stage.GONE or not dl:
+            return
+        if later(dl, r.delegates):
+            if same(dl[-1].coord, r.coord):
+                r.place(dl[-1].coord, dl)
+            else:
+                self.relocate(r, dl)
+        elif origin is not None and later(r.delegates, dl) and not same(dl[-1].coord, r.coord):
+            self.tell_list(topic, r.delegates, origin)
+
+    def tell_list(self, topic: str, dl: list[Delegation], to: NodeInfo) -> None:
+        """Send dl to a broker that holds the topic at a coordinate dl says it has left (it `follow`s)."""
+        self.t.ov.route(to.coord, DelegateUpdate(0, topic, tuple(dl), self.t.ov.me, sync=True))
+
+    def left_behind(
+        self, topic: str, r: Replica | None, coord: Coord, dl: tuple[Delegation, ...], origin: NodeInfo
+    ) -> bool:
+        """A batch or an offer for coord, with the sender's list dl: does it come from a copy a move left behind?
+        Then the sender is told the later list (it follows) and the message is not taken (True).
+        - r held at another coordinate: if the sender's list is later, r follows it (`relocate`) and the message
+          is taken; if r's is, the sender is told.  Lists alike (a topic placed by Alg. 1 before its copies
+          learned the list): the sender's coordinate is taken, as before.  A batch without the meta has no list:
+          the sender re-sends with it once told.
+        - nothing held here: the list this broker keeps as the topic's home, if later and elsewhere, is told."""
+        if r is None:
+            known = self.home.delegate_lists.get(topic)
+            if known and later(known, dl) and not same(known[-1].coord, coord):
+                self.tell_list(topic, known, origin)
+                return True
+            return False
+        if same(r.coord, coord):
+            return False
+        if later(r.delegates, dl):
+            self.tell_list(topic, r.delegates, origin)
+            return True
+        if later(list(dl), r.delegates):
+            self.relocate(r, list(dl))
+        return False
+
+    def relocate(self, r: Replica, dl: list[Delegation]) -> None:
+        """dl, later than r's own list, says the topic lives at another coordinate now: r is a copy a move left
+        behind (its broker was down during the move, or the RELEASE was lost with a restart), or it served the
+        topic at the old coordinate after a full restart before the home's list was back.  r takes the new
+        coordinate and re-ranks there as at a view change: a holder there keeps it and offers what it holds to
+        the primary; any other broker retires it, offering its records to the holders there, and lets go once
+        they confirmed.  Histories merge as a set union by (publisher, seq), so what only this copy has (what it
+        acknowledged while it served at the old coordinate) reaches the topic, and its subscribers go with the
+        answer to the offer; requests go where the topic lives.  Before, such a copy came back at the old
+        coordinate after a full restart and served the topic there, beside the copies where it moved: a
+        subscriber registered on one got nothing published to the other (benchmarks/chaos.py)."""
+        if r.stage in (Stage.HANDING_OVER, Stage.RECEIVING, Stage.PLACING):
+            return  # a move or a placement is under way here: it sets the list itself when it ends
+        frm, to = r.coord, dl[-1].coord
+        self.t.counters["relocations"] += 1
+        self.t.event("relocate", topic=r.name, frm=frm, to=to)
+        log.info("topic %s: the copy held for (%.4f, %.4f) follows the topic to (%.4f, %.4f)", r.name, *frm, *to)
+        r.place(to, dl)
+        if r.stage is Stage.RECOVERING:
+            return  # `HolderRole.resume` ranks it where it is now
+        # Publishers of what waits for an acknowledgement here re-send it where the topic lives; the offer takes
+        # the records there, so subscribers get what was stored once the holders there merged it.
+        r.forget_primary_work()
+        r.rank = self.t.rank_of_me(to)
+        self._rerank(r, 0, offer=True)
+
+    def ranked_out(self, r: Replica) -> bool:
+        """At an anti-entropy round: a steady copy the view no longer ranks among the holders, made or kept
+        (`settle` keeps any ranked copy) by a batch from a primary whose view lagged, after this broker's last view
+        change (seen 30 s after a healed partition at level 2).  It hands its records on and lets go, as
+        view_changed would have had it (True); not while a broker is leaving (the copies it hands its topics to
+        may rank below the holders until it is gone)."""
+        if r.stage is not Stage.HOLDING or r.offers or self.sync.leaving:
+            return False
+        if self.keeps(rank := self.t.rank_of_me(r.coord)):
+            return False
+        r.rank = rank
+        self.sync.retire(r)
+        return True
