@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_rank.py [--nodes 9,100,300] [--topics 100,1000] [--repeat 5]
 
 When its view of the overlay changes, a broker ranks the coordinate of every topic it holds (take-over, new
-secondary, hand-over: replication `view_changed`) and of every topic its sessions subscribe (access
+secondary, hand-over: ranks `view_changed`) and of every topic its sessions subscribe (access
 `view_changed`: a subscription whose N_1 changed is registered there again).  Two rows per size:
 
 * ranking alone: `closest` per coordinate (a sort of every known broker each, what the broker did until

@@ -644,7 +644,7 @@ class TopicLog:
 
 class Missing:
     """The records a replica lacks, taken a piece at a time, oldest first: a long answer to a pull leaves as the
-    asker confirms what it got (replication.py `_Answer`).  Building and encoding 300,000 records in one go
+    asker confirms what it got (sync.py `_Answer`).  Building and encoding 300,000 records in one go
     stalled the answering broker's event loop for ~0.4 s, and every batch queued behind them on the link.
 
     It walks the rows as they were when it was made (a copy of the deque's references from the oldest row the

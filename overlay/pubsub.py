@@ -869,7 +869,7 @@ class Offer(Message):
     # The offerer is shutting down: the receiver ranks itself as if the offerer were gone already.
     leaving: bool = False
     # The offerer's delegate list: a receiver holding the topic at another coordinate tells which copy a move
-    # left behind (overlay.pubsub.later; broker/pubsub/replication.py `relocate`).
+    # left behind (overlay.pubsub.later; broker/pubsub/ranks.py `relocate`).
     delegates: tuple[Delegation, ...] = ()
     # The offerer's subscribers, when it is not the primary (a demoted primary, a retiring copy): the primary
     # adds those it lacks, also when it holds every record offered and pulls nothing.

@@ -335,7 +335,7 @@ def test_after_a_take_over_the_last_moments_reach_the_new_secondary_before_an_ac
     # publisher re-sends seq 10 (or sends seq 11: acknowledgements are cumulative) to the secondary, now the
     # primary, which holds it already. Acknowledged on the strength of that broker alone, it would be lost with
     # the next single failure while the new secondary's back-fill is under way. The new primary's first batch
-    # copies the last moments again (replication `redeliver`), so the acknowledgement waits for that batch
+    # copies the last moments again (sync `redeliver`), so the acknowledgement waits for that batch
     # only, not for the back-fill, which is held back here.
     net, primary, secondary, pub = _setup_history(2, 10)
     net.tick(REDELIVER_WINDOW + 1.0)  # 0-9 are history, older than the last moments

@@ -183,7 +183,7 @@ class TopicTable:
             "reverse_offers": 0,  # a copy offered its primary records the primary did not keep (`_offer_back`)
             "topic_full": 0,  # new subscribers and publishers refused: the topic had max_topic_entries
             "empty_forgotten": 0,  # replicas of topics with nothing in them, forgotten (holder.sweep_empty)
-            "relocations": 0,  # copies a move left behind that followed the topic (replication `relocate`)
+            "relocations": 0,  # copies a move left behind that followed the topic (ranks `relocate`)
             "coalesced": 0,  # a client's one-message PUBLISH frames handled in one batch with the one before
             "resubscribed": 0,  # local sessions' subscriptions registered again at a topic's new N1 (access)
             "heads": 0,  # HEADS sent to subscribers: publishers gone quiet with their newest seq, or empty (idle)

@@ -387,7 +387,7 @@ class HolderRole:
             if first is None or seq < first:
                 if r.recopying:
                     # A re-send after a take-over: the dead primary may not have acknowledged it, and the new
-                    # secondary has it once the batch re-copying the last moments is confirmed (replication
+                    # secondary has it once the batch re-copying the last moments is confirmed (sync
                     # `redeliver`); acknowledged with the batch that covers everything stored so far.
                     self._wait(r, Record(r.last_ts, publisher, seq, b""), access, session)
                     self.t.mark(r)

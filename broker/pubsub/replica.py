@@ -432,12 +432,12 @@ class Replica:
     # a new secondary carries every record not yet confirmed.
     copy: Copy = field(init=False)
     # After a take-over: the newest record of the last moments that the first batch copies to the secondary
-    # again (replication `redeliver`).  Until confirmed_upto reaches it, a re-send of a stored message waits for
+    # again (sync `redeliver`).  Until confirmed_upto reaches it, a re-send of a stored message waits for
     # a batch (the dead primary may never have acknowledged it, and the new secondary may not hold it yet).
     recopy_from: float = 0.0
     recopy_upto: float = 0.0
     # At a copy: the primary's last word (REPLICATE.delivered_upto, with every batch) on how far it delivered and
-    # acknowledged; a take-over re-delivers and re-copies at least what came after it (replication `redeliver`).
+    # acknowledged; a take-over re-delivers and re-copies at least what came after it (sync `redeliver`).
     delivered_upto: float = 0.0
     last_ts: float = 0.0
     outbox: list[Record] = field(default_factory=list)  # stored, not yet sent to the secondary
@@ -509,7 +509,7 @@ class Replica:
 
     def unconfirmed(self) -> list[Record]:
         """Everything a batch must carry to prove alone that the secondary holds what is not yet confirmed: the
-        records not yet acknowledged and, while `recopying`, the last moments (replication `redeliver`), oldest
+        records not yet acknowledged and, while `recopying`, the last moments (sync `redeliver`), oldest
         first."""
         if not self.recopying:
             return list(self.undelivered)
