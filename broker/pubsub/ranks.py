@@ -41,6 +41,7 @@ class RankRole:
         self.replication: ReplicationRole
         self.sync: SyncRole
 
+    # ---- overlay changes -------------------------------------------------------------------------------------
     def view_changed(self, failed: Collection[str]) -> None:
         """Re-rank every topic held: take-over, new secondary, or drop (moves in progress finish first)."""
         self.sync.leaving &= set(self.t.ov.view())
@@ -105,6 +106,7 @@ class RankRole:
         """A broker of this rank keeps a copy of the topic (primary, secondary, tertiary at level 3)."""
         return 1 <= rank <= max(2, self.t.config.resilience) and (rank == 1 or self.t.config.resilience >= 2)
 
+    # ---- a copy a move left behind ---------------------------------------------------------------------------
     def follow(self, topic: str, dl: list[Delegation], origin: NodeInfo | None = None) -> None:
         """A delegate list heard from another broker (the home, a holder, a primary's batch) against this
         broker's replica of the topic: a later list that names another coordinate moves the replica there
@@ -176,6 +178,7 @@ class RankRole:
         r.rank = self.t.rank_of_me(to)
         self._rerank(r, 0, offer=True)
 
+    # ---- time ------------------------------------------------------------------------------------------------
     def ranked_out(self, r: Replica) -> bool:
         """At an anti-entropy round: a steady copy the view no longer ranks among the holders, made or kept
         (`settle` keeps any ranked copy) by a batch from a primary whose view lagged, after this broker's last view

@@ -71,6 +71,7 @@ class ReplicationRole:
         self.sync: SyncRole
         self.ranks: RankRole
 
+    # ---- the primary's copy at the secondary -----------------------------------------------------------------
     def flush(self, r: Replica) -> None:
         """Send the next batch to the secondary, or acknowledge and deliver when no copy is required."""
         if r.rank != 1 or r.stage in PULLING or r.stage is Stage.HANDING_OVER:
@@ -182,6 +183,7 @@ class ReplicationRole:
             return ranked[2] if len(ranked) > 2 else None
         return None
 
+    # ---- confirmations and copies arriving -------------------------------------------------------------------
     def replicated_arrived(self, m: Replicated) -> None:
         """REPLICATED: a copy, a pull answer or a hand-over was confirmed."""
         if self.sync.chunk_confirmed(m):
@@ -337,6 +339,7 @@ class ReplicationRole:
         ranked = self.t.ranked(m.coord)
         return len(ranked) > 2 and ranked[1].id == m.origin.id and ranked[2].id == self.t.ov.me.id
 
+    # ---- level 3: the secondary passes batches on ------------------------------------------------------------
     def _chain(self, r: Replica, m: Replicate) -> bool:
         """Level 3: the secondary passes each batch of the primary on to the tertiary and confirms the batch
         (the last chunk's corr) only once the tertiary confirmed it, so an acknowledged message is on three
@@ -400,6 +403,7 @@ class ReplicationRole:
 
         r.log.when_durable(on_disk)
 
+    # ---- time ------------------------------------------------------------------------------------------------
     def _tick_backfill(self, r: Replica, now: float) -> None:
         """A back-fill not confirmed (nor its answer making progress) within the offer time-out is offered again,
         from what the next holder has by then; a level-3 secondary back-fills its tertiary from here."""

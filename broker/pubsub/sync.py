@@ -75,6 +75,7 @@ class SyncRole:
         self.ranks: RankRole
         self.replication: ReplicationRole
 
+    # ---- pulling a topic from its previous holders (Sec. III-C) ----------------------------------------------
     def sync_learned(self, r: Replica, offered: tuple[int, NodeInfo] | None = None) -> Pulling | None:
         """A serving primary learned from another holder that it lacks records: a topic new to it (a broker that
         joined closest to it hears of it from an OFFER or a copy), or an OFFER of records it lacks (the other
@@ -222,6 +223,7 @@ class SyncRole:
         a.inflight.clear()
         a.corr = 0
 
+    # ---- offers: handing records on to the topic's holders ---------------------------------------------------
     def offer(self, r: Replica, targets: list[NodeInfo], *, track: bool = True, leaving: bool = False) -> None:
         """OFFER r's records to targets; tracked offers wait for REPLICATED and are repeated on a time-out."""
         if track:
@@ -355,6 +357,7 @@ class SyncRole:
                 r.copy.want()  # a join made us primary: the secondary gets everything we now hold
             self.replication.flush(r)  # after a take-over, view_changed decided whether the history is copied
 
+    # ---- take-over after a failure ---------------------------------------------------------------------------
     def take_over(self, r: Replica) -> None:
         self.t.counters["takeovers"] += 1
         self.t.event("takeover", topic=r.name)
@@ -384,7 +387,7 @@ class SyncRole:
             r.confirmed_upto = min(r.confirmed_upto, since)  # (confirmed to an earlier secondary, if ever)
             r.outbox = r.unconfirmed()
 
-    # ---- confirmations, and time ----------------------------------------------------------------------
+    # ---- confirmations, and time -----------------------------------------------------------------------------
     def chunk_confirmed(self, m: Replicated) -> bool:
         """REPLICATED for a chunk of a long answer (`_Answer`): the next chunks leave.  False if it is not one."""
         answer = self._answer_chunks.get(m.corr)
