@@ -325,8 +325,12 @@ class ReplicationRole:
             # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
             # acknowledges it nor forgets it (it re-sends).
             self.confirm_on_disk(r, m.origin, m.corr)
-        ranked_out = m.sync and r.stage is Stage.HOLDING and not self.ranks.keeps(r.rank)
-        if ranked_out and m.origin.id not in self.sync.leaving:
+        if (
+            m.sync
+            and r.stage is Stage.HOLDING
+            and not self.ranks.keeps(r.rank)
+            and m.origin.id not in self.sync.leaving
+        ):
             self.sync.retire(r)  # offered by a broker whose view ranks this one, but ours does not (yet)
         elif m.sync and created:
             self.sync.sync_learned(r)

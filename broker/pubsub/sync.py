@@ -413,8 +413,9 @@ class SyncRole:
         return False
 
     def offer_answered(self, corr: int, node: str) -> bool:
-        """corr is node's OFFER, answered with the pull of this broker's own sync (`start_pull`), and its answer
-        is on this broker's disk: forgotten here; True if so (the offerer may let go)."""
+        """An answer to corr, just stored here: if corr is node's OFFER, answered with the pull of this broker's own
+        sync (`start_pull`), it is forgotten and True (the offerer may let go once the answer is on the disk:
+        `ReplicationRole.confirm_on_disk`)."""
         return self._offer_pulls.pop(corr, None) == node
 
     def drop_quiet_answers(self, now: float) -> None:
