@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from typing import Any, Final, Self
 
 import numpy as np
 
+from broker import defaults
 from client.admin import AdminClient, AdminError
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
@@ -44,6 +46,8 @@ STOP_GRACE: Final = 10.0
 # New brokers started at once; more only queue on the CPU behind numpy/scipy imports.
 START_BATCH: Final = 8
 STATE_FILE: Final = "cluster.json"
+# `sedax cluster down` renames the state file to this: what `cluster up` needs to start the same brokers again.
+STOPPED_FILE: Final = "cluster.stopped.json"
 PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
 _REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 
@@ -102,12 +106,15 @@ class LocalCluster:
             peers, so that firewall rules (tests: nftables) can cut the links between chosen brokers.
         detached: leave the brokers running when this process exits (`sedax cluster up`, which hands them
             to `sedax cluster down`); otherwise (Linux) they get SIGTERM when their owner dies, even by SIGKILL.
+        listens: the address each broker listens on, by index (a cluster started again from its stopped state:
+            clients keep the addresses they were given); one taken by another program meanwhile falls back to a
+            port from the OS.  Default: ports from the OS.
     """
 
     n: int = 0
     seed: int = 0
     coords: Sequence[Coord] | None = None
-    resilience: int = 2
+    resilience: int = defaults.RESILIENCE
     state_dir: Path | None = None
     broker_args: Sequence[str] = ()
     space: Space = UNIT_SQUARE
@@ -116,6 +123,7 @@ class LocalCluster:
     detached: bool = False
     data_dirs: bool = False
     hosts: bool = False
+    listens: Sequence[str] = ()
     _rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -222,6 +230,8 @@ class LocalCluster:
         index = len(self.nodes) if index is None else index
         c = coord if coord is not None else self._next_coord()
         node_id = f"n{index}"
+        if listen is None and index < len(self.listens) and _bindable(self.listens[index]):
+            listen = self.listens[index]
         listen = listen or f"{self.host(index)}:0"
         joins = list(join) if join is not None else self._join_addresses()
         args = [sys.executable, "-m", "broker", "--coord", f"{c[0]!r},{c[1]!r}", "--node-id", node_id]
@@ -420,6 +430,8 @@ class LocalCluster:
                 if bp.alive
             ],
             "tls": bool(self.tls),
+            "resilience": self.resilience,
+            "broker_args": list(self.broker_args),
         }
 
     def write_state(self) -> Path:
@@ -436,6 +448,54 @@ class LocalCluster:
             # not warn about a child that is deliberately left running.
             bp.proc.returncode = 0
         self.nodes.clear()
+
+
+class StoppedStateError(ValueError):
+    """The stopped cluster's state file cannot be read or is not what `sedax cluster down` writes."""
+
+
+@dataclass(frozen=True)
+class StoppedCluster:
+    """What `sedax cluster up` needs to start a stopped cluster again: brokers by index (their data directories
+    are data/n<index>), coordinates, addresses, TLS, resilience level and broker flags."""
+
+    coords: tuple[Coord, ...]
+    listens: tuple[str, ...]
+    tls: bool
+    resilience: int
+    broker_args: tuple[str, ...]
+
+
+def read_stopped(state_dir: Path) -> StoppedCluster | None:
+    """The cluster stopped in state_dir (STOPPED_FILE), None if there is none; StoppedStateError if unreadable."""
+    path = state_dir / STOPPED_FILE
+    try:
+        state = json.loads(path.read_text())
+        nodes = sorted(state["nodes"], key=lambda n: int(n["index"]))
+        if [int(n["index"]) for n in nodes] != list(range(len(nodes))) or not nodes:
+            raise ValueError("its brokers are not numbered 0 .. n-1")
+        coords = tuple((float(n["coord"][0]), float(n["coord"][1])) for n in nodes)
+        listens = tuple(str(n["listen"]) for n in nodes)
+        # (a state file of an older version has no level or flags: the defaults of `cluster up` then)
+        resilience = int(state.get("resilience", defaults.RESILIENCE))
+        broker_args = tuple(str(a) for a in state.get("broker_args", ()))
+        return StoppedCluster(coords, listens, bool(state["tls"]), resilience, broker_args)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise StoppedStateError(f"cannot read the stopped cluster's state {path}: {exc}") from None
+
+
+def _bindable(addr: str) -> bool:
+    """True if a listening socket can be bound to addr now (as the broker binds it: SO_REUSEADDR)."""
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, int(port)))
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _first_line(path: Path) -> str:

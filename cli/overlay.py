@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
+from broker import defaults
 from cli.args import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -165,33 +166,47 @@ def _progress(started: int, n: int) -> None:
 
 
 async def _cluster_up(args: argparse.Namespace) -> int:
-    from cli.cluster import ClusterError, LocalCluster
+    from cli.cluster import STATE_FILE, STOPPED_FILE, ClusterError, LocalCluster, StoppedStateError, read_stopped
     from net.certs import CertError
 
+    state_dir = Path(args.state_dir)
+    if (state_dir / STATE_FILE).exists():
+        return fail(
+            f"{state_dir}/{STATE_FILE} exists: run `sedax cluster down --state-dir {state_dir}` first", EXIT_FAILED
+        )
     try:
         coords = read_coords(args.coords) if args.coords else None
-    except CoordsFileError as exc:
+        # Without --nodes and --coords, the cluster stopped in this state directory starts again: the same
+        # brokers, coordinates, data directories and (where still free) addresses, so clients find them.
+        stopped = read_stopped(state_dir) if args.nodes is None and coords is None else None
+    except (CoordsFileError, StoppedStateError) as exc:
         return fail(str(exc), EXIT_FAILED)
+    if stopped is not None:
+        coords = list(stopped.coords)
     n = args.nodes if args.nodes is not None else (len(coords) if coords else 0)
     if n < 1:
-        return fail("give --nodes N (>= 1) or --coords FILE", EXIT_USAGE)
-    state_dir = Path(args.state_dir)
-    if (state_dir / "cluster.json").exists():
         return fail(
-            f"{state_dir}/cluster.json exists: run `sedax cluster down --state-dir {state_dir}` first", EXIT_FAILED
+            f"give --nodes N (>= 1) or --coords FILE (no cluster was stopped in {state_dir} to start again)", EXIT_USAGE
         )
-    extra = shlex.split(args.broker_args) if args.broker_args else []
+    # Flags given now win over the stopped cluster's; otherwise its own, or the defaults of a new cluster.
+    resilience = args.resilience or (stopped.resilience if stopped else defaults.RESILIENCE)
+    if args.broker_args is not None:
+        extra = shlex.split(args.broker_args)
+    else:
+        extra = list(stopped.broker_args) if stopped else []
+    tls = False if args.insecure else (stopped.tls if stopped else None)
     try:
         cluster = LocalCluster(
             n,
             seed=args.seed,
             coords=coords,
-            resilience=args.resilience,
+            resilience=resilience,
             state_dir=state_dir,
             broker_args=tuple(extra),
-            tls=False if args.insecure else None,
+            tls=tls,
             detached=True,
             data_dirs=True,
+            listens=stopped.listens if stopped else (),
         )
         creds = cluster.credentials("client")
     except CertError as exc:
@@ -210,15 +225,23 @@ async def _cluster_up(args: argparse.Namespace) -> int:
         # could not find these brokers, so none may outlive this command.
         cluster.abort()
         raise
+    (state_dir / STOPPED_FILE).unlink(missing_ok=True)  # running now: its state is the state file
+    if stopped is not None:
+        moved = [bp.node_id for bp in cluster.nodes if bp.listen != stopped.listens[bp.index]]
+        print(f"started the cluster stopped in {state_dir} again: same brokers, coordinates and data directories")
+        if moved:
+            print(f"  new addresses for {', '.join(moved)}: the old ones were taken by another program")
     print(f"{n} brokers up, Delaunay overlay converged in {took:.2f} s")
     for bp in cluster.nodes:
         print(f"  {bp.node_id:<6} pid {bp.pid:<8} {bp.listen:<22} ({bp.coord[0]:.4f}, {bp.coord[1]:.4f})")
     first = cluster.nodes[0].listen
+    brokers = ",".join(bp.listen for bp in cluster.nodes)
     if creds.insecure:
-        print("plain TCP (--insecure): clients and tools need --insecure (or SEDAX_INSECURE=1)")
+        print("plain TCP (--insecure); the brokers' addresses for clients and tools:")
+        print(f"  export SEDAX_BROKERS={brokers} SEDAX_INSECURE=1")
     else:
-        print(f"TLS with a development CA in {cluster.certs_dir}; credentials for clients and tools:")
-        print(f"  export SEDAX_CA={creds.ca} SEDAX_CERT={creds.cert} SEDAX_KEY={creds.key}")
+        print(f"TLS with a development CA in {cluster.certs_dir}; addresses and credentials for clients and tools:")
+        print(f"  export SEDAX_BROKERS={brokers} SEDAX_CA={creds.ca} SEDAX_CERT={creds.cert} SEDAX_KEY={creds.key}")
     print(f"try:  sedax status --broker {first}     sedax route 0.5,0.5 --broker {first}")
     print(f"stop: sedax cluster down --state-dir {state_dir}   (state: {path})")
     cluster.detach()
@@ -228,9 +251,10 @@ async def _cluster_up(args: argparse.Namespace) -> int:
 def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         return asyncio.run(_cluster_up(args))
-    from cli.cluster import STATE_FILE, stop_pids
+    from cli.cluster import STATE_FILE, STOPPED_FILE, stop_pids
 
-    path = Path(args.state_dir) / STATE_FILE
+    state_dir = Path(args.state_dir)
+    path = state_dir / STATE_FILE
     try:
         state = json.loads(path.read_text())
         pids = [int(n["pid"]) for n in state["nodes"]]
@@ -245,7 +269,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     result = stop_pids(pids, grace=args.grace)
     for pid, what in result.items():
         print(f"pid {pid}: {what}")
-    path.unlink()
+    path.replace(state_dir / STOPPED_FILE)
+    print(f"start them again, with their data and addresses: sedax cluster up --state-dir {state_dir}")
     return 0
 
 
@@ -275,9 +300,18 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("cluster", help="start or stop a local cluster of broker processes")
     p.add_argument("action", choices=("up", "down"), help="up: start brokers and wait for the overlay; down: stop them")
-    p.add_argument("--nodes", type=positive_int, help="number of brokers (up)")
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        help="number of brokers (up; without --nodes and --coords, up starts the cluster stopped in --state-dir again)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random coordinates (up)")
-    p.add_argument("--resilience", type=int, choices=(1, 2, 3), default=2, help="resilience level (up)")
+    p.add_argument(
+        "--resilience",
+        type=int,
+        choices=(1, 2, 3),
+        help=f"resilience level (up; default {defaults.RESILIENCE}, or the stopped cluster's)",
+    )
     p.add_argument("--coords", help="file of X,Y lines or a JSON list of pairs (up)")
     p.add_argument(
         "--state-dir",

@@ -23,13 +23,14 @@ from overlay.protocol import RATE_WINDOW, NodeInfo, Status, TopicHeld, decode_me
 pytestmark = pytest.mark.slow
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
 
 
@@ -111,7 +112,58 @@ async def test_cluster_up_and_down(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr
     assert down.stdout.count("stopped") == 4
     assert not any(_alive(p) for p in pids)
-    assert not (state / "cluster.json").exists()
+    assert not (state / "cluster.json").exists() and (state / "cluster.stopped.json").exists()
+
+
+def _exported(stdout: str) -> dict[str, str]:
+    """The variables of the `export ...` line `cluster up` prints."""
+    line = next(ln for ln in stdout.splitlines() if ln.strip().startswith("export "))
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+async def test_cluster_down_then_up_starts_the_same_brokers_with_their_data(tmp_path: Path) -> None:
+    """A full restart as a user does it: `cluster down`, then `cluster up` with only the state directory.  The
+    same brokers come back at the same coordinates and addresses with their data, at the level and with the
+    flags they had, and the line `up` printed still configures the tools (TLS, as users run it)."""
+    state = tmp_path / "state"
+    topic = "grid/restart/feeder-1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEDAX_")}  # (the suite's SEDAX_INSECURE too)
+    up = await asyncio.to_thread(
+        _cli, "cluster", "up", "--nodes", "4", "--seed", "5", "--resilience", "3", "--state-dir", str(state), env=env
+    )
+    try:
+        assert up.returncode == 0, up.stderr
+        first = json.loads((state / "cluster.json").read_text())
+        tools = {**env, **_exported(up.stdout)}
+        assert tools["SEDAX_BROKERS"] == ",".join(n["listen"] for n in first["nodes"])
+        pub = await asyncio.to_thread(_cli, "pub", topic, "230.4", "--count", "10", env=tools)
+        assert pub.returncode == 0, pub.stderr
+        down = await asyncio.to_thread(_cli, "cluster", "down", "--state-dir", str(state), env=env)
+        assert down.returncode == 0 and down.stdout.count("stopped") == 4, down.stdout + down.stderr
+        assert f"sedax cluster up --state-dir {state}" in down.stdout
+        assert not (state / "cluster.json").exists() and (state / "cluster.stopped.json").exists()
+
+        again = await asyncio.to_thread(_cli, "cluster", "up", "--state-dir", str(state), env=env)
+        assert again.returncode == 0, again.stderr
+        assert "started the cluster stopped in" in again.stdout
+        second = json.loads((state / "cluster.json").read_text())
+        assert not (state / "cluster.stopped.json").exists()
+        assert [n["coord"] for n in second["nodes"]] == [n["coord"] for n in first["nodes"]]
+        assert second["resilience"] == 3 and second["tls"] is True
+        # An address another program took meanwhile is replaced, and `up` says so; the others are kept.
+        taken = next((ln for ln in again.stdout.splitlines() if "new addresses for" in ln), "")
+        for a, b in zip(first["nodes"], second["nodes"], strict=True):
+            assert a["listen"] == b["listen"] or f"{b['node']}" in taken
+        status = await asyncio.to_thread(_cli, "status", "--json", env={**env, **_exported(again.stdout)})
+        assert status.returncode == 0 and json.loads(status.stdout)["resilience"] == 3, status.stderr
+        sub = await asyncio.to_thread(
+            _cli, "sub", topic, "--since", "0", "--count", "10", "--json", "--timeout", "20", env=tools
+        )
+        assert sub.returncode == 0, sub.stderr
+        got = [json.loads(ln) for ln in sub.stdout.splitlines()]
+        assert [m["seq"] for m in got] == list(range(10)) and {m["payload"] for m in got} == {"230.4"}
+    finally:
+        await asyncio.to_thread(_cli, "cluster", "down", "--state-dir", str(state), env=env)
 
 
 async def test_topics_lists_every_topic_with_its_holders(cluster3: LocalCluster) -> None:

@@ -106,6 +106,20 @@ def test_bad_input_is_one_line_with_the_right_exit_code(
     assert says in line, line
 
 
+def test_cluster_up_without_a_size_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No --nodes, no --coords and no cluster stopped in the state directory: exit 2; a stopped cluster's state
+    file that cannot be read: exit 1, naming the file.  Neither starts a broker."""
+    state = tmp_path / "s"
+    got, err = _run(["cluster", "up", "--state-dir", str(state)], capsys)
+    assert got == 2 and "give --nodes N" in _one_line_error(err) and "no cluster was stopped" in err
+    state.mkdir()
+    for text in ("{not json", '{"nodes": [{"index": 1, "coord": [0.1, 0.2], "listen": "127.0.0.1:1"}], "tls": false}'):
+        (state / "cluster.stopped.json").write_text(text)
+        got, err = _run(["cluster", "up", "--state-dir", str(state)], capsys)
+        assert got == 1 and "cluster.stopped.json" in _one_line_error(err), err
+    assert not (state / "cluster.json").exists()
+
+
 def test_a_garbage_coords_file_is_named_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for text, says in [("0.1,0.2\nnot a pair\n", "entry 2"), ("[1, 2]", "list of [x, y] pairs"), ("", "no coord")]:
         f = tmp_path / "coords.txt"

@@ -50,7 +50,7 @@ async def test_cluster_up_is_tls_and_tools_need_credentials(tmp_path: Path) -> N
     try:
         assert up.returncode == 0, up.stderr
         assert "TLS with a development CA" in up.stdout
-        exports = re.search(r"export (SEDAX_CA=\S+) (SEDAX_CERT=\S+) (SEDAX_KEY=\S+)", up.stdout)
+        exports = re.search(r"export SEDAX_BROKERS=\S+ (SEDAX_CA=\S+) (SEDAX_CERT=\S+) (SEDAX_KEY=\S+)", up.stdout)
         assert exports is not None
         creds = dict(kv.split("=", 1) for kv in exports.groups())
         info = json.loads((state / "cluster.json").read_text())
