@@ -786,7 +786,9 @@ class Client:
             return
         conn.read_done = True
         if exc is not None:
-            log.warning("connection to %s lost: %s", conn.address, exc)
+            # Closing, what the broker still sent after our TLS close_notify (an ACK or a PONG on the way) ends
+            # the read with APPLICATION_DATA_AFTER_CLOSE_NOTIFY: the close this client asked for, not a loss.
+            (log.debug if self._closing else log.warning)("connection to %s lost: %s", conn.address, exc)
         conn.close()
         if self._conn is conn:
             self._connected.clear()

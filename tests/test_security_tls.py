@@ -196,6 +196,23 @@ async def test_token_authenticates_as_its_name(tls: Tls) -> None:
             await dash.publish("grid/tok/voltage", b"x")
 
 
+async def test_closing_with_answers_on_the_way_is_not_reported_as_a_lost_connection(
+    tls: Tls, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client closed while the broker's answers are on the way (ACKs of publishes just sent; a PONG, when a
+    user presses Ctrl-C on `sedax pub`) reads them after its TLS close_notify: that is the close it asked for,
+    not a lost connection, and it says nothing of it."""
+    for _ in range(5):
+        c = Client(tls.node(0).listen, credentials=tls.creds("meter-4"))
+        await c.connect()
+        with caplog.at_level("WARNING", logger="sedax.client"):
+            for k in range(200):
+                await c.publish_nowait("grid/close/voltage", b"%d" % k)
+            await c.aclose(flush_timeout=0)
+    lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert lost == []
+
+
 # ---------------------------------------------------------------------------------------------- ACLs
 
 
