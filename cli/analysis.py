@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from cli.args import EXIT_FAILED, UsageError, address, credentials, seconds
+from cli.args import ENV_BROKERS, EXIT_FAILED, UsageError, brokers, credentials, seconds
 from net.credentials import add_credential_flags
 from overlay.logschema import SCHEMA
 
@@ -195,15 +195,19 @@ def _cmd_viz(args: argparse.Namespace) -> int:
             from client.crawl import crawl
 
             try:
-                creds = credentials(args)
+                addrs, creds = brokers(args), credentials(args)
             except UsageError as exc:
-                return _fail(str(exc))
-            try:
-                found = asyncio.run(crawl(args.broker, credentials=creds, timeout=args.timeout))
-            except AdminError as exc:
-                print(f"sedax: error: {exc}", file=sys.stderr)
-                return EXIT_FAILED
-            pic = picture_from_statuses(found.statuses, found.unreachable, f"live overlay via {args.broker}")
+                return _fail(f"{exc}, or --log-dir DIR" if args.broker is None else str(exc))
+            # The crawl starts from the first broker that answers, as the other tools take their list.
+            for i, addr in enumerate(addrs):
+                try:
+                    found = asyncio.run(crawl(addr, credentials=creds, timeout=args.timeout))
+                    break
+                except AdminError as exc:
+                    if i == len(addrs) - 1:
+                        print(f"sedax: error: {exc}", file=sys.stderr)
+                        return EXIT_FAILED
+            pic = picture_from_statuses(found.statuses, found.unreachable, f"live overlay via {addr}")
         path = render(pic, out, args.level)
     except VizError as exc:
         return _fail(str(exc))
@@ -249,9 +253,13 @@ def register(subparsers: Any) -> None:
         description="Draw brokers at their coordinates, Delaunay links, Voronoi cells shaded by the normalised "
         "load of --level, topics' home-to-delegate arrows and failed brokers, as SVG or PNG.",
     )
-    src = v.add_mutually_exclusive_group(required=True)
+    src = v.add_mutually_exclusive_group()
     src.add_argument(
-        "--broker", type=address, metavar="HOST:PORT", help="any live broker; the overlay is crawled from it"
+        "--broker",
+        action="append",
+        metavar="HOST:PORT",
+        help=f"a live broker, the overlay crawled from it; repeat or comma-separate: the first that answers "
+        f"(default: ${ENV_BROKERS})",
     )
     src.add_argument(
         "--log-dir", action="append", metavar="DIR", help="metrics logs (last step of the newest run); repeatable"

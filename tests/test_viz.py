@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -117,7 +118,9 @@ def test_bad_inputs(tmp_path: Path) -> None:
         render(pic, tmp_path / "o.jpg")
 
 
-def test_cli_viz(logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_viz(
+    logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "v.svg"
     assert cli_analysis.main(["viz", "--log-dir", str(logs), "--out", str(out), "--level", "L3"]) == 0
     assert out.read_text().startswith("<svg")
@@ -138,9 +141,14 @@ def test_cli_viz(logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str])
     # Nothing listens on port 1: the live path fails with a clear message, not a traceback.
     assert cli_analysis.main(["viz", "--broker", "127.0.0.1:1", "--out", str(out), "--timeout", "2"]) == 1
     assert "cannot reach broker" in capsys.readouterr().err
+    # Neither --broker nor --log-dir, and no $SEDAX_BROKERS: a usage error naming all three.
+    monkeypatch.delenv("SEDAX_BROKERS", raising=False)
+    assert cli_analysis.main(["viz", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "give --broker HOST:PORT (or set SEDAX_BROKERS), or --log-dir DIR" in err and err.count("\n") == 1
 
 
-async def test_crawl_a_live_overlay_with_a_hung_broker(tmp_path: Path) -> None:
+async def test_crawl_a_live_overlay_with_a_hung_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     coords = [(0.1, 0.1), (0.9, 0.1), (0.5, 0.9), (0.5, 0.4), (0.95, 0.95)]
     # Slow failure detection (50 s): the hung broker stays in its neighbours' reports while the crawl runs.
     slow = ("--heartbeat-interval", "5", "--heartbeat-misses", "10")
@@ -161,5 +169,12 @@ async def test_crawl_a_live_overlay_with_a_hung_broker(tmp_path: Path) -> None:
         svg = draw_svg(pic, "L1")
         links = {tuple(sorted(m)) for m in re.findall(r'data-a="([^"]+)" data-b="([^"]+)"', svg)}
         assert links == scipy_edges(live)
+        # `sedax viz` takes the brokers from $SEDAX_BROKERS as the other tools do, the first that answers.
+        monkeypatch.setenv("SEDAX_BROKERS", f"127.0.0.1:1,{cluster.nodes[1].listen}")
+        out = tmp_path / "live.svg"
+        assert await asyncio.to_thread(cli_analysis.main, ["viz", "--out", str(out), "--timeout", "2"]) == 0
+        assert {tuple(sorted(m)) for m in re.findall(r'data-a="([^"]+)" data-b="([^"]+)"', out.read_text())} == (
+            scipy_edges({bp.node_id: bp.coord for bp in cluster.nodes})
+        )
     with pytest.raises(BrokerUnavailable, match="cannot reach"):
         await crawl("127.0.0.1:1", credentials=creds, timeout=1.5)
