@@ -170,7 +170,12 @@ class Membership:
                 self.pubsub.resume()
                 return
             if loop.time() + pause > deadline:
-                raise JoinFailed("could not join through any address: " + "; ".join(errors))
+                raise JoinFailed(
+                    f"could not join through any address within {self.config.join_timeout:g} s: "
+                    + "; ".join(errors)
+                    + ": give --join a running broker's HOST:PORT (and its CA with --tls-ca), or start the first "
+                    "broker of an overlay without --join or with --bootstrap"
+                )
             self.log.info("no join address answered; trying again in %.1f s", pause)
             await asyncio.sleep(pause)
             pause = min(pause * 2, JOIN_RETRY_MAX)
