@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Protocol, Self
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from client.admin import AdminClient, AdminError
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
 from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
-from overlay.protocol import Status
+from overlay.protocol import Status, TopicHeld
 
 # How often conditions (readiness, exit, convergence) are polled; small against the ~100 ms they take.
 POLL_INTERVAL: Final = 0.02
@@ -56,6 +56,58 @@ class ClusterError(RuntimeError):
     """A broker did not start, exited, or the overlay did not converge in time (the message says which)."""
 
 
+class Process(Protocol):
+    """What a LocalCluster does with a broker's process: a child it started (`subprocess.Popen`), or one a
+    `sedax cluster up` before it started and left running (`AdoptedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class AdoptedProcess:
+    """A broker process this process did not start (the state file of `sedax cluster up` names it): signalled
+    by pid, and running while that pid is still a SeDAX broker (not a pid reused by another program)."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def poll(self) -> int | None:
+        # Not our child: its exit status is not ours to read; 0 once it is gone.
+        if self.returncode is None and not _is_broker(self._pid):
+            self.returncode = 0
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self._pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self._pid), timeout or 0.0)
+            time.sleep(POLL_INTERVAL)
+        return code
+
+
 @dataclass
 class BrokerProcess:
     """One broker process of a LocalCluster."""
@@ -63,7 +115,7 @@ class BrokerProcess:
     index: int
     coord: Coord
     node_id: str
-    proc: subprocess.Popen[bytes]
+    proc: Process
     out_path: Path
     err_path: Path
     listen: str = ""
@@ -412,6 +464,24 @@ class LocalCluster:
                 raise ClusterError(f"overlay not Delaunay after {deadline} s:\n" + "\n".join(diff[:20]))
             await asyncio.sleep(POLL_INTERVAL * 5)
 
+    async def lagging(self, within: float = 5.0) -> list[str]:
+        """Topics whose copies are not all caught up: a holder not `caught_up` or with pulls or offers pending,
+        or fewer holders than the level keeps (as many as there are brokers, below it).  Empty: every topic the
+        live brokers hold is copied as docs/storage.md promises, and the next broker may be restarted."""
+        try:
+            statuses = await self.statuses(within)
+        except AdminError as exc:
+            return [f"(status failed: {exc})"]
+        held: dict[str, list[TopicHeld]] = {}
+        for st in statuses.values():
+            for h in st.held:
+                if h.role in ("primary", "delegate", "secondary", "tertiary"):
+                    held.setdefault(h.topic, []).append(h)
+        want = min(self.resilience, len(statuses))
+        return sorted(
+            t for t, hs in held.items() if len(hs) < want or any((h.state, h.pending) != ("caught_up", 0) for h in hs)
+        )
+
     # -------------------------------------------------------------------------------------- state file
 
     def state(self) -> dict[str, Any]:
@@ -434,6 +504,46 @@ class LocalCluster:
             "broker_args": list(self.broker_args),
         }
 
+    @classmethod
+    def from_state(cls, state_dir: Path) -> LocalCluster:
+        """The running cluster `sedax cluster up` started in state_dir (its STATE_FILE), its brokers adopted so
+        that they can be stopped and started again (`stop`, `restart`); StoppedStateError if unreadable."""
+        path = state_dir / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+            nodes = sorted(state["nodes"], key=lambda n: int(n["index"]))
+            if [int(n["index"]) for n in nodes] != list(range(len(nodes))) or not nodes:
+                raise ValueError("its brokers are not numbered 0 .. n-1")
+            cluster = cls(
+                0,
+                coords=[(float(n["coord"][0]), float(n["coord"][1])) for n in nodes],
+                resilience=int(state.get("resilience", defaults.RESILIENCE)),
+                state_dir=state_dir,
+                broker_args=tuple(str(a) for a in state.get("broker_args", ())),
+                tls=bool(state["tls"]),
+                detached=True,
+                data_dirs=True,
+            )
+            for n in nodes:
+                i = int(n["index"])
+                bp = BrokerProcess(
+                    i,
+                    (float(n["coord"][0]), float(n["coord"][1])),
+                    str(n["node"]),
+                    AdoptedProcess(int(n["pid"])),
+                    state_dir / f"broker-{i}.out",
+                    Path(n["log"]),
+                    listen=str(n["listen"]),
+                )
+                cluster.nodes.append(bp)
+        except FileNotFoundError:
+            raise StoppedStateError(
+                f"no cluster runs in {state_dir} ({path} not found): start one with `sedax cluster up`"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise StoppedStateError(f"cannot read the cluster's state {path}: {exc}") from None
+        return cluster
+
     def write_state(self) -> Path:
         """Write the state file into state_dir and return its path."""
         assert self.state_dir is not None
@@ -451,7 +561,8 @@ class LocalCluster:
 
 
 class StoppedStateError(ValueError):
-    """The stopped cluster's state file cannot be read or is not what `sedax cluster down` writes."""
+    """A cluster's state file (running or stopped) is missing, cannot be read or is not what `sedax cluster up`
+    and `down` write."""
 
 
 @dataclass(frozen=True)

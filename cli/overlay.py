@@ -31,6 +31,8 @@ from client.admin import AdminClient, AdminError, RequestFailed, route_json, sta
 from net.credentials import Credentials
 
 DEFAULT_STATE_DIR: Final = ".sedax-cluster"
+# A rolling restart says what it waits for when a step takes longer than this many seconds.
+PROGRESS_EVERY: Final = 5.0
 
 
 async def _first_answer(addrs: list[str], limit: float, creds: Credentials) -> AdminClient:
@@ -248,9 +250,62 @@ async def _cluster_up(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cluster_restart(args: argparse.Namespace) -> int:
+    """A rolling restart: each broker in turn stopped (SIGTERM: a graceful leave) and started again at its
+    address with its data, the next only once the overlay is whole and every topic's copies caught up."""
+    from cli.cluster import ClusterError, LocalCluster, StoppedStateError
+
+    state_dir = Path(args.state_dir)
+    try:
+        cluster = LocalCluster.from_state(state_dir)
+    except StoppedStateError as exc:
+        return fail(str(exc), EXIT_FAILED)
+    loop = asyncio.get_running_loop()
+    n = len(cluster.nodes)
+
+    async def settled(what: str) -> None:
+        await cluster.wait_converged(args.timeout)
+        deadline = loop.time() + args.timeout
+        told = loop.time()
+        while lagging := await cluster.lagging():
+            shown = ", ".join(lagging[:5]) + (f" and {len(lagging) - 5} more" if len(lagging) > 5 else "")
+            if loop.time() > deadline:
+                raise ClusterError(f"{what}: topics not caught up within {args.timeout:g} s: {shown}")
+            if loop.time() - told > PROGRESS_EVERY:
+                told = loop.time()
+                print(f"  {what}: waiting for {len(lagging)} topic(s) to catch up: {shown}", file=sys.stderr)
+            await asyncio.sleep(0.2)
+
+    try:
+        if any(bp.alive for bp in cluster.nodes):
+            await settled("before the first restart")
+        for bp in list(cluster.nodes):
+            start = loop.time()
+            was = f"pid {bp.pid}" if bp.alive else "not running"
+            if bp.alive:
+                await cluster.stop(bp.index, args.grace)
+            new = await cluster.restart(bp.index)
+            cluster.write_state()  # (`cluster down` finds the new process even if this command is cut short)
+            await settled(f"after restarting {bp.node_id}")
+            print(
+                f"{bp.node_id}: restarted at {new.listen} ({was} -> pid {new.pid}); overlay whole and every topic "
+                f"caught up after {loop.time() - start:.1f} s",
+                flush=True,
+            )
+    except (ClusterError, AdminError) as exc:
+        cluster.write_state()
+        return fail(f"rolling restart stopped: {exc}", EXIT_FAILED)
+    finally:
+        cluster.detach()
+    print(f"rolling restart done: {n} brokers, one at a time")
+    return 0
+
+
 def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         return asyncio.run(_cluster_up(args))
+    if args.action == "restart":
+        return asyncio.run(_cluster_restart(args))
     from cli.cluster import STATE_FILE, STOPPED_FILE, stop_pids
 
     state_dir = Path(args.state_dir)
@@ -299,7 +354,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_route)
 
     p = subparsers.add_parser("cluster", help="start or stop a local cluster of broker processes")
-    p.add_argument("action", choices=("up", "down"), help="up: start brokers and wait for the overlay; down: stop them")
+    p.add_argument(
+        "action",
+        choices=("up", "down", "restart"),
+        help="up: start brokers and wait for the overlay; down: stop them; restart: a rolling restart, one broker "
+        "at a time, the next once the overlay is whole and every topic caught up",
+    )
     p.add_argument(
         "--nodes",
         type=positive_int,
@@ -319,8 +379,10 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_STATE_DIR,
         help="logs, state file, certificates and every broker's data directory (data/n<i>)",
     )
-    p.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait for convergence (up)")
-    p.add_argument("--grace", type=seconds, default=5.0, help="seconds between SIGTERM and SIGKILL (down)")
+    p.add_argument(
+        "--timeout", type=seconds, default=60.0, help="seconds to wait for convergence (up; restart: per step)"
+    )
+    p.add_argument("--grace", type=seconds, default=5.0, help="seconds between SIGTERM and SIGKILL (down, restart)")
     p.add_argument(
         "--broker-args",
         dest="broker_args",

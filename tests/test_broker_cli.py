@@ -124,7 +124,8 @@ def _exported(stdout: str) -> dict[str, str]:
 async def test_cluster_down_then_up_starts_the_same_brokers_with_their_data(tmp_path: Path) -> None:
     """A full restart as a user does it: `cluster down`, then `cluster up` with only the state directory.  The
     same brokers come back at the same coordinates and addresses with their data, at the level and with the
-    flags they had, and the line `up` printed still configures the tools (TLS, as users run it)."""
+    flags they had, and the line `up` printed still configures the tools (TLS, as users run it).  Then a
+    rolling restart (`cluster restart`) of the same brokers keeps them at their addresses and their data."""
     state = tmp_path / "state"
     topic = "grid/restart/feeder-1"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEDAX_")}  # (the suite's SEDAX_INSECURE too)
@@ -162,6 +163,24 @@ async def test_cluster_down_then_up_starts_the_same_brokers_with_their_data(tmp_
         assert sub.returncode == 0, sub.stderr
         got = [json.loads(ln) for ln in sub.stdout.splitlines()]
         assert [m["seq"] for m in got] == list(range(10)) and {m["payload"] for m in got} == {"230.4"}
+
+        # A rolling restart of the same cluster: each broker in turn, at its address, the next once the overlay
+        # is whole and every topic caught up; the state file follows the new processes.
+        rolling = await asyncio.to_thread(_cli, "cluster", "restart", "--state-dir", str(state), timeout=180, env=env)
+        assert rolling.returncode == 0, rolling.stdout + rolling.stderr
+        steps = [ln for ln in rolling.stdout.splitlines() if ": restarted at " in ln]
+        assert [ln.split(":")[0] for ln in steps] == ["n0", "n1", "n2", "n3"]
+        for n, ln in zip(second["nodes"], steps, strict=True):
+            assert f"restarted at {n['listen']} (pid {n['pid']} -> " in ln
+        third = json.loads((state / "cluster.json").read_text())
+        assert [n["listen"] for n in third["nodes"]] == [n["listen"] for n in second["nodes"]]
+        for n, m in zip(third["nodes"], second["nodes"], strict=True):
+            assert _alive(n["pid"]) and n["pid"] != m["pid"]
+        sub = await asyncio.to_thread(
+            _cli, "sub", topic, "--since", "0", "--count", "10", "--json", "--timeout", "20", env=tools
+        )
+        assert sub.returncode == 0, sub.stderr
+        assert [json.loads(ln)["seq"] for ln in sub.stdout.splitlines()] == list(range(10))
     finally:
         await asyncio.to_thread(_cli, "cluster", "down", "--state-dir", str(state), env=env)
 

@@ -81,6 +81,7 @@ def _one_line_error(err: str) -> str:
         (["status", "--broker", f"{DEAD},127.0.0.1:2"], 1, "127.0.0.1:2"),
         (["cluster", "up", "--coords", "/nonexistent"], 1, "cannot read --coords"),
         (["cluster", "down", "--state-dir", "/nonexistent"], 1, "no readable cluster state"),
+        (["cluster", "restart", "--state-dir", "/nonexistent"], 1, "no cluster runs in /nonexistent"),
         (["completion", "fish"], 2, "invalid choice"),
         # Sizes beyond what the machine holds: one line, not a MemoryError reported as a bug.
         (["sim", "static", "--topics-per-node", "1000000000"], 2, "more than the simulator holds"),
