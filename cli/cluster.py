@@ -78,9 +78,9 @@ class AdoptedProcess:
     """A broker process this process did not start (the state file of `sedax cluster up` names it): signalled
     by pid, and running while that pid is still a SeDAX broker (not a pid reused by another program)."""
 
-    def __init__(self, pid: int) -> None:
-        self._pid = pid
-        self.returncode: int | None = None
+    def __init__(self, pid: int | None) -> None:
+        self._pid = pid or 0
+        self.returncode: int | None = None if pid else 0  # (no pid: not running when the state was written)
 
     @property
     def pid(self) -> int:
@@ -485,19 +485,20 @@ class LocalCluster:
     # -------------------------------------------------------------------------------------- state file
 
     def state(self) -> dict[str, Any]:
-        """The state file contents: what `cluster down` needs to stop exactly these processes."""
+        """The state file contents (`ClusterState`): what `cluster down` needs to stop exactly these processes, and
+        `cluster up` and `restart` to start the same brokers again."""
         return {
             "nodes": [
                 {
                     "index": bp.index,
-                    "pid": bp.pid,
+                    # (None for a broker not running: `down` must not signal a pid another program may have now)
+                    "pid": bp.pid if bp.alive else None,
                     "node": bp.node_id,
                     "listen": bp.listen,
                     "coord": list(bp.coord),
                     "log": str(bp.err_path),
                 }
                 for bp in self.nodes
-                if bp.alive
             ],
             "tls": bool(self.tls),
             "resilience": self.resilience,
@@ -507,41 +508,27 @@ class LocalCluster:
     @classmethod
     def from_state(cls, state_dir: Path) -> LocalCluster:
         """The running cluster `sedax cluster up` started in state_dir (its STATE_FILE), its brokers adopted so
-        that they can be stopped and started again (`stop`, `restart`); StoppedStateError if unreadable."""
-        path = state_dir / STATE_FILE
+        that they can be stopped and started again (`stop`, `restart`); StateFileError if there is none."""
         try:
-            state = json.loads(path.read_text())
-            nodes = sorted(state["nodes"], key=lambda n: int(n["index"]))
-            if [int(n["index"]) for n in nodes] != list(range(len(nodes))) or not nodes:
-                raise ValueError("its brokers are not numbered 0 .. n-1")
-            cluster = cls(
-                0,
-                coords=[(float(n["coord"][0]), float(n["coord"][1])) for n in nodes],
-                resilience=int(state.get("resilience", defaults.RESILIENCE)),
-                state_dir=state_dir,
-                broker_args=tuple(str(a) for a in state.get("broker_args", ())),
-                tls=bool(state["tls"]),
-                detached=True,
-                data_dirs=True,
-            )
-            for n in nodes:
-                i = int(n["index"])
-                bp = BrokerProcess(
-                    i,
-                    (float(n["coord"][0]), float(n["coord"][1])),
-                    str(n["node"]),
-                    AdoptedProcess(int(n["pid"])),
-                    state_dir / f"broker-{i}.out",
-                    Path(n["log"]),
-                    listen=str(n["listen"]),
-                )
-                cluster.nodes.append(bp)
+            st = read_state(state_dir / STATE_FILE)
         except FileNotFoundError:
-            raise StoppedStateError(
-                f"no cluster runs in {state_dir} ({path} not found): start one with `sedax cluster up`"
+            raise StateFileError(
+                f"no cluster runs in {state_dir} ({STATE_FILE} not found): start one with `sedax cluster up`"
             ) from None
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-            raise StoppedStateError(f"cannot read the cluster's state {path}: {exc}") from None
+        cluster = cls(
+            0,
+            coords=[n.coord for n in st.nodes],
+            resilience=st.resilience,
+            state_dir=state_dir,
+            broker_args=st.broker_args,
+            tls=st.tls,
+            detached=True,
+            data_dirs=True,
+        )
+        for n in st.nodes:
+            out = state_dir / f"broker-{n.index}.out"
+            proc = AdoptedProcess(n.pid)
+            cluster.nodes.append(BrokerProcess(n.index, n.coord, n.node, proc, out, n.log, listen=n.listen))
         return cluster
 
     def write_state(self) -> Path:
@@ -560,41 +547,68 @@ class LocalCluster:
         self.nodes.clear()
 
 
-class StoppedStateError(ValueError):
+class StateFileError(ValueError):
     """A cluster's state file (running or stopped) is missing, cannot be read or is not what `sedax cluster up`
     and `down` write."""
 
 
 @dataclass(frozen=True)
-class StoppedCluster:
-    """What `sedax cluster up` needs to start a stopped cluster again: brokers by index (their data directories
-    are data/n<index>), coordinates, addresses, TLS, resilience level and broker flags."""
+class NodeState:
+    """One broker of a state file: data directory data/n<index>, node id, process (None: not running), address,
+    coordinate and log."""
 
-    coords: tuple[Coord, ...]
-    listens: tuple[str, ...]
+    index: int
+    node: str
+    pid: int | None
+    listen: str
+    coord: Coord
+    log: Path
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """A state file (`LocalCluster.state`): what `cluster down` stops and `cluster up` (after a `down`, from
+    STOPPED_FILE) or `cluster restart` starts again."""
+
+    nodes: tuple[NodeState, ...]
     tls: bool
     resilience: int
     broker_args: tuple[str, ...]
 
 
-def read_stopped(state_dir: Path) -> StoppedCluster | None:
-    """The cluster stopped in state_dir (STOPPED_FILE), None if there is none; StoppedStateError if unreadable."""
-    path = state_dir / STOPPED_FILE
+def read_state(path: Path) -> ClusterState:
+    """Parse a state file; FileNotFoundError if there is none, StateFileError if it is not one."""
     try:
         state = json.loads(path.read_text())
-        nodes = sorted(state["nodes"], key=lambda n: int(n["index"]))
-        if [int(n["index"]) for n in nodes] != list(range(len(nodes))) or not nodes:
+        nodes = tuple(
+            NodeState(
+                int(n["index"]),
+                str(n["node"]),
+                None if n["pid"] is None else int(n["pid"]),
+                str(n["listen"]),
+                (float(n["coord"][0]), float(n["coord"][1])),
+                Path(n["log"]),
+            )
+            for n in sorted(state["nodes"], key=lambda n: int(n["index"]))
+        )
+        if [n.index for n in nodes] != list(range(len(nodes))) or not nodes:
             raise ValueError("its brokers are not numbered 0 .. n-1")
-        coords = tuple((float(n["coord"][0]), float(n["coord"][1])) for n in nodes)
-        listens = tuple(str(n["listen"]) for n in nodes)
         # (a state file of an older version has no level or flags: the defaults of `cluster up` then)
         resilience = int(state.get("resilience", defaults.RESILIENCE))
         broker_args = tuple(str(a) for a in state.get("broker_args", ()))
-        return StoppedCluster(coords, listens, bool(state["tls"]), resilience, broker_args)
+        return ClusterState(nodes, bool(state["tls"]), resilience, broker_args)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise StateFileError(f"cannot read the cluster state {path}: {exc}") from None
+
+
+def read_stopped(state_dir: Path) -> ClusterState | None:
+    """The cluster stopped in state_dir (STOPPED_FILE), None if there is none; StateFileError if unreadable."""
+    try:
+        return read_state(state_dir / STOPPED_FILE)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise StoppedStateError(f"cannot read the stopped cluster's state {path}: {exc}") from None
 
 
 def _bindable(addr: str) -> bool:

@@ -168,7 +168,7 @@ def _progress(started: int, n: int) -> None:
 
 
 async def _cluster_up(args: argparse.Namespace) -> int:
-    from cli.cluster import STATE_FILE, STOPPED_FILE, ClusterError, LocalCluster, StoppedStateError, read_stopped
+    from cli.cluster import STATE_FILE, STOPPED_FILE, ClusterError, LocalCluster, StateFileError, read_stopped
     from net.certs import CertError
 
     state_dir = Path(args.state_dir)
@@ -181,10 +181,10 @@ async def _cluster_up(args: argparse.Namespace) -> int:
         # Without --nodes and --coords, the cluster stopped in this state directory starts again: the same
         # brokers, coordinates, data directories and (where still free) addresses, so clients find them.
         stopped = read_stopped(state_dir) if args.nodes is None and coords is None else None
-    except (CoordsFileError, StoppedStateError) as exc:
+    except (CoordsFileError, StateFileError) as exc:
         return fail(str(exc), EXIT_FAILED)
     if stopped is not None:
-        coords = list(stopped.coords)
+        coords = [n.coord for n in stopped.nodes]
     n = args.nodes if args.nodes is not None else (len(coords) if coords else 0)
     if n < 1:
         return fail(
@@ -208,7 +208,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
             tls=tls,
             detached=True,
             data_dirs=True,
-            listens=stopped.listens if stopped else (),
+            listens=[n.listen for n in stopped.nodes] if stopped else (),
         )
         creds = cluster.credentials("client")
     except CertError as exc:
@@ -229,7 +229,7 @@ async def _cluster_up(args: argparse.Namespace) -> int:
         raise
     (state_dir / STOPPED_FILE).unlink(missing_ok=True)  # running now: its state is the state file
     if stopped is not None:
-        moved = [bp.node_id for bp in cluster.nodes if bp.listen != stopped.listens[bp.index]]
+        moved = [bp.node_id for bp in cluster.nodes if bp.listen != stopped.nodes[bp.index].listen]
         print(f"started the cluster stopped in {state_dir} again: same brokers, coordinates and data directories")
         if moved:
             print(f"  new addresses for {', '.join(moved)}: the old ones were taken by another program")
@@ -253,12 +253,12 @@ async def _cluster_up(args: argparse.Namespace) -> int:
 async def _cluster_restart(args: argparse.Namespace) -> int:
     """A rolling restart: each broker in turn stopped (SIGTERM: a graceful leave) and started again at its
     address with its data, the next only once the overlay is whole and every topic's copies caught up."""
-    from cli.cluster import ClusterError, LocalCluster, StoppedStateError
+    from cli.cluster import ClusterError, LocalCluster, StateFileError
 
     state_dir = Path(args.state_dir)
     try:
         cluster = LocalCluster.from_state(state_dir)
-    except StoppedStateError as exc:
+    except StateFileError as exc:
         return fail(str(exc), EXIT_FAILED)
     loop = asyncio.get_running_loop()
     n = len(cluster.nodes)
@@ -306,21 +306,20 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         return asyncio.run(_cluster_up(args))
     if args.action == "restart":
         return asyncio.run(_cluster_restart(args))
-    from cli.cluster import STATE_FILE, STOPPED_FILE, stop_pids
+    from cli.cluster import STATE_FILE, STOPPED_FILE, StateFileError, read_state, stop_pids
 
     state_dir = Path(args.state_dir)
     path = state_dir / STATE_FILE
     try:
-        state = json.loads(path.read_text())
-        pids = [int(n["pid"]) for n in state["nodes"]]
+        pids = [n.pid for n in read_state(path).nodes if n.pid is not None]
     except FileNotFoundError:
         return fail(
             f"no readable cluster state at {path}: no cluster was started with this --state-dir "
             "(give the --state-dir `sedax cluster up` printed)",
             EXIT_FAILED,
         )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return fail(f"no readable cluster state at {path}: {exc}", EXIT_FAILED)
+    except StateFileError as exc:
+        return fail(str(exc), EXIT_FAILED)
     result = stop_pids(pids, grace=args.grace)
     for pid, what in result.items():
         print(f"pid {pid}: {what}")

@@ -6,6 +6,7 @@ what greedy forwarding on the Delaunay overlay guarantees.  The live-socket test
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -1130,3 +1131,40 @@ def test_an_access_broker_registers_its_subscribers_again_where_a_topic_now_live
     assert [r.payload for r in delivered(access, "s")] == [b"m0", b"m1"]
     assert sum(isinstance(m, Subscribed) for m in access.inbox["s"]) == 1
     assert not [m for m in access.inbox["s"] if isinstance(m, Failed)]
+
+
+def test_a_level_3_tertiary_that_lost_its_copy_meanwhile_is_given_the_history_again() -> None:
+    # A, B, C hold the topic (primary, secondary, tertiary): B has given C the history.  A broker E joins between
+    # A and B: A, E, B hold it, B is the tertiary now (no next holder), and C, ranked out, hands its records on
+    # and lets its copy go.  E fails: A, B, C again, and A stays primary.  B must give C the history anew:
+    # before, B still counted C as holding it (the copy's `holder` outlived C's copy), so C stayed without it,
+    # and the level's third copy of everything published before was missing (found by a rolling restart that
+    # stopped a broker right after a full restart: `sedax cluster restart` waits for every topic's copies).
+    net = Net(grid(10, seed=5), resilience=3)
+    topic = "grid/tertiary-again/voltage"
+    loc = locate(net, topic)
+    assert loc.secondary is not None and loc.tertiary is not None
+    a, b, c = loc.primary.id, loc.secondary.id, loc.tertiary.id
+    pub = net.nodes[next(n for n in net.nodes if n not in (a, b, c))]
+    for i in range(20):
+        pub.request("p", Publish(topic, "P", i, b"x", i))
+    assert _holders(net, topic)[c] == list(range(20))
+    h = geohash(topic)
+    da, db = (math.dist(h, net.nodes[n].me.coord) for n in (a, b))
+    r = (da + db) / 2  # E ranks between A and B, on the side of the topic towards the middle of the square
+    ux, uy = 0.5 - h[0], 0.5 - h[1]
+    norm = math.hypot(ux, uy) or 1.0
+    e = net.join((h[0] + r * ux / norm, h[1] + r * uy / norm))
+    now = locate(net, topic)
+    assert (now.primary.id, now.secondary and now.secondary.id, now.tertiary and now.tertiary.id) == (a, e.me.id, b)
+    for _ in range(5):
+        net.tick(1.5)
+    assert c not in _holders(net, topic)  # ranked out: it let its copy go
+    net.kill(e.me.id)
+    for _ in range(5):
+        net.tick(1.5)
+    assert _holders(net, topic).get(c) == list(range(20))
+    net.kill(a)
+    net.kill(b)  # level 3: two failures, and every acknowledged message is still held
+    net.tick(1.5)
+    assert _fetch_all(pub, topic) == list(range(20))

@@ -95,6 +95,12 @@ class RankRole:
                 r.copy.want()
             if (nxt := self.replication.next_holder(r)) is not None:
                 r.copy.next_is(nxt.id)  # level 3: a new tertiary gets the history from the secondary
+            else:
+                # No next holder now (a tertiary; a secondary at level 2).  The broker that held the history for
+                # this one may be ranked out meanwhile and let its copy go: when it is next again, it is given
+                # the history anew (one offer round trip if it still has all of it).  Before, `holder` outlived
+                # that copy, and a tertiary ranked out and back in stayed without the history.
+                r.copy.alone()
             self.replication.copy_down(r)
             queued, r.queued = r.queued, []
             for access, session, req in queued:

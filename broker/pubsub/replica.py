@@ -264,7 +264,7 @@ class CopyEvent(enum.Enum):
     OFFER = "offer"  # a back-fill leaves (replication.py `backfill`)
     CONFIRMED = "confirmed"  # the next holder confirmed it holds what was offered
     LAPSED = "lapsed"  # the back-fill ended unconfirmed (time-out) or was confirmed by a broker no longer next
-    ALONE = "alone"  # no next holder (no secondary; a former primary that handed a move over)
+    ALONE = "alone"  # no next holder (no secondary; a copy ranked last; a former primary that handed a move over)
 
 
 _C, _E = CopyStage, CopyEvent
