@@ -293,9 +293,9 @@ async def _cluster_restart(args: argparse.Namespace) -> int:
                 flush=True,
             )
     except (ClusterError, AdminError) as exc:
-        cluster.write_state()
         return fail(f"rolling restart stopped: {exc}", EXIT_FAILED)
     finally:
+        cluster.write_state()  # every broker this command started is in it, whatever ended it (Ctrl-C too)
         cluster.detach()
     print(f"rolling restart done: {n} brokers, one at a time")
     return 0
