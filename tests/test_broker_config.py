@@ -89,3 +89,26 @@ def test_bad_files(tmp_path: Path) -> None:
     unknown.write_text('{"coord": "0.5,0.5", "colour": "red"}')
     with pytest.raises(ConfigError, match="unknown setting 'colour'"):
         build_config({}, env={}, config_file=unknown)
+
+
+def test_every_default_a_flags_help_names_is_the_configs() -> None:
+    """The broker's --help names defaults as literals ("(3600)", "(64 MiB)", "(default 2)": broker/flags.py does
+    not import the configuration, to keep `sedax --help` fast); each must be BrokerConfig's own default."""
+    import dataclasses
+    import re
+
+    parser = argparse.ArgumentParser()
+    add_broker_arguments(parser)
+    cfg = BrokerConfig(coord=(0.5, 0.5))
+    names = {f.name for f in dataclasses.fields(BrokerConfig)}
+    units = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    checked = []
+    for action in parser._actions:
+        m = re.search(r"\((?:default )?(-?[0-9][0-9.,]*)(?: ([KMG]iB))?[),]", action.help or "")
+        value = getattr(cfg, action.dest, None) if action.dest in names else None
+        if m is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue  # (no literal default, or not a number: --space's X,Y,X,Y)
+        said = float(m.group(1).replace(",", "")) * units[m.group(2) or ""]
+        assert said == float(value), f"--{action.dest} help says {m.group(0)!r}, the configuration's default is {value}"
+        checked.append(action.dest)
+    assert len(checked) >= 30 and "resilience" in checked and "retention_bytes" in checked
