@@ -188,21 +188,9 @@ class Chaos:
 
     async def _replicas_settled(self) -> bool:
         try:
-            statuses = await self.cluster.statuses(within=3.0)
+            return not await self.cluster.lagging(self.topics, within=3.0)
         except Exception:
             return False
-        held = defaultdict(list)
-        for st in statuses.values():
-            for h in st.held:
-                if h.role in ("primary", "delegate", "secondary", "tertiary"):
-                    held[h.topic].append(h)
-        for topic in self.topics:
-            hs = held.get(topic, [])
-            if len(hs) < min(self.args.level, len(statuses)) or any(
-                (h.state, h.pending) != ("caught_up", 0) for h in hs
-            ):
-                return False
-        return True
 
     async def heal(self) -> float:
         """Wait until the overlay is exact, what was sent is acknowledged, and the replicas caught up."""

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -464,15 +464,16 @@ class LocalCluster:
                 raise ClusterError(f"overlay not Delaunay after {deadline} s:\n" + "\n".join(diff[:20]))
             await asyncio.sleep(POLL_INTERVAL * 5)
 
-    async def lagging(self, within: float = 5.0) -> list[str]:
+    async def lagging(self, topics: Iterable[str] = (), within: float = 5.0) -> list[str]:
         """Topics whose copies are not all caught up: a holder not `caught_up` or with pulls or offers pending,
         or fewer holders than the level keeps (as many as there are brokers, below it).  Empty: every topic the
-        live brokers hold is copied as docs/storage.md promises, and the next broker may be restarted."""
+        live brokers hold is copied as docs/storage.md promises, and the next broker may be restarted.  topics:
+        topics known to exist, lagging also when no broker reports them."""
         try:
             statuses = await self.statuses(within)
         except AdminError as exc:
             return [f"(status failed: {exc})"]
-        held: dict[str, list[TopicHeld]] = {}
+        held: dict[str, list[TopicHeld]] = {t: [] for t in topics}
         for st in statuses.values():
             for h in st.held:
                 if h.role in ("primary", "delegate", "secondary", "tertiary"):

@@ -285,7 +285,7 @@ async def _cluster_restart(args: argparse.Namespace) -> int:
             if bp.alive:
                 await cluster.stop(bp.index, args.grace)
             new = await cluster.restart(bp.index)
-            cluster.write_state()  # (`cluster down` finds the new process even if this command is cut short)
+            cluster.write_state()  # (`cluster down` finds the new process even if this command is SIGKILLed)
             await settled(f"after restarting {bp.node_id}")
             print(
                 f"{bp.node_id}: restarted at {new.listen} ({was} -> pid {new.pid}); overlay whole and every topic "
