@@ -192,21 +192,17 @@ def _cmd_viz(args: argparse.Namespace) -> int:
             pic = picture_from_logs(args.log_dir)
         else:
             from client.admin import AdminError
-            from client.crawl import crawl
+            from client.crawl import crawl_any
 
             try:
                 addrs, creds = brokers(args), credentials(args)
             except UsageError as exc:
                 return _fail(f"{exc}, or --log-dir DIR" if args.broker is None else str(exc))
-            # The crawl starts from the first broker that answers, as the other tools take their list.
-            for i, addr in enumerate(addrs):
-                try:
-                    found = asyncio.run(crawl(addr, credentials=creds, timeout=args.timeout))
-                    break
-                except AdminError as exc:
-                    if i == len(addrs) - 1:
-                        print(f"sedax: error: {exc}", file=sys.stderr)
-                        return EXIT_FAILED
+            try:
+                found, addr = asyncio.run(crawl_any(addrs, credentials=creds, timeout=args.timeout))
+            except AdminError as exc:
+                print(f"sedax: error: {exc}", file=sys.stderr)
+                return EXIT_FAILED
             pic = picture_from_statuses(found.statuses, found.unreachable, f"live overlay via {addr}")
         path = render(pic, out, args.level)
     except VizError as exc:

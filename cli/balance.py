@@ -29,7 +29,9 @@ from cli.args import (
     seconds,
     target,
 )
+from client.admin import AdminError
 from client.client import Client, ClientError, PublishAck, RequestFailed
+from client.crawl import crawl_any
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.pubsub import MESSAGE_OVERHEAD
@@ -157,9 +159,59 @@ def _cmd_move(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _plan(addrs: list[str], all_topics: bool, wait: float, creds: Credentials) -> list[dict[str, Any]]:
+# Dry runs in flight at once with --cluster (each sends its coordinate queries to other brokers).
+PLAN_PARALLEL: Final = 8
+
+
+async def _plan(
+    addrs: list[str], all_topics: bool, wait: float, creds: Credentials
+) -> tuple[str, list[dict[str, Any]]]:
+    """The access broker's dry run: the address that answered, and its plans."""
     async with Client(addrs, request_timeout=wait, credentials=creds) as c:
-        return await c.balance_plan(all_topics)
+        plans = await c.balance_plan(all_topics)
+        return c.address or addrs[0], plans
+
+
+async def _cluster_plans(
+    addrs: list[str], all_topics: bool, wait: float, creds: Credentials
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every primary's dry run: the overlay is crawled from the first broker that answers, and each broker that
+    STATUS says is primary (or delegate) of a topic with stored data is asked for its plans, which carry its id
+    as "broker".  Returns the plans (by broker id) and one line per broker that did not answer."""
+    found, _ = await crawl_any(addrs, credentials=creds, timeout=wait)
+    primaries = sorted(
+        (nid, st.node.listen)
+        for nid, st in found.statuses.items()
+        if any(h.role in ("primary", "delegate") and h.size > 0 for h in st.held)
+    )
+    sem = asyncio.Semaphore(PLAN_PARALLEL)
+
+    async def one(nid: str, addr: str) -> list[dict[str, Any]]:
+        async with sem, Client([addr], request_timeout=wait, reconnect=False, credentials=creds) as c:
+            return [{"broker": nid, **p} for p in await c.balance_plan(all_topics)]
+
+    results = await asyncio.gather(*(one(nid, addr) for nid, addr in primaries), return_exceptions=True)
+    plans: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for (nid, addr), res in zip(primaries, results, strict=True):
+        if isinstance(res, ClientError | TimeoutError | OSError):
+            failed.append(f"broker {nid} at {addr}: {describe(res, f'no answer within {wait} s')}")
+        elif isinstance(res, BaseException):
+            raise res
+        else:
+            plans.extend(res)
+    return plans, failed
+
+
+def _plan_line(p: dict[str, Any]) -> str:
+    cur = p.get("current", {})
+    line = f"{p['topic']:<32} {p.get('size', 0):>10} B  {p['verdict']}"
+    if "to" in p:
+        best = p["best"]
+        line += f" -> {p['to'][0]:.4f},{p['to'][1]:.4f} (L_max {cur['lmax']:.0f} -> {best['lmax']:.0f})"
+    elif cur:
+        line += f" (L_max here {cur['lmax']:.0f}, {p.get('offers', 0)} offers)"
+    return line
 
 
 def _cmd_balance(args: argparse.Namespace) -> int:
@@ -167,25 +219,32 @@ def _cmd_balance(args: argparse.Namespace) -> int:
         addrs, creds = target(args)
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
+    failed: list[str] = []
     try:
-        plans = asyncio.run(_plan(addrs, args.all, args.timeout, creds))
-    except (ClientError, TimeoutError, OSError) as exc:
+        if args.cluster:
+            plans, failed = asyncio.run(_cluster_plans(addrs, args.all, args.timeout, creds))
+        else:
+            answered, plans = asyncio.run(_plan(addrs, args.all, args.timeout, creds))
+    except (AdminError, ClientError, TimeoutError, OSError) as exc:
         return fail(f"dry run failed: {describe(exc, f'no answer within {args.timeout} s')}", EXIT_FAILED)
     if args.json:
         print(json.dumps(plans))
-        return 0
-    if not plans:
-        print("nothing to balance: this broker is primary of no topic with stored data")
-    for p in plans:
-        cur = p.get("current", {})
-        line = f"{p['topic']:<32} {p.get('size', 0):>10} B  {p['verdict']}"
-        if "to" in p:
-            best = p["best"]
-            line += f" -> {p['to'][0]:.4f},{p['to'][1]:.4f} (L_max {cur['lmax']:.0f} -> {best['lmax']:.0f})"
-        elif cur:
-            line += f" (L_max here {cur['lmax']:.0f}, {p.get('offers', 0)} offers)"
-        print(line)
-    return 0
+    elif args.cluster:
+        if not plans and not failed:
+            print("nothing to balance: no broker is primary of a topic with stored data")
+        for p in plans:
+            print(f"{p['broker']:<16} {_plan_line(p)}")
+    else:
+        if not plans:
+            print(
+                f"nothing to balance: the broker at {answered} is primary of no topic with stored data "
+                "(--cluster asks every broker)"
+            )
+        for p in plans:
+            print(_plan_line(p))
+    for line in failed:
+        fail(f"dry run failed: {line}")
+    return EXIT_FAILED if failed else 0
 
 
 def register(subparsers: Any) -> None:
@@ -227,6 +286,11 @@ def register(subparsers: Any) -> None:
     add_broker_flag(p)
     p.add_argument("--dry-run", action="store_true", default=True, help="(the only mode: nothing moves)")
     p.add_argument("--all", action="store_true", help="every topic, not just the smallest (Alg. 2)")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="ask every broker that is primary of a topic (the overlay is crawled from the access broker)",
+    )
     p.add_argument("--json", action="store_true", help="print the plans as one JSON list")
     p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the plan (30)")
     p.set_defaults(func=_cmd_balance)

@@ -24,7 +24,7 @@ from cli.args import (
 )
 from client.admin import AdminError
 from client.client import Client, ClientError
-from client.crawl import crawl
+from client.crawl import crawl_any
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import RATE_WINDOW
@@ -38,17 +38,7 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
 
     rate is msg/s over the last RATE_WINDOW s, None if the topic's primary is a broker too old to say.
     """
-    found = None
-    last: AdminError | None = None
-    for addr in addrs:  # the first broker that answers is the crawl's start
-        try:
-            found = await crawl(addr, credentials=creds, timeout=timeout)
-            break
-        except AdminError as exc:
-            last = exc
-    if found is None:
-        assert last is not None
-        raise last
+    found, _ = await crawl_any(addrs, credentials=creds, timeout=timeout)
     holders: dict[str, dict[str, list[str]]] = {}
     sizes: dict[str, int] = {}
     recent: dict[str, int] = {}

@@ -1,13 +1,15 @@
 """Crawl a live overlay: STATUS from one broker, then from the neighbours it reports, breadth first.
 
-Used by `sedax topics` (the cluster's topics and their holders) and `sedax viz` (the overlay picture); both
-only read what brokers report.  Neighbours that a reachable broker reports but that cannot be reached
-themselves are returned as unreachable, with the coordinate they were reported at.
+Used by `sedax topics` (the cluster's topics and their holders), `sedax balance --cluster` (every primary's
+dry run) and `sedax viz` (the overlay picture); they only read what brokers report.  Neighbours that a
+reachable broker reports but that cannot be reached themselves are returned as unreachable, with the
+coordinate they were reported at.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -71,3 +73,22 @@ async def crawl(
     for nid in found.statuses:
         found.unreachable.pop(nid, None)
     return found
+
+
+async def crawl_any(
+    addresses: Sequence[str],
+    *,
+    credentials: Credentials | None = None,
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - as crawl's
+) -> tuple[Crawl, str]:
+    """Crawl from the first of addresses that answers, as the tools take their broker list; returns the crawl
+    and the address it started from.  The last broker's AdminError if none answers."""
+    last: AdminError | None = None
+    for addr in addresses:
+        try:
+            return await crawl(addr, credentials=credentials, timeout=timeout), addr
+        except AdminError as exc:
+            last = exc
+    if last is None:
+        raise BrokerUnavailable("no broker address given")
+    raise last

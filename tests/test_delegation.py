@@ -226,6 +226,50 @@ async def test_dry_run_reports_and_moves_nothing(tmp_path: Path, selection: str)
         assert json.loads(out)[0]["topic"] == topic
 
 
+async def test_dry_run_of_the_cluster_asks_every_primary_and_names_it(tmp_path: Path) -> None:
+    # A user's SEDAX_BROKERS starts with the first broker of `cluster up`, which need not hold any topic: the
+    # plain dry run then says so and names the access broker; --cluster crawls the overlay and asks each
+    # broker that is primary of a topic, and every plan says which broker made it.
+    coords = [(0.2, 0.2), (0.8, 0.2), (0.5, 0.8), (0.5, 0.45)]
+    args = (*FAST_ARGS, "--selection", "bestlocal", "--queries", "4", "--load-report-interval", "0.2",
+            "--query-timeout", "5.0", "--min-gain", "0")  # fmt: skip
+    async with LocalCluster(4, coords=coords, resilience=2, state_dir=tmp_path, broker_args=args) as c:
+        await c.wait_converged(30.0)
+        owners = {k: closest(dict(enumerate(coords)), geohash(f"grid/plan/{k}"))[0] for k in range(400)}
+        topics = {i: next(f"grid/plan/{k}" for k in range(400) if owners[k] == i) for i in (1, 3)}
+        empty = next(bp for bp in c.nodes if bp.index not in topics)
+        async with Client(c.nodes[3].listen) as cl:
+            for topic in topics.values():
+                for _ in range(5):
+                    await cl.publish(topic, b"w" * 400)
+        for i in topics:
+            await wait_for(lambda i=i: _has_reports(c.nodes[i].listen), 20, "load reports arrived")
+
+        async def sedax(*argv: str) -> tuple[int, str, str]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "cli.main", "balance", "--broker", f"{empty.listen},{c.nodes[3].listen}",
+                "--all", *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            async with asyncio.timeout(60):
+                out, err = await proc.communicate()
+            assert proc.returncode is not None
+            return proc.returncode, out.decode(), err.decode()
+
+        code, out, err = await sedax()
+        assert code == 0, err
+        assert out.startswith(f"nothing to balance: the broker at {empty.listen} is primary of no topic"), out
+        assert "--cluster" in out
+        code, out, err = await sedax("--cluster", "--json")
+        assert code == 0, err
+        plans = json.loads(out)
+        assert {p["topic"]: p["broker"] for p in plans} == {t: c.nodes[i].node_id for i, t in topics.items()}
+        assert all(p["verdict"] in ("move", "stay") for p in plans)
+        code, out, err = await sedax("--cluster")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert sorted(line.split()[:2] for line in lines) == sorted([c.nodes[i].node_id, t] for i, t in topics.items())
+
+
 async def test_dry_run_scans_the_smallest_topics_until_one_would_move(tmp_path: Path) -> None:
     # Two brokers at resilience 2 both hold every topic, so every coordinate is as good as any other: no topic
     # can move, and a round with --balance-scan 2 looks at exactly the two smallest, smallest first.
