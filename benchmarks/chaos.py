@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/chaos.py [--seed 1] [--level 2] [--disks] [--faults 12] [--brokers 7]
                                          [--topics 8] [--publishers 3] [--subscribers 3] [--late 2] [--rate 40]
-                                         [--kinds kill,term,replace,pause,isolate,full,move] [--stagger]
+                                         [--kinds kill,term,replace,pause,isolate,cut,full,move] [--stagger]
 
 Real broker processes over mutual TLS on 127.0.0.(10 + i), each publisher and subscriber a `Client` that
 reconnects to other brokers as its own goes away.  Publishers publish to every topic (one PUBLISH per message,
@@ -21,6 +21,9 @@ Kinds (a broker is never one of the first --anchors, whose addresses every clien
   pause    SIGSTOP for 0.3-3 s (long past failure detection), then SIGCONT: a stale primary comes back
   isolate  nftables drops every packet between a broker and the others for 1-4 s (clients still reach it, so
            both sides acknowledge), then heals: the histories merge
+  cut      nftables drops every packet between two neighbouring brokers (most often a topic's primary and
+           secondary) for 1-4 s; both stay reachable by the others, so nobody fails over and replication,
+           routing and deliveries detour through a common neighbour
   full     with --disks, every broker SIGKILLed at once and started again (needs all anchors to come back)
   move     an operator moves a random topic to a random coordinate (a delegation: the records follow it)
 
@@ -61,7 +64,7 @@ from tests.cluster import wait_for as poll_until  # noqa: E402
 # As the tests run brokers: failure detection within ~2 s of silence, clients that notice a dead broker quickly.
 BROKER_ARGS = ("--hello-timeout", "2.0", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8",
                "--client-timeout", "3.0")  # fmt: skip
-KINDS = ("kill", "term", "replace", "pause", "isolate", "full", "move")
+KINDS = ("kill", "term", "replace", "pause", "isolate", "cut", "full", "move")
 HEAL_WITHIN = 60.0  # seconds for the overlay, the acknowledgements and the replicas after one fault
 DRAIN_WITHIN = 90.0  # seconds for every subscriber to get every acknowledged message at the end
 
@@ -223,11 +226,23 @@ class Chaos:
                 return holders[:k]
         return self.rng.sample(victims, min(k, len(victims)))
 
+    async def _link(self) -> list[int]:
+        """Two brokers linked in the overlay: most of the time a topic's first two holders (primary and secondary
+        are Delaunay neighbours), else a random broker and one of its neighbours."""
+        statuses = await self.cluster.statuses(within=3.0)
+        index = {st.node.id: int(st.node.id[1:]) for st in statuses.values()}
+        neighbours = {index[nid]: [index[n.id] for n in st.neighbours if n.id in index] for nid, st in statuses.items()}
+        picked = await self._pick(2)
+        if len(picked) == 2 and picked[1] in neighbours.get(picked[0], []):
+            return picked
+        a = picked[0] if picked and neighbours.get(picked[0]) else self.rng.choice(sorted(neighbours))
+        return [a, self.rng.choice(neighbours[a])]
+
     async def fault(self, kind: str, k: int) -> Fault:
         """Inject one fault on k brokers (those kinds that take brokers); the caller waits for the heal."""
         c = self.cluster
         k = k if kind in ("kill", "term", "replace", "pause") else 1
-        picked = [] if kind in ("full", "move") else await self._pick(k)
+        picked = [] if kind in ("full", "move") else await self._link() if kind == "cut" else await self._pick(k)
         f = Fault(kind, picked)
         if kind == "kill":
             for i in picked:
@@ -264,6 +279,12 @@ class Chaos:
             others = [c.host(bp.index) for bp in c.live() if bp.index != i]
             with netcut.Cut() as cut:
                 cut.cut([c.host(i)], others)
+                await asyncio.sleep(seconds)  # the fault itself lasts this long
+        elif kind == "cut":
+            seconds = self.rng.uniform(1.0, 4.0)
+            f.detail = f"{seconds:.1f} s "
+            with netcut.Cut() as cut:
+                cut.cut([c.host(picked[0])], [c.host(picked[1])])
                 await asyncio.sleep(seconds)  # the fault itself lasts this long
         elif kind == "move":
             topic = self.rng.choice(self.topics)
@@ -531,8 +552,9 @@ def main() -> int:
     unknown = set(args.kinds.split(",")) - set(KINDS)
     if unknown:
         ap.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
-    if "isolate" in args.kinds.split(",") and netcut.unavailable():
-        ap.error(f"isolate needs nftables: {netcut.unavailable()} (or leave it out of --kinds)")
+    for kind in ("isolate", "cut"):
+        if kind in args.kinds.split(",") and netcut.unavailable():
+            ap.error(f"{kind} needs nftables: {netcut.unavailable()} (or leave it out of --kinds)")
     if not netcut.unavailable():
         for table in netcut.sweep_stale():
             print(f"deleted the nftables table {table} a killed run left behind", file=sys.stderr)

@@ -41,7 +41,12 @@ def validate_topic(name: str) -> str:
     """
     for level in _check_common(name, "topic name"):
         if WILDCARD_ONE in level or WILDCARD_REST in level:
-            raise BadTopic(f"topic name {name!r} contains '+' or '#', which only patterns may use")
+            # Said in full because MQTT users expect wildcard subscriptions: here each topic lives at its own
+            # coordinate h(t), so a subscription cannot span topics; '+' and '#' exist only in ACL patterns.
+            raise BadTopic(
+                f"topic name {name!r} contains '+' or '#': wildcards exist only in ACL patterns; name one topic in "
+                "full (each topic lives at its own coordinate; `sedax topics` lists them)"
+            )
     return name
 
 

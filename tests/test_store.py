@@ -21,8 +21,8 @@ def test_topic_names() -> None:
         ("a" * 257, "1..256"),
         ("grid//v", "empty level"),
         ("/grid", "empty level"),
-        ("grid/+/v", "only patterns"),
-        ("grid/#", "only patterns"),
+        ("grid/+/v", "wildcards exist only in ACL patterns"),
+        ("grid/#", "name one topic in full"),
         ("grid v", "whitespace"),
         ("grid\x00", "control"),
     ]:
