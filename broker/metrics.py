@@ -99,6 +99,11 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "sedax_topic_full_refusals",
         "New subscribers and publishers this primary refused: the topic held --max-topic-entries (topic_full).",
     ),
+    "copies_refused": (
+        "sedax_copies_refused",
+        "Copies this broker could not write (its data directory full), answered with a refusal: the primary "
+        "refuses new publishes of the topic with storage_full until a copy confirms again.",
+    ),
     "empty_forgotten": (
         "sedax_empty_topics_forgotten",
         "Replicas of topics with nothing in them (no message, publisher or subscriber) this broker forgot.",

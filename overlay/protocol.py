@@ -47,8 +47,10 @@ import msgpack
 #      takes half the time (docs/benchmarks-latency.md, "Eleventh round");
 #   4: frames between brokers may be MAX_LINK_FRAME_SIZE, a topic's subscribers travel grouped by access
 #      broker, and a topic holds at most MAX_TOPIC_ENTRIES subscribers and publishers (`topic_full`);
-#   5: a topic's primary sends its subscribers HEADS (the newest seq of publishers gone quiet).
-PROTOCOL_VERSION: Final = 5
+#   5: a topic's primary sends its subscribers HEADS (the newest seq of publishers gone quiet);
+#   6: REPLICATED may say that the copy was refused (`refused`: the copy's disk is full); clients see nothing
+#      new, so those of version 5 are still admitted.
+PROTOCOL_VERSION: Final = 6
 # The oldest version whose clients and admin tools a broker still admits.  Those of versions 1 and 2 read
 # only maps; those of version 3 cannot read the `topic_full` refusal, those of version 4 a HEADS (an unknown op
 # ends a connection).  They are refused at HELLO (version_mismatch, in a form they read).  Brokers must speak

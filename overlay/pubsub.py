@@ -827,12 +827,17 @@ class Replicate(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class Replicated(Message):
-    """Replica -> primary: REPLICATE corr is stored.  Also the answer to PULL when the node holds nothing."""
+    """Replica -> primary: REPLICATE corr is stored.  Also the answer to PULL when the node holds nothing.
+
+    With `refused` (version 6): the copy could not be stored (its data directory is full); the text names the
+    broker and what to do.  Nothing is confirmed: the primary refuses new publishes (storage_full) and sends
+    the batch again until a copy confirms it."""
 
     op: ClassVar[Literal["replicated"]] = "replicated"
     corr: int
     topic: str
     node: str
+    refused: str = ""
 
 
 @register_message

@@ -15,6 +15,7 @@ from cluster import check_routes, log_has, log_size, raw_connect, read_until_eof
 from cli.cluster import LocalCluster
 from client.admin import AdminClient, RequestFailed
 from overlay.protocol import (
+    OLDEST_CLIENT_VERSION,
     PROTOCOL_VERSION,
     ControlFrame,
     FrameDecoder,
@@ -157,17 +158,24 @@ async def test_version_mismatch_refused(cluster3: LocalCluster) -> None:
     text = frame.message.text  # type: ignore[union-attr]
     assert f"'future' speaks {PROTOCOL_VERSION + 1}" in text
     assert "same SeDAX release" in text  # the fix, not only the fault
-    # A broker or client of the previous version is refused (it reads only the map form of messages, version 2),
-    # in the map form it reads, so that it can say why.
-    for role in ("broker", "client"):
+    # A broker of the previous version, and a client older than the oldest admitted, are refused in the map form
+    # every version reads, so that they can say why.
+    for role, version in (("broker", PROTOCOL_VERSION - 1), ("client", OLDEST_CLIENT_VERSION - 1)):
         reader, writer = await raw_connect(target)
         coord, listen = ((0.11, 0.83), "127.0.0.1:9") if role == "broker" else (None, "")
-        writer.write(encode_control(Hello(PROTOCOL_VERSION - 1, f"old-{role}", role, coord, listen)))
+        writer.write(encode_control(Hello(version, f"old-{role}", role, coord, listen)))
         data = await read_until_eof(reader, 3.0)
         writer.close()
         wire = msgpack.unpackb(data[5:])
         assert wire["op"] == "refuse" and wire["code"] == "version_mismatch", wire
-        assert f"protocol {PROTOCOL_VERSION} to a {role}" in wire["text"], wire
+        speaks = str(PROTOCOL_VERSION) if role == "broker" else f"{OLDEST_CLIENT_VERSION} to {PROTOCOL_VERSION}"
+        assert f"protocol {speaks} to a {role}" in wire["text"], wire
+    # A client of the oldest version admitted is admitted: version 6 changed only what brokers tell each other.
+    reader, writer = await raw_connect(target)
+    writer.write(encode_control(Hello(OLDEST_CLIENT_VERSION, "old-enough", "client")))
+    frame = await _first_frame(reader)
+    writer.close()
+    assert isinstance(frame.message, HelloOk), frame
     async with await AdminClient.connect(target.listen) as c:
         assert (await c.status()).node.id == target.node_id
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from cli.cluster import ClusterError, LocalCluster
+from client.admin import AdminClient
 from client.client import Client, PublishAck
 from client.errors import RequestFailed
 from net.credentials import Credentials
+from overlay.geometry import geohash
 from overlay.pubsub import Publish
 from tests import tmpfs
 from tests.cluster import wait_for
@@ -129,35 +132,66 @@ async def test_syncing_every_record_stalls_no_broker_into_a_false_failover(tmp_p
         assert sum(st.counters["published"] for st in statuses.values()) == publishers * per_publisher
 
 
-def _broker_on_a_small_tmpfs(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    """A broker in a private mount namespace whose data directory is a 256 KiB tmpfs; its stdout file."""
-    data = tmp_path / "small"
+def _broker_on_a_small_tmpfs(
+    tmp_path: Path, name: str = "n0", coord: str = "0.5,0.5", extra: tuple[str, ...] = (), ballast_kib: int = 0
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """A broker in a private mount namespace whose data directory is a 256 KiB tmpfs, ballast_kib of it taken by
+    a file `ballast` (delete it to free the room: /proc/PID/root + the directory reaches it); its process, its
+    stdout file and the data directory."""
+    data = tmp_path / f"small-{name}"
     data.mkdir()
-    out = tmp_path / "broker.out"
+    out = tmp_path / f"{name}.out"
     broker = (
-        f"{sys.executable} -m broker --coord 0.5,0.5 --node-id n0 --listen 127.0.0.1:0 --insecure "
-        f"--data-dir {data} --fsync batch"
+        f"{sys.executable} -m broker --coord {coord} --node-id {name} --listen 127.0.0.1:0 --insecure "
+        f"--data-dir {data} --fsync batch {' '.join(extra)}"
     )
+    fill = f" && head -c {ballast_kib * 1024} /dev/zero > {data}/ballast" if ballast_kib else ""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    with out.open("wb") as stdout, (tmp_path / "broker.err").open("wb") as stderr:
+    with out.open("wb") as stdout, (tmp_path / f"{name}.err").open("wb") as stderr:
         proc = subprocess.Popen(
-            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {data} && exec {broker}"],
+            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {data}{fill} && exec {broker}"],
             stdout=stdout, stderr=stderr, env=env, start_new_session=True,
         )  # fmt: skip
-    return proc, out
+    return proc, out, data
+
+
+async def _ready(tmp_path: Path, name: str, proc: subprocess.Popen[bytes], out: Path) -> str:
+    """The listen address of a broker started by _broker_on_a_small_tmpfs, once it printed its ready line."""
+    await wait_for(lambda: out.stat().st_size > 0 or proc.poll() is not None, 30.0, "the broker's ready line")
+    assert proc.poll() is None, _text(tmp_path / f"{name}.err")
+    return str(json.loads(_text(out).splitlines()[0])["listen"])
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def _free_ballast(proc: subprocess.Popen[bytes], data: Path) -> None:
+    """Delete the ballast of a broker's small tmpfs, from outside its mount namespace."""
+    Path(f"/proc/{proc.pid}/root{data}/ballast").unlink()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_keeps_serving(tmp_path: Path) -> None:
     # A real broker whose data directory is a 256 KiB tmpfs (mounted in a private mount namespace): publishes
     # that find no room get NACK storage_full, the broker stays up, and every acknowledged message is still
-    # served, undamaged.
+    # served, undamaged.  Once there is room again the publisher goes on, and the messages it was refused are
+    # not counted lost (they were never acknowledged; before, the broker logged them as "acknowledged ...
+    # lost" and counted them in sedax_lost_messages_total).
     if (why := TMPFS_MISSING) is not None:
         pytest.skip(why)
-    proc, out = _broker_on_a_small_tmpfs(tmp_path)
+    proc, out, data = _broker_on_a_small_tmpfs(tmp_path, ballast_kib=64)
     try:
-        await wait_for(lambda: out.stat().st_size > 0 or proc.poll() is not None, 30.0, "the broker's ready line")
-        assert proc.poll() is None, (tmp_path / "broker.err").read_text()
-        listen = json.loads(out.read_text().splitlines()[0])["listen"]
+        listen = await _ready(tmp_path, "n0", proc, out)
         acked: list[int] = []
         refused: RequestFailed | None = None
         async with Client(listen, credentials=Credentials(insecure=True)) as c:
@@ -172,16 +206,84 @@ async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_k
             assert len(acked) > 50
             assert proc.poll() is None, "the broker died"
             history = await c.fetch("grid/full/disk")
-        assert [r.seq for r in history] == acked
-        assert all(r.payload == bytes([r.seq % 256]) * 1024 for r in history), "a stored record was damaged"
+            assert [r.seq for r in history] == acked
+            assert all(r.payload == bytes([r.seq % 256]) * 1024 for r in history), "a stored record was damaged"
+            _free_ballast(proc, data)  # 64 KiB free again
+            after = await c.publish("grid/full/disk", b"room again")
+            assert after.seq > acked[-1] + 1  # past the refused one
+        async with await AdminClient.connect(listen, credentials=Credentials(insecure=True)) as admin:
+            assert (await admin.status()).counters["lost"] == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(proc)
+
+
+async def test_a_copy_on_a_full_disk_makes_its_primary_refuse_with_storage_full_until_it_has_room(
+    tmp_path: Path,
+) -> None:
+    # Level 2: the topic's secondary keeps its data on a 256 KiB tmpfs.  Once its disk is full it answers the
+    # primary's batches with a refusal that names it; the primary refuses new publishes with storage_full and
+    # that text (before, the publisher got "no acknowledgement within 5 s" for ever, and the reason was only in
+    # the secondary's log).  With room again the copy confirms, publishes are taken again, nothing acknowledged
+    # is missing and nothing refused is counted lost.
+    if (why := TMPFS_MISSING) is not None:
+        pytest.skip(why)
+    topic = "grid/full/copy"
+    home = geohash(topic)
+    near = (min(home[0] + 0.05, 0.999), home[1])
+    far = (0.05, 0.05) if home[0] + home[1] > 1.0 else (0.95, 0.95)
+    plain = Credentials(insecure=True)
+    async with LocalCluster(
+        2, coords=[home, far], resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, data_dirs=True, tls=False
+    ) as cluster:
+        await cluster.wait_converged(30.0)
+        primary = cluster.nodes[0]
+        extra = ("--resilience", "2", "--join", primary.listen, *FAST_ARGS)
+        proc, out, data = _broker_on_a_small_tmpfs(tmp_path, "copy", f"{near[0]},{near[1]}", extra, ballast_kib=96)
+        try:
+            listen = await _ready(tmp_path, "copy", proc, out)
+
+            async def three_brokers() -> bool:
+                async with await AdminClient.connect(primary.listen, credentials=plain) as admin:
+                    return "copy" in {n.id for n in (await admin.status()).neighbours}
+
+            await wait_for(three_brokers, 30.0, "the broker on the small disk linked to the primary")
+            acked: list[int] = []
+            refused: RequestFailed | None = None
+            async with Client(primary.listen, credentials=plain, request_timeout=3.0) as c:
+                # Bounded: without the refusal every publish after the copy's disk filled timed out, for ever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(60.0):
+                        for k in range(600):  # 600 x 1 KiB: far more than the copy has room for
+                            try:
+                                acked.append((await c.publish(topic, bytes([k % 256]) * 1024)).seq)
+                            except TimeoutError:
+                                pass  # stored at the primary as the copy refused: acknowledged once it has room
+                            except RequestFailed as exc:
+                                refused = exc
+                                break
+                assert refused is not None and refused.code == "storage_full", "no storage_full refusal"
+                assert "copy: no space left" in str(refused) and "free disk space" in str(refused), str(refused)
+                assert len(acked) > 20
+                _free_ballast(proc, data)  # 96 KiB free again
+
+                async def taken() -> bool:
+                    try:
+                        acked.append((await c.publish(topic, b"room again")).seq)
+                    except RequestFailed as exc:
+                        assert exc.code == "storage_full", exc
+                        return False
+                    return True
+
+                # The primary sends the refused batch again at its re-send time-out (at most 8 s).
+                await wait_for(taken, 30.0, "publishes taken again once the copy has room")
+                history = {r.seq for r in await c.fetch(topic)}
+                assert set(acked) <= history, f"acknowledged, not stored: {sorted(set(acked) - history)}"
+            statuses = await cluster.statuses()
+            assert statuses[primary.node_id].counters["lost"] == 0
+            async with await AdminClient.connect(listen, credentials=plain) as admin:
+                assert (await admin.status()).counters["copies_refused"] >= 1
+        finally:
+            _stop(proc)
 
 
 async def test_a_data_directory_serves_one_broker_at_a_time_and_a_crash_frees_it(tmp_path: Path) -> None:

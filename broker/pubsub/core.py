@@ -182,6 +182,7 @@ class TopicTable:
             "synced_records": 0,  # records another holder lacked, sent by this one (PULL and OFFER answers)
             "reverse_offers": 0,  # a copy offered its primary records the primary did not keep (`_offer_back`)
             "topic_full": 0,  # new subscribers and publishers refused: the topic had max_topic_entries
+            "copies_refused": 0,  # copies this broker could not store (its disk full), answered `refused`
             "empty_forgotten": 0,  # replicas of topics with nothing in them, forgotten (holder.sweep_empty)
             "relocations": 0,  # copies a move left behind that followed the topic (ranks `relocate`)
             "coalesced": 0,  # a client's one-message PUBLISH frames handled in one batch with the one before

@@ -352,6 +352,12 @@ class HolderRole:
         """A PUBLISH for r, served here as the primary, already checked (a local client's on arrival, another
         access broker's in `_publish`)."""
         seq = p.seq
+        if r.copy_refused and seq > r.log.last_seq.get(p.publisher, -1):
+            # A copy's disk is full (replication `copy_refused`): refused before it is stored, as a full disk
+            # here refuses it; re-sends of what is stored still wait for their acknowledgement.
+            self._refuse_from(r, p.publisher, seq)
+            self.t.reply(access, [session], Nack(r.name, p.publisher, seq, "storage_full", r.copy_refused))
+            return
         if not p.more:
             self._publish_one(r, access, session, p.publisher, seq, p.payload, p.base)
             return
@@ -403,6 +409,9 @@ class HolderRole:
                 # A publisher forgotten after a day of silence (its messages expired) or refused while the topic
                 # was full: nothing of it is missing here, its sequence goes on where it is.
                 del r.log.forgotten[publisher]
+            elif r.refused_from.get(publisher, -1) == last + 1:
+                # This broker refused them (storage_full): the publisher was told, nothing acknowledged is missing.
+                del r.refused_from[publisher]
             else:
                 # The publisher had [last + 1, base) acknowledged, yet this broker never got them: they were lost
                 # with a failed broker (resilience level 1, or more failures than the level survives).  Count and
@@ -469,15 +478,16 @@ class HolderRole:
             key = (w.access.id, w.session, w.record.publisher)
             r.waiter_max[key] = max(r.waiter_max.get(key, -1), w.record.seq)
 
-    def persist(self, r: Replica) -> bool:
+    def persist(self, r: Replica) -> StorageFull | None:
         """Write what r stored since the last call to its disk journal before anything of it is acknowledged
-        or confirmed; a full disk refuses those publishes (storage_full) and they leave memory too."""
+        or confirmed; a full disk refuses those publishes (storage_full) and they leave memory too (returned:
+        None if everything was written)."""
         try:
             r.log.persist()
         except StorageFull as exc:
             self._refuse(r, exc)
-            return False
-        return True
+            return exc
+        return None
 
     def await_disk(self, r: Replica) -> None:
         """Under always/batch, what r stored so far is acknowledged only once the sync covering it completed
@@ -518,8 +528,15 @@ class HolderRole:
             if key not in first or w.record.seq < first[key].record.seq:
                 first[key] = w
         for w in first.values():
+            self._refuse_from(r, w.record.publisher, w.record.seq)
             nack = Nack(r.name, w.record.publisher, w.record.seq, "storage_full", str(exc))
             self.t.reply(w.access, [w.session], nack)
+
+    def _refuse_from(self, r: Replica, publisher: str, seq: int) -> None:
+        """Note that publisher's messages from seq on were refused (storage_full), not stored: the client fails
+        them and goes on past them, and its next message, with `base` past them, is no loss (`_publish_one`)."""
+        if seq < r.refused_from.get(publisher, seq + 1):
+            r.refused_from[publisher] = seq
 
     def recovered(self, metas: list[TopicMeta]) -> None:
         """Replicas for the topics read back from the data directory: RECOVERING until `resume`.  Each comes back

@@ -454,6 +454,13 @@ class Replica:
     # Batches sent to the secondary and not yet confirmed in order, oldest first (replication.py `flush`).
     window: list[Batch] = field(default_factory=list)
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
+    # At the primary: why a copy refused this topic's batches (its disk is full), "" while none does.  New
+    # publishes get NACK storage_full with that text, before they are stored, until a copy confirms again or
+    # the holders change (replication.py `copy_refused`).
+    copy_refused: str = ""
+    # Per publisher, the first seq this primary refused with storage_full (nothing from there on was stored):
+    # the client fails those publishes and goes on past them, so that jump in its sequence is no loss.
+    refused_from: dict[str, int] = field(default_factory=dict)
     queued: list[tuple[NodeInfo, str, Message]] = field(default_factory=list)  # requests held while WAITING
     meta_dirty: bool = False  # subscribers changed: the secondary needs the new list
     # The subscriber list, delegates and publisher table ("meta") travel only until the secondary confirmed
@@ -540,6 +547,7 @@ class Replica:
         self.waiter_max.clear()
         self.outbox.clear()
         self.undelivered.clear()
+        self.copy_refused = ""
 
     def place(self, coord: Coord, delegates: list[Delegation]) -> None:
         """Hold the topic for coord, with delegates as its list (a move; a newer list learned): on the disk too

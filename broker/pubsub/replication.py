@@ -185,7 +185,10 @@ class ReplicationRole:
 
     # ---- confirmations and copies arriving -------------------------------------------------------------------
     def replicated_arrived(self, m: Replicated) -> None:
-        """REPLICATED: a copy, a pull answer or a hand-over was confirmed."""
+        """REPLICATED: a copy, a pull answer or a hand-over was confirmed (or, with `refused`, not)."""
+        if m.refused:
+            self.copy_refused(m)
+            return
         if self.sync.chunk_confirmed(m):
             return
         chained = self._chained.get(m.corr)
@@ -224,6 +227,9 @@ class ReplicationRole:
         if not r.meta_confirmed and any(b.confirmed and b.meta_version == r.meta_version for b in done):
             r.meta_confirmed = True  # the next batches carry records only
         r.rto = self.t.config.replication_timeout
+        if r.copy_refused:
+            log.warning("topic %s: the copies confirm again; publishes are taken again", r.name)
+            r.copy_refused = ""
         self.holder.commit(r, done[-1].upto)
         self.moves.staged_ready(r)
         self.flush(r)
@@ -305,7 +311,8 @@ class ReplicationRole:
         if r.rank == 1:
             r.meta_dirty = True  # what a pull or an offer added here goes to the secondary with the next batch
         r.settle()
-        stored = self.holder.persist(r)
+        refusal = self.holder.persist(r)
+        stored = refusal is None
         if not m.meta and not r.meta_known:
             # A records-only batch for a copy that never received the subscribers and the publisher table from
             # its primary (it was read back from disk, or lost them): not confirmed, so the primary's re-send,
@@ -325,6 +332,8 @@ class ReplicationRole:
             # Confirmed only once on disk: a full disk here leaves the batch unconfirmed, so the primary neither
             # acknowledges it nor forgets it (it re-sends).
             self.confirm_on_disk(r, m.origin, m.corr)
+        elif m.corr and refusal is not None:
+            self.refuse_copy(m.topic, m.origin, m.corr, str(refusal))
         if (
             m.sync
             and r.stage is Stage.HOLDING
@@ -364,7 +373,8 @@ class ReplicationRole:
             def on_disk(exc: StorageError | None) -> None:
                 if exc is not None:
                     log.warning("topic %s: %s", m.topic, exc)  # not confirmed: the primary re-sends the batch
-                    self._chained.pop(corr, None)
+                    if self._chained.pop(corr, None) is not None:
+                        self.refuse_copy(m.topic, m.origin, m.corr, str(exc))
                 elif (c := self._chained.get(corr)) is not None:
                     c.held_here = True
                     self._chain_confirm(corr)
@@ -404,8 +414,40 @@ class ReplicationRole:
                 self.t.ov.route(to.coord, Replicated(corr, topic, me))
             else:
                 log.warning("topic %s: %s", topic, exc)
+                self.refuse_copy(topic, to, corr, str(exc))
 
         r.log.when_durable(on_disk)
+
+    def refuse_copy(self, topic: str, to: NodeInfo, corr: int, why: str) -> None:
+        """Tell the sender of a copy this broker could not store (its disk is full) why, instead of leaving it to
+        time out: a primary refuses new publishes with that text until a copy confirms again (`copy_refused`).
+        Before, its publishers saw only "no acknowledgement within 5 s", and the reason was in this log alone."""
+        self.t.counters["copies_refused"] += 1
+        me = self.t.ov.me.id
+        self.t.ov.route(to.coord, Replicated(corr, topic, me, refused=f"{me}: {why}"))
+
+    def copy_refused(self, m: Replicated) -> None:
+        """A REPLICATED with `refused`: nothing is confirmed.  At a level-3 secondary, the tertiary's refusal of a
+        batch passed on goes to the primary; at the primary, the refused batch's topic refuses new publishes
+        (holder `publish_checked`) and the batch is sent again at the re-send time-out, until a copy confirms."""
+        chained = self._chained.get(m.corr)
+        if chained is not None:
+            if chained.tertiary == m.node and chained.topic == m.topic:
+                del self._chained[m.corr]
+                self.t.ov.route(
+                    chained.origin.coord, Replicated(chained.upstream, m.topic, self.t.ov.me.id, refused=m.refused)
+                )
+            return
+        r = self.t.replicas.get(m.topic)
+        if r is None or r.rank != 1:
+            return
+        batch = next((b for b in r.window if b.corr == m.corr), None)
+        if batch is None or batch.target != m.node:
+            return  # a sync, an offer or a back-fill: its sender's time-out tries again
+        text = f"not stored: a broker that must hold a copy of {r.name!r} has no room for it ({m.refused})"
+        if r.copy_refused != text:
+            log.warning("topic %s: %s; refusing new publishes until a copy confirms", r.name, text)
+        r.copy_refused = text
 
     # ---- time ------------------------------------------------------------------------------------------------
     def _tick_backfill(self, r: Replica, now: float) -> None:
