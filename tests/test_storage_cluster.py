@@ -217,36 +217,46 @@ async def test_a_broker_on_a_full_disk_refuses_publishes_with_storage_full_and_k
         _stop(proc)
 
 
+@pytest.mark.parametrize("level", [2, 3])
 async def test_a_copy_on_a_full_disk_makes_its_primary_refuse_with_storage_full_until_it_has_room(
-    tmp_path: Path,
+    tmp_path: Path, level: int
 ) -> None:
-    # Level 2: the topic's secondary keeps its data on a 256 KiB tmpfs.  Once its disk is full it answers the
-    # primary's batches with a refusal that names it; the primary refuses new publishes with storage_full and
-    # that text (before, the publisher got "no acknowledgement within 5 s" for ever, and the reason was only in
-    # the secondary's log).  With room again the copy confirms, publishes are taken again, nothing acknowledged
-    # is missing and nothing refused is counted lost.
+    # The topic's last copy (the secondary at level 2, the tertiary at level 3) keeps its data on a 256 KiB tmpfs.
+    # Once its disk is full it answers the batches with a refusal that names it (at level 3 the secondary passes
+    # it on); the primary refuses new publishes with storage_full and that text (before, the publisher got "no
+    # acknowledgement within 5 s" for ever, and the reason was only in the copy's log).  With room again the
+    # copy confirms, publishes are taken again, nothing acknowledged is missing and nothing refused counts lost.
     if (why := TMPFS_MISSING) is not None:
         pytest.skip(why)
     topic = "grid/full/copy"
     home = geohash(topic)
-    near = (min(home[0] + 0.05, 0.999), home[1])
+    side = -1.0 if home[0] > 0.5 else 1.0
+    ranked = [(home[0] + side * 0.04 * k, home[1]) for k in range(1, level)]  # the copies, nearest first
     far = (0.05, 0.05) if home[0] + home[1] > 1.0 else (0.95, 0.95)
     plain = Credentials(insecure=True)
     async with LocalCluster(
-        2, coords=[home, far], resilience=2, state_dir=tmp_path, broker_args=FAST_ARGS, data_dirs=True, tls=False
+        level,
+        coords=[home, *ranked[:-1], far],
+        resilience=level,
+        state_dir=tmp_path,
+        broker_args=FAST_ARGS,
+        data_dirs=True,
+        tls=False,
     ) as cluster:
         await cluster.wait_converged(30.0)
         primary = cluster.nodes[0]
-        extra = ("--resilience", "2", "--join", primary.listen, *FAST_ARGS)
-        proc, out, data = _broker_on_a_small_tmpfs(tmp_path, "copy", f"{near[0]},{near[1]}", extra, ballast_kib=96)
+        extra = ("--resilience", str(level), "--join", primary.listen, *FAST_ARGS)
+        small = f"{ranked[-1][0]},{ranked[-1][1]}"
+        proc, out, data = _broker_on_a_small_tmpfs(tmp_path, "copy", small, extra, ballast_kib=96)
         try:
             listen = await _ready(tmp_path, "copy", proc, out)
 
-            async def three_brokers() -> bool:
-                async with await AdminClient.connect(primary.listen, credentials=plain) as admin:
-                    return "copy" in {n.id for n in (await admin.status()).neighbours}
+            async def joined() -> bool:
+                sts = await cluster.statuses()
+                return all(any(n.id == "copy" for n in st.neighbours) for st in sts.values() if st.node.id != "n0")
 
-            await wait_for(three_brokers, 30.0, "the broker on the small disk linked to the primary")
+            # (Its neighbours: the other copy at level 3, the primary too at level 2.)
+            await wait_for(joined, 30.0, "the broker on the small disk linked to the others")
             acked: list[int] = []
             refused: RequestFailed | None = None
             async with Client(primary.listen, credentials=plain, request_timeout=3.0) as c:

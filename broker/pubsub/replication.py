@@ -85,6 +85,7 @@ class ReplicationRole:
             r.outbox.clear()
             r.meta_dirty = False
             r.meta_confirmed = False
+            r.copy_refused = ""  # no copy left to refuse (a copy that comes back is given the history)
             r.copy.alone()  # stored without a copy: a secondary that comes (back) gets the whole history
             r.window.clear()
             self.holder.commit(r, r.last_ts)
