@@ -259,7 +259,8 @@ async def test_a_copy_on_a_full_disk_makes_its_primary_refuse_with_storage_full_
             await wait_for(joined, 30.0, "the broker on the small disk linked to the others")
             acked: list[int] = []
             refused: RequestFailed | None = None
-            async with Client(primary.listen, credentials=plain, request_timeout=3.0) as c:
+            # Through the far broker, as a device reaches the topic: the refusal travels back in a TOPIC_REPLY.
+            async with Client(cluster.nodes[-1].listen, credentials=plain, request_timeout=3.0) as c:
                 # Bounded: without the refusal every publish after the copy's disk filled timed out, for ever.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(60.0):
