@@ -255,7 +255,7 @@ async def test_a_copy_on_a_full_disk_makes_its_primary_refuse_with_storage_full_
                 sts = await cluster.statuses()
                 return all(any(n.id == "copy" for n in st.neighbours) for st in sts.values() if st.node.id != "n0")
 
-            # (Its neighbours: the other copy at level 3, the primary too at level 2.)
+            # (Every broker but the primary: at level 3 the secondary lies between the primary and it.)
             await wait_for(joined, 30.0, "the broker on the small disk linked to the others")
             acked: list[int] = []
             refused: RequestFailed | None = None
