@@ -17,12 +17,15 @@ import uvloop
 from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
 from broker.membership import JoinFailed, JoinRefused
 from broker.node import Broker, StartFailed
+from broker.storage import raise_open_file_limit
 
 # Exit codes: 2 = bad configuration (also: metrics endpoint or log cannot be opened), 3 = the overlay refused
 # us, 4 = no join address answered.
 EXIT_CONFIG: int = 2
 EXIT_REFUSED: int = 3
 EXIT_JOIN_FAILED: int = 4
+# 1 = the broker failed while serving (a bug; the log says what).
+EXIT_FAILED: int = 1
 
 
 def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
@@ -38,6 +41,7 @@ def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
 
 async def serve(config: BrokerConfig) -> int:
     """Start, join, announce readiness, serve until SIGTERM/SIGINT, then leave gracefully."""
+    soft_before, _ = raise_open_file_limit()
     try:
         broker = Broker(config)
     except ConfigError as exc:  # TLS files, tokens or ACL unusable
@@ -45,6 +49,8 @@ async def serve(config: BrokerConfig) -> int:
         return EXIT_CONFIG
     log = _setup_logging(config, broker.node_id)
     broker.log = log
+    if broker.fd_limit.soft != soft_before:
+        log.info("open-file limit raised from %d to %d (the hard limit)", soft_before, broker.fd_limit.soft)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -108,7 +114,26 @@ async def serve(config: BrokerConfig) -> int:
     gc.freeze()
     log.debug("%d objects frozen for the garbage collector", gc.get_freeze_count())
     print(json.dumps(ready), flush=True)
-    await stop.wait()
+    stopping = asyncio.ensure_future(stop.wait())
+    failing = asyncio.ensure_future(broker.failed.wait())
+    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    failing.cancel()
+    if broker.failed.is_set():
+        # The traceback is in the log (the task set logs it); a broker without its timers detects no failure,
+        # syncs nothing and times nothing out, so it leaves as gracefully as it still can and exits.
+        print(
+            f"sedax broker: error: the broker's timers failed ({broker.failure!r}), so it stops; started again it "
+            "recovers its topics from --data-dir. This is a bug: please report it with the log above",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            async with asyncio.timeout(config.drain_timeout + 5.0):
+                await broker.shutdown()
+        except TimeoutError:
+            log.warning("the graceful leave did not finish within %.1f s", config.drain_timeout + 5.0)
+        return EXIT_FAILED
     await broker.shutdown()
     return 0
 

@@ -35,7 +35,7 @@ from broker.memory import HeapTrimmer
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
-from broker.storage import DataDirInUse, DiskStore, StorageError, lock_data_dir, unlock_data_dir
+from broker.storage import DataDirInUse, DiskStore, OpenFileLimit, StorageError, lock_data_dir, unlock_data_dir
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
@@ -133,6 +133,11 @@ class Broker(Membership, Routing):
         self._listener: Listener | None = None
         self._closing = False
         self._handing_off = False
+        # Set when the broker's timers failed (a bug): the process stops (broker/main.py) so that its supervisor
+        # starts it again with its topics from the data directory, instead of serving on without heartbeats,
+        # time-outs or syncs.
+        self.failed = asyncio.Event()
+        self.failure: BaseException | None = None
         self._peer_up = asyncio.Event()
         self._pubsub_input = False  # a client request since the last tick (the ticker then ticks pub/sub fast)
         self._pings_of_closed = 0  # heartbeat PINGs sent on links closed since (the open ones count their own)
@@ -153,11 +158,15 @@ class Broker(Membership, Routing):
         self.port = PubSubPort(self)
         retention = Retention(config.retention_seconds, config.retention_bytes)
         disk, self._data_lock = None, None
+        self.fd_limit = OpenFileLimit.current()
         if config.on_disk and config.data_dir:
             data_dir = Path(config.data_dir)
             try:
                 self._data_lock = lock_data_dir(data_dir)
-                disk = DiskStore(data_dir, config.fsync_policy)
+                # As many topic files open as the open-file limit leaves room for (broker/storage/files.py).
+                disk = DiskStore(
+                    data_dir, config.fsync_policy, open_files=self.fd_limit.topic_files(config.max_connections)
+                )
             except DataDirInUse as exc:
                 raise ConfigError(str(exc)) from None
             except OSError as exc:  # a file, a directory this user may not write, /proc
@@ -219,12 +228,32 @@ class Broker(Membership, Routing):
             raise StartFailed(str(exc)) from None
         if self.config.on_disk:
             self.log.info("data directory %s (fsync %s): %s", self.config.data_dir, self.config.fsync, report)
+        self._check_open_file_limit()
         if not self.config.join:
             self.pubsub.resume()  # the first broker: nobody to compare the recovered topics with
         self.balancer.start(self._now)
         self.tasks.spawn(self._ticker(), "ticker")
         await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
+
+    def _check_open_file_limit(self) -> None:
+        """Say at start what the open-file limit allows, and warn when it is short of --max-connections."""
+        lim, conns = self.fd_limit, self.config.max_connections
+        if self.pubsub.store.disk is not None:
+            self.log.info(
+                "open-file limit %d: at most %d topic files kept open at once (more topics are served all the same)",
+                lim.soft,
+                self.pubsub.store.disk.files.limit,
+            )
+        if lim.short_of(conns):
+            self.log.warning(
+                "the open-file limit (%d, hard %d) leaves no room for %d client connections (--max-connections) "
+                "beside the broker's own files: raise it (ulimit -n; LimitNOFILE= for a systemd service; "
+                "--ulimit nofile= for docker) or lower --max-connections",
+                lim.soft,
+                lim.hard,
+                conns,
+            )
 
     def _new_link(self, transport: Transport, *, outbound: bool) -> PeerLink:
         c = self.config
@@ -487,6 +516,10 @@ class Broker(Membership, Routing):
         handle = loop.call_at(min(beat_at, pubsub_at), guarded)
         try:
             await stopped
+        except Exception as exc:
+            self.failure = exc
+            self.failed.set()
+            raise
         finally:
             if handle is not None:
                 handle.cancel()

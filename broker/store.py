@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 from broker import defaults
-from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, StorageFull, TopicMeta
+from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, TopicMeta
 from broker.storage.disklog import sync_error
 from overlay.pubsub import Delegation, Record, record_size
 from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks, ranges_minus
@@ -132,6 +132,9 @@ class TopicLog:
     # Written to the journal but not yet synced, under `always`/`batch`, by the sync round that covers them:
     # what a failed sync takes back out of memory.
     _unsynced: list[_Unsynced] = field(default_factory=list)
+    # Under `always`, a write made as a record was stored that failed (those records are out of memory again):
+    # raised by the next `persist`, which the holder calls before anything of the topic is acknowledged.
+    _write_failure: StorageError | None = None
     # Told how many stored records a merge re-stamped (`_reorder_merge`), set by the store: counted in
     # sedax_restamped_records_total.
     on_restamp: Callable[[int], None] | None = None
@@ -168,9 +171,31 @@ class TopicLog:
     def persist(self) -> None:
         """Write what was stored since the last call to the journal (a no-op without one).
 
-        Raises StorageFull after taking the records it could not write back out of memory (and the publishers'
-        dedup state back to before them): they were never acknowledged and must not be served.
+        Raises StorageFull (no room) or WriteFailed (an I/O error, no descriptor left) after taking the records it
+        could not write back out of memory (and the publishers' dedup state back to before them), with them in
+        its `lost`: they were never acknowledged and must not be served.  Under `always` also for the writes
+        made as records were stored since the last call (`_write_each`).
         """
+        failure, self._write_failure = self._write_failure, None
+        try:
+            self._persist()
+        except StorageError as exc:
+            if failure is not None:
+                exc.lost |= failure.lost
+            raise
+        if failure is not None:
+            raise failure
+
+    def _write_each(self) -> None:
+        """`always`: the record just stored is written at once; a failure is kept for the next `persist`."""
+        try:
+            self._persist()
+        except StorageError as exc:
+            if self._write_failure is not None:
+                exc.lost |= self._write_failure.lost
+            self._write_failure = exc
+
+    def _persist(self) -> None:
         if self.journal is None or not self._staged:
             return
         journal = self.journal
@@ -182,10 +207,11 @@ class TopicLog:
             self._unsynced.append(pending)
         try:
             journal.persist()
-        except StorageFull as exc:
+        except StorageError as exc:
             if waits:
                 self._unsynced.pop()
-            raise StorageFull(exc.directory, self._roll_back()) from None
+            exc.lost = self._roll_back()
+            raise
         self._staged = []
         self._staged_prev.clear()
         if not waits or not self._unsynced or self._unsynced[-1] is not pending:
@@ -271,7 +297,7 @@ class TopicLog:
         self._held(msg.publisher).add(msg.seq)
         self.last_seen[msg.publisher] = now
         if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:  # (`writes_each`, inlined)
-            self.persist()  # written as it is stored, its sync started at once (StorageFull: rolled back)
+            self._write_each()  # written as it is stored, its sync started at once (a failure: rolled back)
         self.expire(now)
         return True
 
@@ -498,7 +524,7 @@ class TopicLog:
                 self.last_seq[m.publisher] = m.seq
                 self.last_seen[m.publisher] = now
         if self.journal is not None and self.journal.policy.mode is FsyncMode.ALWAYS:
-            self.persist()
+            self._write_each()
         self.expire(now)
 
     def _follows(self, new: list[StoredMessage]) -> bool:
@@ -803,7 +829,7 @@ class TopicStore:
         if self.disk is not None:
             for log in self._topics.values():
                 # A record that finds no room now was never acknowledged: it is rolled back, not an error here.
-                with contextlib.suppress(StorageFull):
+                with contextlib.suppress(StorageError):
                     log.persist()
             self.disk.close()
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,8 +20,9 @@ from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageError, Stor
 from broker.storage.frames import HEADER, encode, scan
 from broker.store import Retention, TopicStore
 from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo
-from overlay.pubsub import Ack, Delegation, Fetch, Fetched, Nack, Publish, Record
+from overlay.pubsub import Ack, Delegation, Failed, Fetch, Fetched, Nack, Publish, Record
 from tests import tmpfs
+from tests.cluster import wait_for
 
 TMPFS_MISSING = tmpfs.unavailable()
 
@@ -248,8 +251,11 @@ def test_storage_full_is_a_storage_error_with_the_fix(tmp_path: Path) -> None:
 # ---- the topic store with its journals -------------------------------------------------------------------------
 
 
-def _store(tmp_path: Path, policy: str = "batch", retention: Retention | None = None) -> TopicStore:
-    return TopicStore(retention or Retention(None, None), DiskStore(tmp_path, FsyncPolicy.parse(policy)))
+def _store(
+    tmp_path: Path, policy: str = "batch", retention: Retention | None = None, open_files: int = 1 << 20
+) -> TopicStore:
+    disk = DiskStore(tmp_path, FsyncPolicy.parse(policy), open_files=open_files)
+    return TopicStore(retention or Retention(None, None), disk)
 
 
 @pytest.mark.parametrize("policy", ["always", "batch", "interval:20", "never"])
@@ -426,6 +432,73 @@ async def test_a_failed_sync_takes_the_records_back_and_says_why(tmp_path: Path)
     store.close()
 
 
+def _open_in(directory: Path) -> int:
+    """How many descriptors of this process are open on files below directory."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+    return n
+
+
+@pytest.mark.parametrize("policy", ["always", "batch", "interval:20", "never"])
+async def test_a_data_directory_keeps_at_most_its_budget_of_files_open(tmp_path: Path, policy: str) -> None:
+    # 40 topics written in turns through a budget of 4 open files (a broker derives its budget from its
+    # open-file limit): the least recently written are closed, synced first when the policy must, so every
+    # waiter is told its records are on the disk, nothing is refused, and all of them come back after a restart.
+    store = _store(tmp_path, policy, open_files=4)
+    disk = store.disk
+    assert disk is not None
+    names = [f"grid/budget/{i}" for i in range(40)]
+    for turn in range(3):
+        for i, name in enumerate(names):
+            log = store.ensure(name)
+            log.append(Record(100.0 + turn, "pub-1", turn, f"{i}-{turn}".encode()), 100.0)
+            log.persist()
+            assert len(disk.files) <= 4
+        assert [await _durable(store.get(n)) for n in names] == [None] * len(names)
+        await wait_for(lambda: not disk.committer.busy, 30.0, "the sync round in flight")
+        assert _open_in(tmp_path) <= 4
+    assert disk.files.closed >= 3 * (40 - 4)
+    store.close()
+    assert _open_in(tmp_path) == 0
+    again = _store(tmp_path, policy, open_files=4)
+    again.recover(200.0)
+    for i, name in enumerate(names):
+        assert [m.payload for m in again.get(name).records()] == [f"{i}-{t}".encode() for t in range(3)]
+    assert _open_in(tmp_path) == 0  # recovery reads the segments and opens a file only when it writes
+    again.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "batch"])
+def test_a_write_that_finds_no_descriptor_is_refused_and_taken_again(tmp_path: Path, policy: str) -> None:
+    # The process has no descriptor left (EMFILE: connections took them, or a limit too low) when a topic's file
+    # must be opened: that publish is refused with storage_full naming the fix, not an exception that closed
+    # the publisher's connection, and its re-send is stored once a descriptor is free.
+    broker = _Alone(_store(tmp_path, policy, open_files=1))
+    assert [type(m) for m in broker.request(Publish("grid/fd/a", "P", 0, b"a", 0))] == [Ack]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # the next open fails with EMFILE
+    try:
+        (refused,) = broker.request(Publish("grid/fd/b", "P", 0, b"b", 0))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert isinstance(refused, Nack) and refused.code == "storage_full", refused
+    assert "raise the open-file limit (ulimit -n" in refused.text
+    (fetched,) = broker.request(Fetch(7, "grid/fd/b", 0.0))  # nothing of it was stored
+    assert isinstance(fetched, Failed) and fetched.code == "unknown_topic", fetched
+    (ack,) = broker.request(Publish("grid/fd/b", "P", 0, b"b", 0))
+    assert isinstance(ack, Ack) and ack.seq == 0
+    broker.ps.close()
+    found, _ = DiskStore(tmp_path, FsyncPolicy.parse(policy)).recover()
+    assert sorted((f.meta.name, [r[3] for r in f.rows]) for f in found) == [
+        ("grid/fd/a", [b"a"]),
+        ("grid/fd/b", [b"b"]),
+    ]
+
+
 class _Alone:
     """The pub/sub engine's port for one broker alone (level 1), run in place: no event loop, so every sync
     round runs in place too, and a failing one is seen at once."""
@@ -500,7 +573,8 @@ def test_a_new_copy_of_a_moved_topic_writes_its_meta_once_with_its_list(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A copy made for a moved topic knows the topic's delegate list before its meta.json is first written: one
-    # write that holds it (the meta was written without it, then again with it).
+    # write that holds it (the meta was written without it, then again with it).  The first write of a record
+    # makes the topic's directory (DiskLog._make): a copy that never holds a record leaves nothing on the disk.
     writes: list[Path] = []
     original = broker.storage.disklog.write_atomic
 
@@ -516,6 +590,9 @@ def test_a_new_copy_of_a_moved_topic_writes_its_meta_once_with_its_list(
     alone.ps.home.delegate_lists[topic] = [Delegation(home, 0.0), Delegation(there, 1234.5)]
     r = alone.ps.holder.replica(topic, there)
     assert (r.coord, r.delegates[-1].coord) == (there, there)
+    assert writes == [] and r.log.journal is not None and not r.log.journal.directory.exists()
+    r.log.append(Record(100.0, "pub-1", 0, b"first"), 100.0)
+    r.log.persist()
     assert [p.name for p in writes] == ["meta.json"]
     meta = TopicMeta.from_json(writes[0].read_bytes())
     assert (meta.coord, meta.delegates) == (there, ((home, 0.0), (there, 1234.5)))

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -326,6 +327,67 @@ async def test_a_data_directory_serves_one_broker_at_a_time_and_a_crash_frees_it
     )
     assert res.returncode == 2 and f"cannot use --data-dir {not_a_dir}: " in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+# Lower than every limit a broker meets in practice (1,024 is the smallest default), so that the topics below
+# are more than it: without a budget of open topic files, the broker held one descriptor per topic.
+FD_LIMIT = 256
+FD_TOPICS = 400
+
+
+def _broker_with_an_open_file_limit(tmp_path: Path, life: int) -> tuple[subprocess.Popen[bytes], Path]:
+    """A broker whose open-file limit, soft and hard, is FD_LIMIT (it cannot raise it); its stdout file."""
+    out = tmp_path / f"fd-{life}.out"
+    cmd = [
+        sys.executable, "-m", "broker", "--coord", "0.5,0.5", "--node-id", "n0", "--listen", "127.0.0.1:0",
+        "--insecure", "--data-dir", str(tmp_path / "data"), "--fsync", "batch",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+    with out.open("wb") as stdout, (tmp_path / f"fd-{life}.err").open("wb") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, start_new_session=True, preexec_fn=limit)
+    return proc, out
+
+
+async def test_a_broker_with_more_topics_than_open_files_serves_them_all_across_a_restart(tmp_path: Path) -> None:
+    # A broker kept one open file per topic it held on disk.  Past its open-file limit, the next topic's file
+    # could not be opened: its timers died with "Too many open files" and it refused every connection from then
+    # on (found with `ulimit -n 200` and 400 topics).  Now it keeps a budget of topic files open (the least
+    # recently written is closed), so a broker under a limit of 256 takes, acknowledges and, after a restart,
+    # serves 400 topics; it says at start how many files it keeps open and that the limit is short.
+    creds = Credentials(insecure=True)
+    proc, out = _broker_with_an_open_file_limit(tmp_path, 1)
+    try:
+        listen = await _ready(tmp_path, "fd-1", proc, out)
+        async with Client(listen, credentials=creds, request_timeout=20.0) as c, asyncio.timeout(120.0):
+            for k in range(2):
+                acks = [await c.publish_nowait(f"grid/fd/{i}", f"{i}-{k}") for i in range(FD_TOPICS)]
+                assert [a.seq for a in await asyncio.gather(*acks)] == [k] * FD_TOPICS
+        assert proc.poll() is None, _text(tmp_path / "fd-1.err")
+        open_now = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        assert open_now < FD_LIMIT, f"{open_now} descriptors open"
+        err = _text(tmp_path / "fd-1.err")
+        assert "open-file limit 256: at most 16 topic files kept open" in err, err
+        assert "raise it (ulimit -n" in err and "Traceback" not in err, err
+    finally:
+        _stop(proc)
+    proc, out = _broker_with_an_open_file_limit(tmp_path, 2)
+    try:
+        listen = await _ready(tmp_path, "fd-2", proc, out)
+        assert f"recovered {FD_TOPICS} topics, {2 * FD_TOPICS} records" in _text(tmp_path / "fd-2.err")
+        async with Client(listen, credentials=creds) as c:
+            for i in range(FD_TOPICS):
+                history = await c.fetch(f"grid/fd/{i}")
+                assert [r.payload for r in history] == [f"{i}-0".encode(), f"{i}-1".encode()], i
+            await c.publish("grid/fd/0", "after")  # (and written: its file was closed for the others)
+            assert [r.payload for r in await c.fetch("grid/fd/0")] == [b"0-0", b"0-1", b"after"]
+        assert proc.poll() is None
+    finally:
+        _stop(proc)
+    assert "Traceback" not in _text(tmp_path / "fd-2.err")
 
 
 def _ranked(coords: dict[int, tuple[float, float]], at: tuple[float, float]) -> list[int]:

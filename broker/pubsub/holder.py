@@ -17,7 +17,7 @@ from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting, held_list, journal_list
 from broker.pubsub.settings import EMPTY_TOPIC_SWEEP
-from broker.storage import StorageError, StorageFull, TopicMeta
+from broker.storage import StorageError, TopicMeta
 from broker.store import TS_EPSILON
 from overlay.delegation import MoveTopic, TopicMoved
 from overlay.geometry import Coord
@@ -478,13 +478,13 @@ class HolderRole:
             key = (w.access.id, w.session, w.record.publisher)
             r.waiter_max[key] = max(r.waiter_max.get(key, -1), w.record.seq)
 
-    def persist(self, r: Replica) -> StorageFull | None:
+    def persist(self, r: Replica) -> StorageError | None:
         """Write what r stored since the last call to its disk journal before anything of it is acknowledged
-        or confirmed; a full disk refuses those publishes (storage_full) and they leave memory too (returned:
-        None if everything was written)."""
+        or confirmed; a full disk (or a failed write) refuses those publishes (storage_full) and they leave
+        memory too (returned: None if everything was written)."""
         try:
             r.log.persist()
-        except StorageFull as exc:
+        except StorageError as exc:
             self._refuse(r, exc)
             return exc
         return None

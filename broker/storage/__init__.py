@@ -26,10 +26,12 @@ from broker.storage.disklog import (
     StorageFull,
     SyncFailed,
     TopicMeta,
+    WriteFailed,
     recover,
     topic_dirname,
     write_atomic,
 )
+from broker.storage.files import OpenFileLimit, OpenFiles, raise_open_file_limit
 
 __all__ = [
     "DataDirInUse",
@@ -37,13 +39,16 @@ __all__ = [
     "DiskStore",
     "FsyncMode",
     "FsyncPolicy",
+    "OpenFileLimit",
     "Recovered",
     "RecoveryReport",
     "StorageError",
     "StorageFull",
     "SyncFailed",
     "TopicMeta",
+    "WriteFailed",
     "lock_data_dir",
+    "raise_open_file_limit",
     "unlock_data_dir",
 ]
 
@@ -94,7 +99,15 @@ def unlock_data_dir(fd: int) -> None:
 class DiskStore:
     """The topic logs of one data directory."""
 
-    def __init__(self, data_dir: Path, policy: FsyncPolicy, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        policy: FsyncPolicy,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        open_files: int = 1 << 20,
+    ) -> None:
+        """open_files: the most topic files kept open at once (broker/storage/files.py; the broker derives it
+        from its open-file limit, OpenFileLimit.topic_files)."""
         self.data_dir = data_dir
         self.policy = policy
         self.segment_bytes = segment_bytes
@@ -103,6 +116,7 @@ class DiskStore:
         self._logs: dict[str, DiskLog] = {}
         self._last_sync = 0.0
         self.committer = GroupCommit(eager=policy.before_ack)
+        self.files = OpenFiles(open_files)
 
     def recover(self) -> tuple[list[Recovered], RecoveryReport]:
         """Read every topic directory back; the logs stay open for appending.  Unreadable ones are reported."""
@@ -110,7 +124,7 @@ class DiskStore:
         found: list[Recovered] = []
         for d in sorted(p for p in self.topics_dir.iterdir() if p.is_dir()):
             try:
-                rec, log = recover(d, self.policy, self.segment_bytes, self.committer)
+                rec, log = recover(d, self.policy, self.segment_bytes, self.committer, self.files)
             except StorageError:
                 report.unreadable.append(d.name)
                 continue
@@ -138,6 +152,7 @@ class DiskStore:
                 self.policy,
                 self.segment_bytes,
                 committer=self.committer,
+                files=self.files,
             )
         return log
 

@@ -35,12 +35,15 @@ class Synced(Protocol):
 class _Job:
     log: Synced
     fd: int  # owned by the round: a duplicate, or a rolled segment's descriptor; closed once synced
+    error: OSError | None = None  # the descriptor could not be duplicated: the round fails for this log
 
 
 def _sync_all(jobs: list[_Job]) -> dict[int, OSError]:
     """The worker thread's part: fdatasync and close every descriptor; the errors by id() of their log."""
     errors: dict[int, OSError] = {}
     for job in jobs:
+        if job.error is not None:
+            errors.setdefault(id(job.log), job.error)
         if job.fd < 0:
             continue
         try:
@@ -97,7 +100,10 @@ class GroupCommit:
         jobs = self._retired
         for log, fd in self._dirty.values():
             now = fd()
-            jobs.append(_Job(log, os.dup(now) if now >= 0 else -1))
+            try:
+                jobs.append(_Job(log, os.dup(now) if now >= 0 else -1))
+            except OSError as exc:  # no descriptor left: what this round covers of the log is refused, not lost
+                jobs.append(_Job(log, -1, exc))
         self._dirty = {}
         self._retired = []
         try:

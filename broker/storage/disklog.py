@@ -27,6 +27,7 @@ from typing import Final
 import msgpack
 
 from broker.storage.commit import GroupCommit
+from broker.storage.files import OpenFiles
 from broker.storage.frames import Row, encode_into, scan
 
 SEGMENT_SUFFIX: Final = ".seg"
@@ -67,11 +68,37 @@ class SyncFailed(StorageError):
         self.lost = lost
 
 
+class WriteFailed(StorageError):
+    """A topic's segment could not be opened or written for another reason than a full disk: an I/O error, a
+    file this user may not write, no descriptor left."""
+
+    def __init__(self, directory: Path, error: OSError, lost: frozenset[tuple[str, int]] = frozenset()) -> None:
+        fix = (
+            "raise the open-file limit (ulimit -n, LimitNOFILE= in systemd) or lower --max-connections"
+            if error.errno in (errno.EMFILE, errno.ENFILE)
+            else "check the disk and the directory's permissions"
+        )
+        super().__init__(
+            f"cannot write to {directory} ({error.strerror or error}): {fix}; publishes are refused (storage_full) "
+            "until a write succeeds, stored data is still served"
+        )
+        self.directory = directory
+        self.error = error
+        self.lost = lost
+
+
 def sync_error(directory: Path, error: OSError, lost: frozenset[tuple[str, int]]) -> StorageError:
     """The error for a failed sync: no room (StorageFull), else SyncFailed."""
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(directory, lost)
     return SyncFailed(directory, error, lost)
+
+
+def write_error(directory: Path, error: OSError) -> StorageError:
+    """The error for a failed open or write: no room (StorageFull), else WriteFailed."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(directory)
+    return WriteFailed(directory, error)
 
 
 class FsyncMode(enum.Enum):
@@ -217,6 +244,7 @@ class DiskLog:
         *,
         existing: Iterable[_Segment] = (),
         committer: GroupCommit | None = None,
+        files: OpenFiles | None = None,
     ) -> None:
         self.directory = directory
         self.meta = meta
@@ -226,7 +254,10 @@ class DiskLog:
         self._pending = bytearray()
         self._pending_max_ts = -math.inf
         self._dirty = False  # written since the last sync
+        # The active segment's descriptor, opened by the first write and closed again when the data directory's
+        # budget of open files needs it for another topic (broker/storage/files.py); -1 while closed.
         self._fd = -1
+        self._files = files
         # Group commit (broker/storage/commit.py); None: every sync runs in place, on the caller's thread.
         self._committer = committer
         self.cover = 0  # the sync round that covers the last write
@@ -238,25 +269,85 @@ class DiskLog:
         # Set by the owner (broker/store.py TopicLog): a round failed for this log; takes the records it should
         # have covered back out of memory and returns the error to give the waiters.
         self.on_sync_failed: Callable[[OSError], StorageError] | None = None
-        directory.mkdir(parents=True, exist_ok=True)
-        meta_path = directory / "meta.json"
-        if not meta_path.exists() or TopicMeta.from_json(meta_path.read_bytes()) != meta:
-            write_atomic(meta_path, meta.to_json())
+        # The directory, its first segment and meta.json are made by the first write (`_make`), inside its error
+        # handling: a topic a broker starts to hold on a full disk, or with no descriptor left, is then refused
+        # like any write (storage_full), instead of failing whatever request made the topic known here.
+        self._made = bool(self._segments)
+        self._meta_written = self._made  # meta.json says self.meta (a failed rewrite is tried again)
         if not self._segments:
             self._segments.append(_Segment(1, _segment_path(directory, 1)))
-        self._open_active()
+
+    def _make(self) -> None:
+        """Make the topic's directory, first segment and meta.json (the first write), or write a meta.json that a
+        move changed and could not write then.  The segment is made before meta.json, whose directory sync then
+        covers it too."""
+        if not self._made:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            first = self._segments[-1]
+            os.close(os.open(first.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            first.size = first.path.stat().st_size  # (a file left by an unreadable directory: appended to)
+            meta_path = self.directory / "meta.json"
+            try:
+                same = TopicMeta.from_json(meta_path.read_bytes()) == self.meta
+            except (OSError, ValueError, KeyError, TypeError, IndexError):
+                same = False
+            if same:
+                _fsync_dir(self.directory)
+            self._made, self._meta_written = True, same
+        if not self._meta_written:
+            write_atomic(self.directory / "meta.json", self.meta.to_json())
+            self._meta_written = True
 
     def relocate(self, coord: tuple[float, float], delegates: tuple[tuple[tuple[float, float], float], ...]) -> None:
         """Write a new coordinate or delegate list to meta.json (a move; a stale copy following the topic)."""
         meta = TopicMeta(self.meta.name, coord, self.meta.home, delegates)
         if meta != self.meta:
             self.meta = meta
-            write_atomic(self.directory / "meta.json", meta.to_json())
+            self._meta_written = False
+            if self._made:
+                try:
+                    write_atomic(self.directory / "meta.json", meta.to_json())
+                    self._meta_written = True
+                except OSError:
+                    pass  # written by the next write of the topic (`_make`), whose error is then reported
 
-    def _open_active(self) -> None:
+    def _file(self) -> int:
+        """The active segment's descriptor, opened if it is closed (the budget may close another log's)."""
+        if not (self._made and self._meta_written):
+            self._make()
+        if self._fd >= 0:
+            if self._files is not None:
+                self._files.used(self)
+            return self._fd
         active = self._segments[-1]
-        self._fd = os.open(active.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        active.size = os.fstat(self._fd).st_size
+        fd = os.open(active.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        active.size = os.fstat(fd).st_size
+        self._fd = fd
+        if self._files is not None:
+            self._files.opened(self)
+        return fd
+
+    def _release_fd(self) -> None:
+        """Forget the descriptor (the caller closed it or handed it on)."""
+        self._fd = -1
+        if self._files is not None:
+            self._files.gone(self)
+
+    def release_file(self) -> bool:
+        """Close the active segment's file for the budget of open files (OpenFiles).  A write not yet synced is
+        synced first, in place: a sync round of the group commit syncs the logs' open descriptors, and this one
+        would be gone.  False (the file stays open) if that sync fails: the round reports it as usual."""
+        if self._fd < 0:
+            return False
+        if self._dirty and self.policy.mode is not FsyncMode.NEVER:
+            try:
+                os.fdatasync(self._fd)
+            except OSError:
+                return False
+        self._dirty = self._dirty and self.policy.mode is FsyncMode.NEVER
+        os.close(self._fd)
+        self._release_fd()
+        return True
 
     @property
     def size(self) -> int:
@@ -283,19 +374,20 @@ class DiskLog:
             return
         active = self._segments[-1]
         data = self._pending
+        fd = -1
         try:
+            fd = self._file()
             written = 0
             while written < len(data):
-                written += os.write(self._fd, memoryview(data)[written:])
+                written += os.write(fd, memoryview(data)[written:])
         except OSError as exc:
             # Cut back to the last whole record: a half-written frame would read as a torn tail anyway, but an
             # append after it would then sit behind damage.
-            os.ftruncate(self._fd, active.size)
+            if fd >= 0:
+                os.ftruncate(fd, active.size)
             self._pending = bytearray()
             self._pending_max_ts = -math.inf
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageFull(self.directory) from exc
-            raise
+            raise write_error(self.directory, exc) from exc
         active.size += len(data)
         active.max_ts = max(active.max_ts, self._pending_max_ts)
         self._pending = bytearray()
@@ -350,19 +442,21 @@ class DiskLog:
     def sync(self) -> None:
         """Force what was written to the disk, in place (without group commit, and on closing)."""
         if self._dirty:
-            os.fdatasync(self._fd)
+            os.fdatasync(self._file())
             self._dirty = False
 
     def _roll(self) -> None:
+        fd = self._file()
         if self._committer is not None:
             # The next round syncs and closes the full segment off the loop; it covers what was written to it.
-            self.cover = self._committer.retire(self, self._fd)
+            self.cover = self._committer.retire(self, fd)
         else:
             self.sync()
-            os.close(self._fd)
+            os.close(fd)
+        self._release_fd()
         nxt = self._segments[-1].number + 1
         self._segments.append(_Segment(nxt, _segment_path(self.directory, nxt)))
-        self._open_active()
+        self._file()
         _fsync_dir(self.directory)
 
     def expire(self, oldest_kept_ts: float | None, dedup: Mapping[str, tuple[int, float]]) -> int:
@@ -390,12 +484,14 @@ class DiskLog:
 
     def _restart(self) -> None:
         """Drop every segment and start a fresh one."""
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._release_fd()
         nxt = self._segments[-1].number + 1
         for s in self._segments:
             s.path.unlink(missing_ok=True)
         self._segments = [_Segment(nxt, _segment_path(self.directory, nxt))]
-        self._open_active()
+        self._file()
         _fsync_dir(self.directory)
 
     def rewrite(self, rows: Iterable[Row], dedup: Mapping[str, tuple[int, float]]) -> None:
@@ -410,24 +506,27 @@ class DiskLog:
 
     def write_dedup(self, dedup: Mapping[str, tuple[int, float]]) -> None:
         """Record every publisher's last sequence number (and when it was last seen)."""
+        if not self._made:
+            self._make()
         write_atomic(self.directory / "dedup.msgpack", msgpack.packb({p: list(v) for p, v in dedup.items()}))
 
     def close(self) -> None:
         """Write what is staged, sync, and close the file."""
-        if self._fd < 0:
-            return
         try:
             self.persist()
             self.sync()
         finally:
-            os.close(self._fd)
-            self._fd = -1
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._release_fd()
 
     def destroy(self) -> None:
         """Delete the topic's files (it was handed over, or is no longer this broker's to keep)."""
         if self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+            self._release_fd()
+        if not self.directory.exists():
+            return  # never written
         for p in self.directory.iterdir():
             p.unlink(missing_ok=True)
         self.directory.rmdir()
@@ -438,6 +537,7 @@ def recover(
     policy: FsyncPolicy,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     committer: GroupCommit | None = None,
+    files: OpenFiles | None = None,
 ) -> tuple[Recovered, DiskLog]:
     """Read a topic's directory back: records by timestamp, dedup state, damage and torn tails.
 
@@ -498,7 +598,7 @@ def recover(
             rec.last_seen[pub] = ts
     rec.rows = rows
     rec.segments = len(segs)
-    return rec, DiskLog(directory, meta, policy, segment_bytes, existing=segs, committer=committer)
+    return rec, DiskLog(directory, meta, policy, segment_bytes, existing=segs, committer=committer, files=files)
 
 
 @dataclass(slots=True)
