@@ -121,6 +121,10 @@ class BrokerConfig:
         max_payload: largest publish payload (bytes); larger ones get NACK too_large.
         max_topic_entries: subscribers plus publishers (of the last day) one topic holds at its primary; a new
             one beyond is refused (topic_full).  At most overlay.pubsub.MAX_TOPIC_ENTRIES, what fits a frame.
+        max_memory: bytes the messages this broker stores (every topic, every role) may take in memory, as
+            estimated (broker/store.py TopicStore.memory); beyond it new publishes and copies of new messages
+            are refused (storage_full) until retention frees room.  0: half of the memory the broker may use
+            (the machine's or its container's, broker/memory.py memory_available).
         publish_rate: publishes per second per client identity (token bucket, NACK rate_limited); 0 = no limit.
         publish_burst: how many publishes a client may send at once before the rate applies.
         client_send_buffer: bytes queued for one client that does not read; beyond it `slow_consumer_policy`
@@ -185,6 +189,7 @@ class BrokerConfig:
     max_frame_size: int = MAX_FRAME_SIZE
     max_payload: int = MAX_PAYLOAD_SIZE
     max_topic_entries: int = MAX_TOPIC_ENTRIES
+    max_memory: int = 0
     publish_rate: float = 0.0
     publish_burst: int = 1000
     client_send_buffer: int = 16 << 20
@@ -304,6 +309,10 @@ class BrokerConfig:
             raise ConfigError(
                 f"max_topic_entries must be in 1..{MAX_TOPIC_ENTRIES} (what a frame between brokers holds), "
                 f"got {self.max_topic_entries}"
+            )
+        if self.max_memory < 0:
+            raise ConfigError(
+                f"max_memory must be >= 0 bytes (0 = half of this machine's memory), got {self.max_memory}"
             )
         if not (math.isfinite(self.publish_rate) and self.publish_rate >= 0):
             raise ConfigError(f"publish_rate must be >= 0 publishes per second (0 = no limit), got {self.publish_rate}")
@@ -436,6 +445,7 @@ _INT_FIELDS: Final = frozenset(
         "max_frame_size",
         "max_payload",
         "max_topic_entries",
+        "max_memory",
         "publish_burst",
         "client_send_buffer",
     }

@@ -94,6 +94,12 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-topic-entries", dest="max_topic_entries", type=int, help="subscribers + publishers per topic (32768)"
     )
+    g.add_argument(
+        "--max-memory",
+        dest="max_memory",
+        type=int,
+        help="bytes of stored messages in memory, beyond it publishes are refused; 0 = half of the machine's (0)",
+    )
     g.add_argument("--publish-rate", dest="publish_rate", type=float, help="publishes/s per client, 0 = off (0)")
     g.add_argument("--publish-burst", dest="publish_burst", type=int, help="publishes at once per client (1000)")
     g.add_argument(

@@ -1,4 +1,5 @@
-"""Give freed memory back to the system after connection churn (cyclic GC, then glibc `malloc_trim`).
+"""Give freed memory back to the system after connection churn (cyclic GC, then glibc `malloc_trim`); how much
+memory the broker may use (`memory_available`, the default of --max-memory).
 
 Why: every TLS connection allocates its OpenSSL state and buffers (tens of KiB) in the C heap.  Measured with
 waves of 400 concurrent TLS clients that connect and leave (benchmarks/bench_churn.py), one broker's RSS grew
@@ -15,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 # Trim after this many closed connections (a client fleet reconnecting, a scan of hostile peers) ...
@@ -86,3 +89,17 @@ class HeapTrimmer:
         self.last = now
         self.trims += 1
         return True
+
+
+def memory_available() -> int:
+    """Bytes of memory this process may use: the machine's, or its container's (cgroup v2 memory.max, v1
+    memory.limit_in_bytes) where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total

@@ -232,6 +232,13 @@ class BrokerCollector:
         )
         yield GaugeMetricFamily("sedax_links", "Open connections (brokers, clients, admin tools).", value=g.links)
         yield GaugeMetricFamily("sedax_sessions", "Attached client sessions.", value=g.sessions)
+        yield GaugeMetricFamily(
+            "sedax_stored_memory_bytes",
+            "Memory the stored messages of every topic held take, estimated (payload, publisher id and 240 B "
+            "each); over sedax_max_memory_bytes new publishes are refused with storage_full.",
+            value=g.stored_memory,
+        )
+        yield GaugeMetricFamily("sedax_max_memory_bytes", "The broker's --max-memory, in bytes.", value=g.max_memory)
 
         values = b.counter_values()
         drops = CounterMetricFamily("sedax_dropped_messages", "Routed messages dropped, by reason.", labels=["reason"])

@@ -31,7 +31,7 @@ from broker.eventlog import EventLog
 from broker.guard import Guard
 from broker.link import TICK_SLACK, CloseReason, LinkClosed, PeerLink
 from broker.membership import Membership
-from broker.memory import HeapTrimmer
+from broker.memory import HeapTrimmer, memory_available
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
@@ -184,6 +184,7 @@ class Broker(Membership, Routing):
                 note_ttl=3 * config.load_report_interval + 1.0,
                 acl=self.guard.acl,
                 max_topic_entries=config.max_topic_entries,
+                max_memory=config.max_memory or memory_available() // 2,
             ),
             TopicStore(retention, disk),
         )
@@ -228,7 +229,7 @@ class Broker(Membership, Routing):
             raise StartFailed(str(exc)) from None
         if self.config.on_disk:
             self.log.info("data directory %s (fsync %s): %s", self.config.data_dir, self.config.fsync, report)
-        self._check_open_file_limit()
+        self._log_limits()
         if not self.config.join:
             self.pubsub.resume()  # the first broker: nobody to compare the recovered topics with
         self.balancer.start(self._now)
@@ -236,8 +237,14 @@ class Broker(Membership, Routing):
         await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
-    def _check_open_file_limit(self) -> None:
-        """Say at start what the open-file limit allows, and warn when it is short of --max-connections."""
+    def _log_limits(self) -> None:
+        """Say at start what memory the stored messages may take and what the open-file limit allows; warn when
+        that is short of --max-connections."""
+        self.log.info(
+            "stored messages may take %.0f MiB of memory (--max-memory%s)",
+            self.pubsub.config.max_memory / 2**20,
+            "" if self.config.max_memory else ": half of what this machine or container has",
+        )
         lim, conns = self.fd_limit, self.config.max_connections
         if self.pubsub.store.disk is not None:
             self.log.info(
@@ -672,7 +679,8 @@ class Broker(Membership, Routing):
     def gauges(self) -> Gauges:
         """Neighbours, links and sessions right now (stats.Observed)."""
         neighbours = tuple(link.peer for link in self.peers.values() if link.established and link.peer is not None)
-        return Gauges(neighbours, len(self.links), len(self.sessions))
+        ps = self.pubsub
+        return Gauges(neighbours, len(self.links), len(self.sessions), ps.store.memory(), ps.config.max_memory)
 
     def _security_counters(self) -> dict[str, int]:
         lst = self._listener

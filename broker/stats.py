@@ -203,6 +203,8 @@ class Gauges:
     neighbours: tuple[NodeInfo, ...]  # established links to Delaunay neighbours
     links: int  # open connections: brokers, clients, admin tools
     sessions: int  # attached client sessions
+    stored_memory: int = 0  # what the stored messages take in memory, estimated (TopicStore.memory)
+    max_memory: int = 0  # --max-memory in bytes (resolved: never 0 in a running broker)
 
 
 class Observed(Protocol):

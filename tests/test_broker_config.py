@@ -71,6 +71,7 @@ def test_repeated_and_comma_join_flags() -> None:
         ({"coord": "0.5,0.5", "ties": "lowest"}, {}, "ties must be random or first"),
         ({"coord": "0.5,0.5"}, {"SEDAX_BOOTSTRAP": "maybe"}, "bootstrap must be true or false"),
         ({"coord": "0.5,0.5", "bootstrap": True}, {}, "give the other brokers with --join"),
+        ({"coord": "0.5,0.5"}, {"SEDAX_MAX_MEMORY": "-1"}, r"max_memory must be >= 0 bytes \(0 = half"),
     ],
 )
 def test_errors_name_the_setting(flags: dict[str, object], env: dict[str, str], match: str) -> None:

@@ -17,6 +17,8 @@ from conftest import FAST_ARGS
 
 from cli.cluster import BrokerProcess, LocalCluster
 from client.client import Client, ConnectError, RequestFailed
+from net.credentials import Credentials
+from overlay.geometry import geohash
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -288,3 +290,75 @@ async def test_slow_subscriber_does_not_slow_delivery_to_others(tmp_path: Path, 
             f"\nslow consumer ({policy}): good subscriber {alone:,.0f} msg/s alone, {beside:,.0f} msg/s beside a "
             f"subscriber that stopped reading ({beside / alone:.2f}x); {MESSAGES} x {len(PAYLOAD)} B, all delivered"
         )
+
+
+# ---- memory: --max-memory ------------------------------------------------------------------------------------
+
+
+async def _fill_until_refused(c: Client, topics: list[str], payload: bytes) -> RequestFailed:
+    """Publish payload round the topics until a publish is refused; bounded (the refusal is what is tested)."""
+    async with asyncio.timeout(90.0):
+        k = 0
+        while True:
+            try:
+                await c.publish(topics[k % len(topics)], payload)
+            except TimeoutError:
+                pass  # stored at a primary whose copy refused it: acknowledged once the copy has room
+            except RequestFailed as exc:
+                return exc
+            k += 1
+
+
+async def _taken_again(c: Client, topic: str) -> bool:
+    try:
+        await c.publish(topic, b"room again")
+    except RequestFailed as exc:
+        assert exc.code == "storage_full", exc
+        return False
+    return True
+
+
+async def test_a_broker_over_its_memory_limit_refuses_new_messages_until_retention_frees_room(tmp_path: Path) -> None:
+    # Retention bounds each topic, not how many topics a broker holds: publishers filling topics grew a broker's
+    # memory until the kernel killed it (and a restart read its data directory back into memory, to be killed
+    # again).  Over --max-memory (estimated: payload, publisher id and 240 B per message) the broker refuses new
+    # publishes with storage_full naming the setting, serves what it holds, and takes publishes again once
+    # retention freed room.
+    args = (*FAST_ARGS, "--max-memory", "2000000", "--retention-seconds", "3")
+    async with LocalCluster(1, coords=CENTRE, resilience=1, tls=False, state_dir=tmp_path, broker_args=args) as cl:
+        async with Client(cl.nodes[0].listen, credentials=Credentials(insecure=True)) as c:
+            topics = [f"grid/mem/{i}" for i in range(8)]
+            refused = await _fill_until_refused(c, topics, bytes(10_000))
+            assert refused.code == "storage_full", refused
+            assert "not stored: this broker's stored messages take" in str(refused), str(refused)
+            assert "more than its --max-memory (1.9 MiB)" in str(refused), str(refused)
+            assert len(await c.fetch(topics[0])) > 0  # what it holds is served
+            await wait_for(lambda: _taken_again(c, topics[1]), 30.0, "publishes taken again once retention freed room")
+        assert (await counters(cl))["lost"] == 0
+        assert log_has(cl.nodes[0], "within --max-memory again: publishes are taken")
+
+
+async def test_a_copy_over_its_memory_limit_makes_its_primary_refuse_until_it_has_room(tmp_path: Path) -> None:
+    # Level 2: the secondary is over its --max-memory.  It refuses the primary's batches of new messages by name
+    # (as a copy on a full disk does), the primary refuses new publishes with that text, and once the copy's
+    # retention freed room the publishes are taken again.
+    topic = "grid/mem/copy"
+    home = geohash(topic)
+    near = (home[0] + (-0.05 if home[0] > 0.5 else 0.05), home[1])
+    args = (*FAST_ARGS, "--retention-seconds", "3")
+    async with LocalCluster(
+        2, coords=[home, near], resilience=2, tls=False, state_dir=tmp_path, broker_args=args
+    ) as cl:
+        await cl.stop(1)
+        await cl.restart(1, "--max-memory", "2000000")
+        await cl.wait_converged(30.0)
+        async with Client(cl.nodes[0].listen, credentials=Credentials(insecure=True), request_timeout=3.0) as c:
+            refused = await _fill_until_refused(c, [topic], bytes(10_000))
+            assert refused.code == "storage_full", refused
+            text = str(refused)
+            assert f"a broker that must hold a copy of '{topic}' has no room for it (n1: this broker's" in text, text
+            assert "--max-memory" in text, text
+            await wait_for(lambda: _taken_again(c, topic), 30.0, "publishes taken again once the copy has room")
+        statuses = await cl.statuses()
+        assert statuses["n0"].counters["lost"] == 0
+        assert statuses["n1"].counters["copies_refused"] >= 1

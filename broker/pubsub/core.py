@@ -150,6 +150,9 @@ class TopicTable:
         # Topics with new work, flushed once per batch of input (one replication, ACK and DELIVER frame carry
         # everything that arrived together); the engine flushes them through `on_flush`.
         self.dirty: dict[str, Replica] = {}
+        # Why this broker refuses new messages (its stored messages are over --max-memory: HolderRole
+        # check_memory), or "".
+        self.full = ""
         self._flush_scheduled = False
         self.on_flush: Callable[[], None] = lambda: None
         # Set by the engine: a reply (sessions, encoded message) for sessions of this broker (the access role

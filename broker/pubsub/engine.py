@@ -229,6 +229,7 @@ class PubSub:
         self.accounting.tick(now)
         self.store.expire(now)
         self.holder.sweep_empty(now)
+        self.holder.check_memory(now)
         self.store.sync_due(now)
 
     def _flush_turn(self) -> None:

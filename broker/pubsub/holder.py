@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from broker.acl import refusal
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting, held_list, journal_list
-from broker.pubsub.settings import EMPTY_TOPIC_SWEEP
+from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, MEMORY_CHECK
 from broker.storage import StorageError, TopicMeta
 from broker.store import TS_EPSILON
 from overlay.delegation import MoveTopic, TopicMoved
@@ -83,6 +83,7 @@ class HolderRole:
         # Topics the last sweep found empty (`sweep_empty`), and when the next sweep is due.
         self._empty: set[str] = set()
         self._sweep_at = 0.0
+        self._memory_at = 0.0  # the next check_memory
 
     def replica(self, topic: str, coord: Coord | None = None) -> Replica:
         """The topic's replica here, made (HOLDING or SERVING by rank) if this broker held none."""
@@ -305,6 +306,27 @@ class HolderRole:
         if _holds_nothing(r) and not r.waiting:
             self.t.drop(r)
 
+    def check_memory(self, now: float) -> None:
+        """Every MEMORY_CHECK: are the stored messages over --max-memory?  Then new publishes are refused
+        (`publish_checked`) and so are copies of new messages (replication `_take`), until retention frees room.
+        What is already stored, and what membership changes bring (syncs, hand-overs), is always taken: it was
+        acknowledged."""
+        cap = self.t.config.max_memory
+        if not cap or now < self._memory_at:
+            return
+        self._memory_at = now + MEMORY_CHECK
+        used = self.t.store.memory()
+        if used > cap and not self.t.full:
+            self.t.full = (
+                f"this broker's stored messages take {used / 2**20:.1f} MiB of memory, more than its --max-memory "
+                f"({cap / 2**20:.1f} MiB): lower --retention-bytes/--retention-seconds, raise --max-memory or add "
+                "brokers"
+            )
+            log.warning("%s; new publishes are refused (storage_full) until retention frees room", self.t.full)
+        elif used <= cap and self.t.full:
+            self.t.full = ""
+            log.warning("stored messages take %.1f MiB, within --max-memory again: publishes are taken", used / 2**20)
+
     def sweep_empty(self, now: float) -> None:
         """Forget the replicas found empty (`_empty`) by two sweeps in a row, EMPTY_TOPIC_SWEEP apart.
 
@@ -352,11 +374,13 @@ class HolderRole:
         """A PUBLISH for r, served here as the primary, already checked (a local client's on arrival, another
         access broker's in `_publish`)."""
         seq = p.seq
-        if r.copy_refused and seq > r.log.last_seq.get(p.publisher, -1):
-            # A copy's disk is full (replication `copy_refused`): refused before it is stored, as a full disk
-            # here refuses it; re-sends of what is stored still wait for their acknowledgement.
+        if (r.copy_refused or self.t.full) and seq > r.log.last_seq.get(p.publisher, -1):
+            # A copy's disk is full (replication `copy_refused`), or this broker's memory (`check_memory`):
+            # refused before it is stored, as a full disk here refuses it; re-sends of what is stored still wait
+            # for their acknowledgement.
             self._refuse_from(r, p.publisher, seq)
-            self.t.reply(access, [session], Nack(r.name, p.publisher, seq, "storage_full", r.copy_refused))
+            why = r.copy_refused or f"not stored: {self.t.full}"
+            self.t.reply(access, [session], Nack(r.name, p.publisher, seq, "storage_full", why))
             return
         if not p.more:
             self._publish_one(r, access, session, p.publisher, seq, p.payload, p.base)

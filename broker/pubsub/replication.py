@@ -271,6 +271,12 @@ class ReplicationRole:
             return  # a copy left behind sent this: it was told where the topic lives, and nothing is confirmed
         if pull is not None and pull.asked and m.origin.id in pull.asked.values():
             pull.heard = now  # an answer is still streaming in: the pull is making progress
+        if self.t.full and m.records and m.corr and not m.sync and not answers_pull:
+            # New messages from their primary while this broker's memory is over --max-memory: refused like a
+            # full disk refuses them (the primary refuses new publishes until a copy confirms again).  What a
+            # membership change brings (syncs, pulls, hand-overs) is always taken.
+            self.refuse_copy(m.topic, m.origin, m.corr, self.t.full)
+            return
         created = r is None
         r = self.holder.replica(m.topic, m.coord)
         dl = r.delegates

@@ -47,6 +47,9 @@ REDELIVER_WINDOW: Final = 2.0
 # How long a primary waits for the new coordinate's holders to confirm a hand-over before it aborts the move
 # and keeps serving the topic where it was.
 MOVE_TIMEOUT: Final = 5.0
+# How often a broker sums what its stored messages take in memory against --max-memory (HolderRole.check_memory):
+# a sum over the topics held, not a count kept on every store.
+MEMORY_CHECK: Final = 0.5
 # A former primary forwards requests that still reach it for this long after a move (clients it could not
 # redirect, the home's list not yet updated), then forgets the topic.
 FORWARD_TTL: Final = 60.0
@@ -121,3 +124,6 @@ class PubSubConfig:
     # Subscribers plus publishers in its table one topic holds (overlay.pubsub.MAX_TOPIC_ENTRIES: what a frame
     # between brokers carries); the primary refuses a new one beyond it (topic_full).
     max_topic_entries: int = MAX_TOPIC_ENTRIES
+    # Bytes the stored messages of every topic held here may take in memory (TopicStore.memory); beyond it new
+    # publishes and copies of new messages are refused (storage_full).  0: no limit.
+    max_memory: int = 0
