@@ -103,3 +103,12 @@ def memory_available() -> int:
         if text.isdigit():
             total = min(total, int(text))
     return total
+
+
+def human_bytes(n: float) -> str:
+    """n bytes for a log line or an error text: "512 B", "97.7 KiB", "1.9 MiB", "12.0 GiB"."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -31,7 +31,7 @@ from broker.eventlog import EventLog
 from broker.guard import Guard
 from broker.link import TICK_SLACK, CloseReason, LinkClosed, PeerLink
 from broker.membership import Membership
-from broker.memory import HeapTrimmer, memory_available
+from broker.memory import HeapTrimmer, human_bytes, memory_available
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
@@ -241,8 +241,8 @@ class Broker(Membership, Routing):
         """Say at start what memory the stored messages may take and what the open-file limit allows; warn when
         that is short of --max-connections."""
         self.log.info(
-            "stored messages may take %.0f MiB of memory (--max-memory%s)",
-            self.pubsub.config.max_memory / 2**20,
+            "stored messages may take %s of memory (--max-memory%s)",
+            human_bytes(self.pubsub.config.max_memory),
             "" if self.config.max_memory else ": half of what this machine or container has",
         )
         lim, conns = self.fd_limit, self.config.max_connections

@@ -331,7 +331,7 @@ async def test_a_broker_over_its_memory_limit_refuses_new_messages_until_retenti
             refused = await _fill_until_refused(c, topics, bytes(10_000))
             assert refused.code == "storage_full", refused
             assert "not stored: this broker's stored messages take" in str(refused), str(refused)
-            assert "more than its --max-memory (1.9 MiB)" in str(refused), str(refused)
+            assert "more than its --max-memory (1.9 MiB)" in str(refused), str(refused)  # (2,000,000 B)
             assert len(await c.fetch(topics[0])) > 0  # what it holds is served
             await wait_for(lambda: _taken_again(c, topics[1]), 30.0, "publishes taken again once retention freed room")
         assert (await counters(cl))["lost"] == 0

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from broker.acl import refusal
+from broker.memory import human_bytes
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import CopyStage, Replica, Stage, Transition, Waiting, held_list, journal_list
 from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, MEMORY_CHECK
@@ -318,14 +319,14 @@ class HolderRole:
         used = self.t.store.memory()
         if used > cap and not self.t.full:
             self.t.full = (
-                f"this broker's stored messages take {used / 2**20:.1f} MiB of memory, more than its --max-memory "
-                f"({cap / 2**20:.1f} MiB): lower --retention-bytes/--retention-seconds, raise --max-memory or add "
+                f"this broker's stored messages take {human_bytes(used)} of memory, more than its --max-memory "
+                f"({human_bytes(cap)}): lower --retention-bytes/--retention-seconds, raise --max-memory or add "
                 "brokers"
             )
             log.warning("%s; new publishes are refused (storage_full) until retention frees room", self.t.full)
         elif used <= cap and self.t.full:
             self.t.full = ""
-            log.warning("stored messages take %.1f MiB, within --max-memory again: publishes are taken", used / 2**20)
+            log.warning("stored messages take %s, within --max-memory again: publishes are taken", human_bytes(used))
 
     def sweep_empty(self, now: float) -> None:
         """Forget the replicas found empty (`_empty`) by two sweeps in a row, EMPTY_TOPIC_SWEEP apart.
