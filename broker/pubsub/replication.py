@@ -98,8 +98,12 @@ class ReplicationRole:
             r.window.clear()
             r.outbox = r.unconfirmed()
             r.meta_dirty = True
+            # The re-send time-out doubled while the former secondary was silent; the new one starts afresh, or a
+            # lost first batch to it waited up to MAX_RTO.
+            r.rto = self.t.config.replication_timeout
         if r.copy.next_is(sec.id):  # a new secondary gets the whole history (module docstring)
             r.meta_confirmed = False  # (and the meta goes along until a batch that carried it is confirmed)
+            r.rto = self.t.config.replication_timeout  # (as above)
         self._send_batch(r, sec)
         if r.copy.wanted:
             self.backfill(r, sec)
