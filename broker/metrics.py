@@ -234,8 +234,9 @@ class BrokerCollector:
         yield GaugeMetricFamily("sedax_sessions", "Attached client sessions.", value=g.sessions)
         yield GaugeMetricFamily(
             "sedax_stored_memory_bytes",
-            "Memory the stored messages of every topic held take, estimated (payload, publisher id and 240 B "
-            "each); over sedax_max_memory_bytes new publishes are refused with storage_full.",
+            "Memory the topics held and their stored messages take, estimated (payload, publisher id and 240 B "
+            "per message, 3,800 B per topic); over sedax_max_memory_bytes new publishes are refused with "
+            "storage_full.",
             value=g.stored_memory,
         )
         yield GaugeMetricFamily("sedax_max_memory_bytes", "The broker's --max-memory, in bytes.", value=g.max_memory)
