@@ -316,7 +316,7 @@ class LocalCluster:
                 stderr=err,
                 env=env,
                 start_new_session=True,
-                preexec_fn=None if self.detached else _die_with_parent,
+                preexec_fn=None if self.detached else die_with_parent,
             )
         bp = BrokerProcess(index, c, node_id, proc, out_path, err_path)
         if again:
@@ -671,8 +671,10 @@ def _is_broker(pid: int) -> bool:
     return b"-m" in cmdline and b"broker" in cmdline
 
 
-def _die_with_parent() -> None:
-    # A cluster whose owner is killed (a test run cut off by a time-out, `sedax cluster up` sent SIGKILL)
-    # must not leave its brokers running: Linux sends them SIGTERM when the owner dies.
+def die_with_parent() -> None:
+    """In a child process before it runs the broker (`preexec_fn`): SIGTERM when its parent dies (Linux).
+
+    A cluster whose owner is killed (a test run cut off by a time-out, `sedax cluster up` sent SIGKILL) must not
+    leave its brokers running."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.cluster import ClusterError, LocalCluster
+from cli.cluster import ClusterError, LocalCluster, die_with_parent
 from client.admin import AdminClient
 from client.client import Client, PublishAck
 from client.errors import RequestFailed
@@ -151,7 +151,7 @@ def _broker_on_a_small_tmpfs(
     with out.open("wb") as stdout, (tmp_path / f"{name}.err").open("wb") as stderr:
         proc = subprocess.Popen(
             ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {data}{fill} && exec {broker}"],
-            stdout=stdout, stderr=stderr, env=env, start_new_session=True,
+            stdout=stdout, stderr=stderr, env=env, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     return proc, out, data
 
@@ -345,6 +345,7 @@ def _broker_with_an_open_file_limit(tmp_path: Path, life: int) -> tuple[subproce
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
 
     def limit() -> None:
+        die_with_parent()  # (a test run cut off by a time-out leaves no broker behind)
         resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
 
     with out.open("wb") as stdout, (tmp_path / f"fd-{life}.err").open("wb") as stderr:
