@@ -17,6 +17,7 @@ import pytest
 import broker.storage.disklog
 from broker.pubsub import PubSub, PubSubConfig
 from broker.storage import DiskStore, FsyncMode, FsyncPolicy, StorageError, StorageFull, SyncFailed, TopicMeta
+from broker.storage.files import OpenFiles
 from broker.storage.frames import HEADER, encode, scan
 from broker.store import Retention, TopicStore
 from overlay.protocol import ControlFrame, FrameDecoder, Message, NodeInfo
@@ -439,6 +440,32 @@ def _open_in(directory: Path) -> int:
         with contextlib.suppress(OSError):
             n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
     return n
+
+
+def test_the_open_files_budget_closes_the_least_recently_written_first() -> None:
+    # A file whose sync fails stays open (the group commit reports the failure); the next oldest goes instead.
+    files = OpenFiles(2)
+    closed: list[str] = []
+
+    class Log:
+        def __init__(self, name: str, closes: bool = True) -> None:
+            self.name, self.closes = name, closes
+
+        def release_file(self) -> bool:
+            if not self.closes:
+                return False
+            closed.append(self.name)
+            files.gone(self)
+            return True
+
+    a, b, c, d = Log("a", closes=False), Log("b"), Log("c"), Log("d")
+    files.opened(a)
+    files.opened(b)
+    files.opened(c)  # a cannot close: b goes
+    assert closed == ["b"] and len(files) == 2
+    files.used(a)
+    files.opened(d)  # c is the least recently written now
+    assert closed == ["b", "c"] and len(files) == 2 and files.closed == 2
 
 
 @pytest.mark.parametrize("policy", ["always", "batch", "interval:20", "never"])

@@ -94,15 +94,14 @@ class OpenFiles:
         """log opened its file: the least recently written others are closed while over the budget."""
         self._open[id(log)] = log
         self._open.move_to_end(id(log))
-        if len(self._open) <= self.limit:
-            return
-        for other in list(self._open.values()):
-            if len(self._open) <= self.limit:
-                break
-            if other is log:
+        tries = len(self._open)
+        while len(self._open) > self.limit and tries > 0:
+            tries -= 1
+            oldest = next(iter(self._open.values()))
+            if oldest is log or not oldest.release_file():  # (release_file calls `gone`)
+                self._open.move_to_end(id(oldest))  # kept open for now: tried again last
                 continue
-            if other.release_file():  # it calls `gone`
-                self.closed += 1
+            self.closed += 1
 
     def used(self, log: Closable) -> None:
         """log wrote to its open file: it is the most recently used now."""
