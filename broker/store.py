@@ -185,6 +185,8 @@ class TopicLog:
         its `lost`: they were never acknowledged and must not be served.  Under `always` also for the writes
         made as records were stored since the last call (`_write_each`).
         """
+        if self.journal is None or not (self._staged or self._write_failure):
+            return  # (the common case, and the whole of it without a data directory: no call further)
         failure, self._write_failure = self._write_failure, None
         try:
             self._persist()
