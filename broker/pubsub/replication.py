@@ -91,19 +91,21 @@ class ReplicationRole:
             self.holder.commit(r, r.last_ts)
             self.moves.staged_ready(r)
             return
-        if any(b.target != sec.id for b in r.window):
+        changed = any(b.target != sec.id for b in r.window)
+        if changed:
             # The secondary changed under batches in flight (view_changed normally saw it first): they no longer
             # count; what they carried goes to the new one in the next batch, which carries every record not
             # yet confirmed.
             r.window.clear()
             r.outbox = r.unconfirmed()
             r.meta_dirty = True
+        if r.copy.next_is(sec.id):  # a new secondary gets the whole history (module docstring)
+            r.meta_confirmed = False  # (and the meta goes along until a batch that carried it is confirmed)
+            changed = True
+        if changed:
             # The re-send time-out doubled while the former secondary was silent; the new one starts afresh, or a
             # lost first batch to it waited up to MAX_RTO.
             r.rto = self.t.config.replication_timeout
-        if r.copy.next_is(sec.id):  # a new secondary gets the whole history (module docstring)
-            r.meta_confirmed = False  # (and the meta goes along until a batch that carried it is confirmed)
-            r.rto = self.t.config.replication_timeout  # (as above)
         self._send_batch(r, sec)
         if r.copy.wanted:
             self.backfill(r, sec)
@@ -430,9 +432,10 @@ class ReplicationRole:
         r.log.when_durable(on_disk)
 
     def refuse_copy(self, topic: str, to: NodeInfo, corr: int, why: str) -> None:
-        """Tell the sender of a copy this broker could not store (its disk is full) why, instead of leaving it to
-        time out: a primary refuses new publishes with that text until a copy confirms again (`copy_refused`).
-        Before, its publishers saw only "no acknowledgement within 5 s", and the reason was in this log alone."""
+        """Tell the sender of a copy this broker could not store (its disk is full, or its memory over --max-memory)
+        why, instead of leaving it to time out: a primary refuses new publishes with that text until a copy confirms
+        again (`copy_refused`).  Before, its publishers saw only "no acknowledgement within 5 s", and the reason was
+        in this log alone."""
         self.t.counters["copies_refused"] += 1
         me = self.t.ov.me.id
         self.t.ov.route(to.coord, Replicated(corr, topic, me, refused=f"{me}: {why}"))
