@@ -101,7 +101,8 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     ),
     "copies_refused": (
         "sedax_copies_refused",
-        "Copies this broker could not write (its data directory full), answered with a refusal: the primary "
+        "Copies this broker could not store (its data directory full, or its memory over --max-memory), answered "
+        "with a refusal: the primary "
         "refuses new publishes of the topic with storage_full until a copy confirms again.",
     ),
     "empty_forgotten": (

@@ -60,7 +60,7 @@ PubSubCode: TypeAlias = Literal[
     "unreachable",  # the topic's coordinate could not be reached (overlay partitioned or hop limit)
     "not_allowed",  # an ACL denies it
     "timeout",  # the primary did not answer in time
-    "storage_full",  # the holder's data directory is full: the message was not stored (docs/storage.md)
+    "storage_full",  # the holder's disk or memory is full: the message was not stored (docs/storage.md)
     "shutting_down",  # the broker is leaving
     "out_of_order",  # a publisher's sequence has a gap the client can fill: re-send from `expected`
     "bad_request",  # anything else the client got wrong
@@ -829,9 +829,9 @@ class Replicate(Message):
 class Replicated(Message):
     """Replica -> primary: REPLICATE corr is stored.  Also the answer to PULL when the node holds nothing.
 
-    With `refused` (version 6): the copy could not be stored (its data directory is full); the text names the
-    broker and what to do.  Nothing is confirmed: the primary refuses new publishes (storage_full) and sends
-    the batch again until a copy confirms it."""
+    With `refused` (version 6): the copy could not be stored (its data directory is full, or its memory over the
+    broker's --max-memory); the text names the broker and what to do.  Nothing is confirmed: the primary refuses
+    new publishes (storage_full) and sends the batch again until a copy confirms it."""
 
     op: ClassVar[Literal["replicated"]] = "replicated"
     corr: int

@@ -454,7 +454,8 @@ class Replica:
     # Batches sent to the secondary and not yet confirmed in order, oldest first (replication.py `flush`).
     window: list[Batch] = field(default_factory=list)
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
-    # At the primary: why a copy refused this topic's batches (its disk is full), "" while none does.  New
+    # At the primary: why a copy refused this topic's batches (its disk is full, or its memory over --max-memory),
+    # "" while none does.  New
     # publishes get NACK storage_full with that text, before they are stored, until a copy confirms a batch
     # again (a new secondary's first confirmation too), no copy is left, or this broker is no longer primary
     # (replication.py `copy_refused`).
