@@ -20,8 +20,10 @@ import threading
 import time
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,8 +59,18 @@ ANALYSIS_TIMEOUT = 600.0
 POLL = 1.0
 # Lines of each broker's link history shown when the overlay does not converge.
 LINK_HISTORY = 80
+# A network the engine refuses to remove though no endpoint is listed: retried this long (its count of endpoints
+# is stale, and only a restart of the engine frees it), then left with a warning.
+STALE_COUNT_WAIT = 10.0
+# Networks of earlier runs older than this are removed when the engine lets go of them.
+KEPT_NETWORK_AGE = 3600.0
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    # The engine's kept network is reported in the warnings summary (filterwarnings = error would fail on it).
+    pytest.mark.filterwarnings("default::test_compose.EngineKeptNetwork"),
+]
 
 
 def _run(cmd: Sequence[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -164,6 +176,7 @@ def base_image() -> str:
 @pytest.fixture
 def project(base_image: str) -> Iterator[Project]:
     """A compose project named for this run; down -v, its images removed and nothing left, even on failure."""
+    _sweep_kept_networks()
     name = f"sedaxtest{uuid.uuid4().hex[:10]}"
     images = [f"sedax-compose-test:{name}-broker", f"sedax-compose-test:{name}-analysis"]
     # The shell's Compose and SeDAX variables would change what is tested; DOCKER_HOST and the like stay.
@@ -196,20 +209,20 @@ def _teardown(p: Project) -> None:
     leftover = _run(["docker", "ps", "-aq", "--filter", label], 60).stdout.split()
     if leftover:
         _run(["docker", "rm", "-f", "-v", *leftover], 300)
-    stale = ""
+    stale, kept = "", []
     if down.returncode != 0 and "has active endpoints" in down.stderr and not leftover:
         # Every container was removed, yet the engine still counted an endpoint on the project's network: a
-        # known race of the Docker engine (moby/moby#42119, #17217), which Compose v2 reports as a warning
-        # (docker/compose#10555).  The endpoints are let go and the network removed here; only what then
+        # known race of the Docker engine (moby/moby#42119, #17217, #43286), which Compose v2 reports as a
+        # warning (docker/compose#10555).  The endpoints are let go and the network removed here; only what then
         # still fails to go is reported (and is left behind, below).
-        stale = _release_networks(label)
+        stale, kept = _release_networks(label)
         down = subprocess.CompletedProcess(down.args, 0 if not stale else down.returncode, down.stdout, down.stderr)
     for image in p.images:
         _run(["docker", "rmi", "-f", image], 300)
     left: list[str] = []
     for kind in ("ps -aq", "volume ls -q", "network ls -q"):
         ids = _run(["docker", *kind.split(), "--filter", label], 60).stdout.split()
-        left += [f"{kind.split()[0]} {i}" for i in ids]
+        left += [f"{kind.split()[0]} {i}" for i in ids if i not in kept]
     parents = _parent_ids()
     for iid in p.built_ids:
         # A build running beside this one (another checkout's test) may have taken a step of ours from the
@@ -219,25 +232,77 @@ def _teardown(p: Project) -> None:
     print(f"[compose test] teardown took {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     assert down.returncode == 0, f"compose down failed:\n{down.stderr[-2000:]}\n{stale}"
     assert not left, f"left behind by project {p.name}: {left}"
+    if kept:
+        # Only a restart of the engine frees such a network (the issues above); the next run of this test
+        # removes it then (_sweep_kept_networks).  Shown in the warnings summary, not a failure of SeDAX.
+        warnings.warn(EngineKeptNetwork(f"the Docker engine kept network(s) {kept} of project {p.name} for an "
+                                        "endpoint no container holds; `systemctl restart docker` frees them"),
+                      stacklevel=1)  # fmt: skip
 
 
-def _release_networks(label: str, within: float = 60.0) -> str:
-    """Force-disconnect what the project's networks still list and remove them; "" once none is left, else why."""
-    deadline = time.monotonic() + within
+class EngineKeptNetwork(UserWarning):
+    """The Docker engine refused to remove a network no container is attached to (its stale endpoint count)."""
+
+
+def _release_networks(label: str, within: float = 60.0) -> tuple[str, list[str]]:
+    """Force-disconnect what the project's networks still list and remove them.
+
+    Returns why a network could not be removed ("" once none is left) and the networks the engine kept only for
+    an endpoint count no listed endpoint holds: retrying does not free those, so they are given up on after
+    STALE_COUNT_WAIT instead of `within`.
+    """
+    begun = time.monotonic()
     while True:
         why: list[str] = []
+        kept: list[str] = []
         for net in _run(["docker", "network", "ls", "-q", "--filter", label], 60).stdout.split():
             listed = _run(["docker", "network", "inspect", "-f", "{{range $id, $c := .Containers}}{{$id}} {{end}}",
                            net], 60).stdout.split()  # fmt: skip
             for endpoint in listed:
                 _run(["docker", "network", "disconnect", "-f", net, endpoint], 60)
             r = _run(["docker", "network", "rm", net], 60)
-            if r.returncode != 0:
+            if r.returncode == 0:
+                continue
+            if not listed and "has active endpoints" in r.stderr:
+                kept.append(net)
+            else:
                 why.append(f"network {net} (endpoints listed: {listed or 'none'}): {r.stderr.strip()[-300:]}")
-        print(f"[compose test] released the project's networks: {why or 'all removed'}", file=sys.stderr, flush=True)
-        if not why or time.monotonic() > deadline:
-            return "\n".join(why)
+        print(f"[compose test] released the project's networks: {why or kept or 'all removed'}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        waited = time.monotonic() - begun
+        if (not why and (not kept or waited > STALE_COUNT_WAIT)) or waited > within:
+            return "\n".join(why), kept
         time.sleep(POLL)
+
+
+def _sweep_kept_networks() -> None:
+    """Remove networks an earlier run of this test left to the engine's stale endpoint count, once it lets go.
+
+    Only networks of this test's projects (`sedaxtest...`), older than KEPT_NETWORK_AGE (a run beside this one
+    may have made its network a moment ago and not yet attached its containers); a network that still has an
+    endpoint is refused by the engine and stays.
+    """
+    ids = _run(["docker", "network", "ls", "-q", "--filter", "label=com.docker.compose.project"], 60).stdout.split()
+    if not ids:
+        return
+    fmt = "{{.Id}} {{.Name}} {{.Created}}"
+    for line in _run(["docker", "network", "inspect", "-f", fmt, *ids], 60).stdout.splitlines():
+        net, name, created = [*line.split(" ", 2), "", ""][:3]
+        if not name.startswith("sedaxtest") or _age(created) < KEPT_NETWORK_AGE:
+            continue
+        if _run(["docker", "network", "rm", net], 60).returncode == 0:
+            print(f"[compose test] removed network {name}, kept by the engine after an earlier run", file=sys.stderr)
+
+
+def _age(created: str) -> float:
+    """Seconds since a Docker timestamp (2026-11-29T00:05:57.225663097Z; Go prints up to nine fraction digits)."""
+    stamp = created.split()[0].rstrip("Z")
+    whole, _, fraction = stamp.partition(".")
+    try:
+        at = datetime.fromisoformat(f"{whole}.{(fraction + '000000')[:6]}+00:00")
+    except ValueError:
+        return 0.0
+    return (datetime.now(UTC) - at).total_seconds()
 
 
 def _parent_ids() -> set[str]:
@@ -476,7 +541,7 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     started = last = time.monotonic()
 
     def phase(what: str) -> None:
-        # Shown with -s: where the minutes go on a given machine (the test asserts no durations).
+        # Shown with -s -n 0: where the minutes go on a given machine (the test asserts no durations).
         nonlocal last
         now = time.monotonic()
         print(f"[compose test] {now - started:6.1f} s (+{now - last:5.1f}) {what}", file=sys.stderr, flush=True)
