@@ -11,7 +11,9 @@ import argparse
 import logging
 import os
 import select
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from cli import analysis as cli_analysis
@@ -27,6 +29,25 @@ from client.errors import describe
 # `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
 # container health check and `sedax pub`/`sub` start in a fraction of the time.
 LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster", "topics"})
+
+
+# Signals that end a command the way Ctrl-C does.  Their default action ends the process at once: an interrupted
+# `sedax cluster up` (a service manager's stop, `timeout`, a closed terminal) left the brokers it had started
+# running, with no state file through which `cluster down` could find them.
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: handled as Ctrl-C is (a KeyboardInterrupt, so asyncio and every `except
+    BaseException` clean-up treat it alike), reported with the signal's name and exit code."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
 
 
 def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
@@ -103,11 +124,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command != "broker":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    previous = {}
+    # The broker handles these itself (a graceful leave); signal handlers can only be set in the main thread.
+    if args.command != "broker" and threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _terminated) for sig in ENDING_SIGNALS}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: set outside Python, and not restorable from here
+                signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         code: int = args.func(args)
         # Flushed here, inside the handler: a buffered stdout (not a terminal, no PYTHONUNBUFFERED) would
         # otherwise meet a closed reader only at the interpreter's exit, past the BrokenPipeError case below.
         sys.stdout.flush()
+    except Terminated as exc:
+        print(f"sedax: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum  # what a shell reports for a tool ended by that signal
     except KeyboardInterrupt:
         print("sedax: interrupted", file=sys.stderr)
         return 128 + 2  # what a shell reports for a tool ended by SIGINT

@@ -236,6 +236,43 @@ def test_ctrl_c_during_cluster_up_leaves_no_broker_running(tmp_path: Path, seed:
     assert _brokers_marked(mark) == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_during_cluster_up_leaves_no_broker_running(tmp_path: Path, sig: signal.Signals) -> None:
+    # A service manager's stop, `timeout` or a closed terminal: the signal's default action ended `cluster up` at
+    # once, and the brokers it had started ran on with no state file for `cluster down` to find them by.
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "SEDAX_TEST_MARK": mark}
+    with subprocess.Popen(
+        [SEDAX, "cluster", "up", "--nodes", "12", "--insecure", "--state-dir", str(tmp_path / "c")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not _brokers_marked(mark) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _brokers_marked(mark), "no broker started"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    if proc.returncode != 0:
+        assert proc.returncode == 128 + sig and f"stopped by {sig.name}" in err, (proc.returncode, err)
+        assert not (tmp_path / "c" / "cluster.json").exists()
+    else:  # it finished before the signal: the brokers run and `cluster down` finds them
+        down = _sedax(["cluster", "down", "--state-dir", str(tmp_path / "c")])
+        assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while _brokers_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _brokers_marked(mark) == []
+
+
+def test_a_signal_handled_in_process_is_given_back(capsys: pytest.CaptureFixture[str]) -> None:
+    # main() may be called in-process (as here): the handlers it sets for SIGTERM and SIGHUP are undone on return.
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    assert main(["route", "0.5,0.5", "--broker", DEAD, "--timeout", "0.2"]) == 1
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert "Traceback" not in capsys.readouterr().err
+
+
 # ---- random argument vectors --------------------------------------------------------------------------------
 
 TOKENS = st.sampled_from(
