@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol, Self
 import numpy as np
 
 from broker import defaults
+from broker.memory import human_bytes, memory_available
 from client.admin import AdminClient, AdminError
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
@@ -49,6 +50,10 @@ STATE_FILE: Final = "cluster.json"
 # `sedax cluster down` renames the state file to this: what `cluster up` needs to start the same brokers again.
 STOPPED_FILE: Final = "cluster.stopped.json"
 PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
+# What one more broker process takes: ~43 MiB of private memory when idle, most of it its imports (numpy,
+# scipy.spatial; docs/benchmarks-scale.md, "Memory"), with room for its buffers.  A cluster the machine cannot
+# hold (a --nodes with a zero too many) is refused before its first broker starts, not ended by the OOM killer.
+BROKER_PROCESS_MEMORY: Final = 48 * 2**20
 _REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 
 
@@ -180,6 +185,13 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
+        memory = memory_available()
+        if self.n * BROKER_PROCESS_MEMORY > memory:
+            raise ClusterError(
+                f"{self.n} brokers do not fit this machine: each broker process takes about "
+                f"{human_bytes(BROKER_PROCESS_MEMORY)} and the machine has {human_bytes(memory)}, room for "
+                f"{memory // BROKER_PROCESS_MEMORY}; ask for fewer"
+            )
         if self.state_dir is None:
             self.state_dir = Path(f"/tmp/sedax-cluster-{os.getpid()}-{time.monotonic_ns()}")
         self.state_dir.mkdir(parents=True, exist_ok=True)

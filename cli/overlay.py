@@ -213,6 +213,8 @@ async def _cluster_up(args: argparse.Namespace) -> int:
         creds = cluster.credentials("client")
     except CertError as exc:
         return fail(f"cannot create the cluster's certificates: {exc}", EXIT_FAILED)
+    except ClusterError as exc:
+        return fail(f"--nodes {n}: {exc}", EXIT_USAGE)
     try:
         await cluster.start(_progress)
         print(f"waiting for the overlay to become the Delaunay triangulation (at most {args.timeout:g} s) ...",

@@ -273,6 +273,15 @@ def test_a_signal_handled_in_process_is_given_back(capsys: pytest.CaptureFixture
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_a_cluster_the_machine_cannot_hold_is_refused_before_a_broker_starts(tmp_path: Path) -> None:
+    # A zero too many: before, `cluster up --nodes 100000` started brokers until the machine ran out of memory.
+    res = _sedax(["cluster", "up", "--nodes", "100000", "--insecure", "--state-dir", str(tmp_path / "c")])
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "do not fit this machine" in res.stderr and "ask for fewer" in res.stderr, res.stderr
+    assert not (tmp_path / "c").exists()
+
+
 # ---- random argument vectors --------------------------------------------------------------------------------
 
 TOKENS = st.sampled_from(
