@@ -40,7 +40,7 @@ def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
 
 
 async def serve(config: BrokerConfig) -> int:
-    """Start, join, announce readiness, serve until SIGTERM/SIGINT, then leave gracefully."""
+    """Start, join, announce readiness, serve until SIGTERM/SIGINT/SIGHUP, then leave gracefully."""
     soft_before, _ = raise_open_file_limit()
     try:
         broker = Broker(config)
@@ -61,7 +61,9 @@ async def serve(config: BrokerConfig) -> int:
         log.info("%s: leaving the overlay", name)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP too: a broker run in a terminal that is closed (or a `kill -HUP` by habit) leaves as on SIGTERM,
+    # handing its topics on, instead of the signal's default: an exit as abrupt as a crash.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         await broker.start()

@@ -398,11 +398,11 @@ class LocalCluster:
             bp.proc.send_signal(signal.SIGKILL)
         await self.wait_exit(bp, STOP_GRACE)
 
-    async def stop(self, i: int, grace: float = STOP_GRACE) -> int | None:
-        """SIGTERM broker i (graceful leave), SIGKILL after grace seconds; returns its exit code."""
+    async def stop(self, i: int, grace: float = STOP_GRACE, sig: int = signal.SIGTERM) -> int | None:
+        """SIGTERM (or sig) to broker i (graceful leave), SIGKILL after grace seconds; returns its exit code."""
         bp = self.nodes[i]
         if bp.alive:
-            bp.proc.send_signal(signal.SIGTERM)
+            bp.proc.send_signal(sig)
         code = await self.wait_exit(bp, grace)
         if code is None:
             bp.proc.kill()
