@@ -200,7 +200,10 @@ class Membership:
                 host, port, self.guard.dial_context, self.config.connect_timeout, source_address(self.info.listen)
             )
         link = self._new_link(transport, outbound=True)
-        hello = Hello(PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen)
+        hello = Hello(
+            PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen,
+            resilience=self.config.resilience,
+        )  # fmt: skip
         try:
             await link.open(hello)
             reply = await self._join_answer(link)
@@ -265,6 +268,15 @@ class Membership:
         clients = sum(1 for x in self.links if x.role in ("client", "admin") and not x.outbound and x.established)
         if (refusal := self.guard.admit(link, hello, clients)) is not None:
             return refusal
+        if hello.resilience and hello.resilience != self.config.resilience:
+            # A broker keeping fewer copies would acknowledge messages that one crash loses; one keeping more
+            # would wait for copies the others never make.  Refused at its first HELLO: the join fails at once.
+            return Refuse(
+                "resilience_mismatch",
+                f"this overlay keeps {self.config.resilience} copies of each topic (--resilience "
+                f"{self.config.resilience}); broker {hello.node!r} was started with --resilience {hello.resilience}: "
+                f"start it with --resilience {self.config.resilience}",
+            )
         if hello.role == "broker" and hello.coord is not None:
             if not self.config.space.contains(hello.coord):
                 return Refuse("coordinate_outside_space", self._outside_text(hello.coord))
@@ -392,7 +404,10 @@ class Membership:
                 self._give_up(info.id, problem, quiet=quiet)
                 return
             link = self._new_link(transport, outbound=True)
-            hello = Hello(PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen)
+            hello = Hello(
+                PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen,
+                resilience=self.config.resilience,
+            )  # fmt: skip
             ok = await link.open(hello)
             if ok.node.id != info.id:
                 await link.aclose(CloseReason.UNLINKED, f"expected {info.id} at {info.listen}, found {ok.node.id}")

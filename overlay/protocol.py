@@ -50,7 +50,9 @@ import msgpack
 #   5: a topic's primary sends its subscribers HEADS (the newest seq of publishers gone quiet);
 #   6: REPLICATED may say that the copy was refused (`refused`: the copy's disk is full); clients see nothing
 #      new, so those of version 5 are still admitted.
-PROTOCOL_VERSION: Final = 6
+#   7: a broker's HELLO carries its resilience level, and a broker refuses one that keeps a different number of
+#      copies (`resilience_mismatch`); a client's HELLO is unchanged.
+PROTOCOL_VERSION: Final = 7
 # The oldest version whose clients and admin tools a broker still admits.  Those of versions 1 and 2 read
 # only maps; those of version 3 cannot read the `topic_full` refusal, those of version 4 a HEADS (an unknown op
 # ends a connection).  They are refused at HELLO (version_mismatch, in a form they read).  Brokers must speak
@@ -131,6 +133,7 @@ RefuseCode: TypeAlias = Literal[
     "unauthenticated",
     "too_many_connections",
     "not_joined",  # JOIN sent to a broker that is itself still joining (brokers started together)
+    "resilience_mismatch",  # a broker started with another --resilience than the overlay's
 ]
 ErrorCode: TypeAlias = Literal["coordinate_outside_space", "busy", "unreachable", "not_allowed"]
 UnlinkReason: TypeAlias = Literal["not_neighbour", "duplicate_link"]
@@ -608,7 +611,9 @@ class Hello(Message):
     """First message on every connection, from the side that connected.
 
     Brokers give their coordinate and listen address; clients and admin tools may leave them empty.  A client
-    without a certificate authenticates with `token` (checked against the broker's --tokens file).
+    without a certificate authenticates with `token` (checked against the broker's --tokens file).  A broker
+    (also when it says HELLO as a client to ask to join) gives its `resilience` level: brokers that keep a
+    different number of copies of each topic must not form one overlay (0: not a broker, nothing to check).
     """
 
     op: ClassVar[Literal["hello"]] = "hello"
@@ -618,9 +623,11 @@ class Hello(Message):
     coord: Coord | None = None
     listen: str = ""
     token: str = ""
+    resilience: int = 0
 
     def __post_init__(self) -> None:
         _check_uint(self.version, "protocol version", 0xFFFF)
+        _check_uint(self.resilience, "resilience", 3)
         _check_text(self.token, "token", MAX_TOKEN_LEN)
         _check_id(self.node, "node id")
         if self.coord is not None:
@@ -628,6 +635,21 @@ class Hello(Message):
         _check_address(self.listen, "listen address", allow_empty=self.role != "broker")
         if self.role == "broker" and self.coord is None:
             raise LocalProtocolError("a broker's HELLO must carry its coordinate")
+
+
+_encode_hello_fields: Final = _ENCODERS[Hello]
+
+
+def _encode_hello(m: Hello) -> Any:
+    # Without a resilience level (a client's HELLO) the field is left out: brokers of version 6 and older
+    # refuse a field they do not know, and must still read a newer client's HELLO to refuse it in a form it reads.
+    wire = _encode_hello_fields(m)
+    if not m.resilience and isinstance(wire, dict):  # the handshake's messages are maps (MAP_FORM)
+        del wire["resilience"]
+    return wire
+
+
+_ENCODERS[Hello] = _encode_hello
 
 
 @register_message

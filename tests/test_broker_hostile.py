@@ -170,7 +170,7 @@ async def test_version_mismatch_refused(cluster3: LocalCluster) -> None:
         assert wire["op"] == "refuse" and wire["code"] == "version_mismatch", wire
         speaks = str(PROTOCOL_VERSION) if role == "broker" else f"{OLDEST_CLIENT_VERSION} to {PROTOCOL_VERSION}"
         assert f"protocol {speaks} to a {role}" in wire["text"], wire
-    # A client of the oldest version admitted is admitted: version 6 changed only what brokers tell each other.
+    # A client of the oldest version admitted is admitted: versions 6 and 7 changed only what brokers tell each other.
     reader, writer = await raw_connect(target)
     writer.write(encode_control(Hello(OLDEST_CLIENT_VERSION, "old-enough", "client")))
     frame = await _first_frame(reader)

@@ -101,6 +101,19 @@ def _run_broker(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.parametrize("level", [1, 3])
+async def test_a_broker_with_another_resilience_level_is_refused(cluster20: LocalCluster, level: int) -> None:
+    # Before, it joined: at level 1 in a level-2 overlay it acknowledged messages of its topics with no copy made.
+    entry = cluster20.live()[-1]
+    args = ("--coord", "0.123,0.456", "--join", entry.listen, "--resilience", str(level))
+    res = await asyncio.to_thread(_run_broker, *args)
+    assert res.returncode == 3, res.stderr
+    assert "resilience_mismatch" in res.stderr, res.stderr
+    assert f"was started with --resilience {level}: start it with --resilience 2" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stdout == ""  # never announced readiness
+
+
 async def test_duplicate_coordinate_is_refused(cluster20: LocalCluster) -> None:
     taken = cluster20.live()[0]
     entry = cluster20.live()[-1]

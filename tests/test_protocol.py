@@ -19,11 +19,14 @@ from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
     FrameDecoder,
+    Hello,
     LocalProtocolError,
     Message,
     NodeInfo,
     RemoteProtocolError,
     RoutedFrame,
+    decode_message,
+    encode_message,
 )
 from overlay.pubsub import MAX_BATCH, MAX_BATCH_BYTES, Publish, PublishFrames, coalesce_publishes
 
@@ -292,7 +295,7 @@ def test_every_message_is_an_array_but_the_handshake_which_every_version_reads()
     # read), so that a peer of any version reads the refusal that names the fix.  Both forms decode, and an
     # array without its trailing defaulted fields decodes to the defaults.
     samples = [
-        p.Hello(PROTOCOL_VERSION, "n1", "broker", (0.1, 0.2), "127.0.0.1:4000"),
+        p.Hello(PROTOCOL_VERSION, "n1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=2),
         p.HelloOk(PROTOCOL_VERSION, A),
         p.Refuse("version_mismatch", "upgrade"),
         p.Ping(7),
@@ -497,3 +500,15 @@ def test_records_decode_as_each_checked_alone() -> None:
     ):
         with pytest.raises(p.RemoteProtocolError):
             p.decode_message(msgpack.packb(["deliver", "t", [[1.0, "p", 3, b"x"], bad]]))
+
+
+def test_a_clients_hello_leaves_the_resilience_out_and_a_brokers_carries_it() -> None:
+    # Brokers of version 6 refuse a HELLO field they do not know: a client's HELLO must stay readable to them so
+    # that they can answer it with version_mismatch; a broker's carries its level (refused when it differs).
+    client = msgpack.unpackb(encode_message(Hello(PROTOCOL_VERSION, "c1", "client", token="t")))
+    assert "resilience" not in client
+    broker = Hello(PROTOCOL_VERSION, "b1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=3)
+    assert msgpack.unpackb(encode_message(broker))["resilience"] == 3
+    assert decode_message(encode_message(broker)) == broker
+    with pytest.raises(LocalProtocolError):
+        Hello(PROTOCOL_VERSION, "b1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=4)
