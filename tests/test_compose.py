@@ -217,6 +217,10 @@ def _teardown(p: Project) -> None:
         # still fails to go is reported (and is left behind, below).
         stale, kept = _release_networks(label)
         down = subprocess.CompletedProcess(down.args, 0 if not stale else down.returncode, down.stdout, down.stderr)
+        # Compose v1 ends `down` at the network it cannot remove, before the project's volumes: removed here.
+        volumes = _run(["docker", "volume", "ls", "-q", "--filter", label], 60).stdout.split()
+        if volumes:
+            _run(["docker", "volume", "rm", *volumes], 300)
     for image in p.images:
         _run(["docker", "rmi", "-f", image], 300)
     left: list[str] = []
