@@ -132,6 +132,12 @@ class Membership:
     release_held: Callable[[], None]
     event: Callable[..., None]
 
+    @property
+    def _space(self) -> tuple[float, float, float, float]:
+        """The space as a HELLO carries it (xmin, ymin, xmax, ymax)."""
+        s = self.config.space
+        return (s.xmin, s.ymin, s.xmax, s.ymax)
+
     async def join(self) -> None:
         """Join the overlay through the configured addresses, in order, until one answers.
 
@@ -202,7 +208,7 @@ class Membership:
         link = self._new_link(transport, outbound=True)
         hello = Hello(
             PROTOCOL_VERSION, self.node_id, "client", self.info.coord, self.info.listen,
-            resilience=self.config.resilience,
+            resilience=self.config.resilience, space=self._space,
         )  # fmt: skip
         try:
             await link.open(hello)
@@ -276,6 +282,15 @@ class Membership:
                 f"this overlay keeps {self.config.resilience} copies of each topic (--resilience "
                 f"{self.config.resilience}); broker {hello.node!r} was started with --resilience {hello.resilience}: "
                 f"start it with --resilience {self.config.resilience}",
+            )
+        if hello.space and hello.space != self._space:
+            # Topics are placed in the space (their coordinate is a hash scaled to it): brokers of two spaces would
+            # store and look for the same topic at different coordinates.
+            mine, theirs = (",".join(f"{v:g}" for v in sp) for sp in (self._space, hello.space))
+            return Refuse(
+                "space_mismatch",
+                f"this overlay's space is {mine} (--space {mine}); broker {hello.node!r} was started with --space "
+                f"{theirs}: start it with --space {mine}",
             )
         if hello.role == "broker" and hello.coord is not None:
             if not self.config.space.contains(hello.coord):
@@ -406,7 +421,7 @@ class Membership:
             link = self._new_link(transport, outbound=True)
             hello = Hello(
                 PROTOCOL_VERSION, self.node_id, "broker", self.info.coord, self.info.listen,
-                resilience=self.config.resilience,
+                resilience=self.config.resilience, space=self._space,
             )  # fmt: skip
             ok = await link.open(hello)
             if ok.node.id != info.id:

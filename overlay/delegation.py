@@ -127,11 +127,6 @@ register_field_type(
     lambda v: tuple(dec_str(x) for x in dec_list(v)),
 )
 register_field_type(
-    "tuple[float, ...]",
-    list,
-    lambda v: tuple(dec_float(x) for x in dec_list(v)),
-)
-register_field_type(
     "tuple[tuple[str, str, str], ...]",
     lambda ps: [list(p) for p in ps],
     lambda v: tuple(tuple(dec_str(y) for y in dec_list(x)) for x in dec_list(v)),

@@ -50,8 +50,9 @@ import msgpack
 #   5: a topic's primary sends its subscribers HEADS (the newest seq of publishers gone quiet);
 #   6: REPLICATED may say that the copy was refused (`refused`: the copy's disk is full); clients see nothing
 #      new, so those of version 5 are still admitted.
-#   7: a broker's HELLO carries its resilience level, and a broker refuses one that keeps a different number of
-#      copies (`resilience_mismatch`); a client's HELLO is unchanged.
+#   7: a broker's HELLO carries its resilience level and its space, and a broker refuses one that keeps a
+#      different number of copies (`resilience_mismatch`) or maps topics into another space (`space_mismatch`);
+#      a client's HELLO is unchanged.
 PROTOCOL_VERSION: Final = 7
 # The oldest version whose clients and admin tools a broker still admits.  Those of versions 1 and 2 read
 # only maps; those of version 3 cannot read the `topic_full` refusal, those of version 4 a HEADS (an unknown op
@@ -134,6 +135,7 @@ RefuseCode: TypeAlias = Literal[
     "too_many_connections",
     "not_joined",  # JOIN sent to a broker that is itself still joining (brokers started together)
     "resilience_mismatch",  # a broker started with another --resilience than the overlay's
+    "space_mismatch",  # a broker started with another --space than the overlay's
 ]
 ErrorCode: TypeAlias = Literal["coordinate_outside_space", "busy", "unreachable", "not_allowed"]
 UnlinkReason: TypeAlias = Literal["not_neighbour", "duplicate_link"]
@@ -596,6 +598,7 @@ for _ann, _codec in {
     "NodeInfo | None": _optional(_NODE),
     "tuple[NodeInfo, ...]": _tuple_of(_NODE),
     "tuple[str, ...]": _tuple_of(_STR),
+    "tuple[float, ...]": _FieldCodec(list, lambda v: tuple(dec_float(x) for x in dec_list(v))),
     "dict[str, int]": _FieldCodec(dict, _dec_str_int_map),
     "Role": _literal(Role),
     "RefuseCode": _literal(RefuseCode),
@@ -613,7 +616,9 @@ class Hello(Message):
     Brokers give their coordinate and listen address; clients and admin tools may leave them empty.  A client
     without a certificate authenticates with `token` (checked against the broker's --tokens file).  A broker
     (also when it says HELLO as a client to ask to join) gives its `resilience` level: brokers that keep a
-    different number of copies of each topic must not form one overlay (0: not a broker, nothing to check).
+    different number of copies of each topic must not form one overlay (0: not a broker, nothing to check); and
+    its `space` (xmin, ymin, xmax, ymax): brokers that place topics in different rectangles would look for the
+    same topic at different coordinates (empty: not a broker).
     """
 
     op: ClassVar[Literal["hello"]] = "hello"
@@ -624,10 +629,13 @@ class Hello(Message):
     listen: str = ""
     token: str = ""
     resilience: int = 0
+    space: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _check_uint(self.version, "protocol version", 0xFFFF)
         _check_uint(self.resilience, "resilience", 3)
+        if self.space and not (len(self.space) == 4 and all(math.isfinite(v) for v in self.space)):
+            raise LocalProtocolError(f"a HELLO's space is four finite numbers, got {self.space!r}")
         _check_text(self.token, "token", MAX_TOKEN_LEN)
         _check_id(self.node, "node id")
         if self.coord is not None:
@@ -644,8 +652,11 @@ def _encode_hello(m: Hello) -> Any:
     # Without a resilience level (a client's HELLO) the field is left out: brokers of version 6 and older
     # refuse a field they do not know, and must still read a newer client's HELLO to refuse it in a form it reads.
     wire = _encode_hello_fields(m)
-    if not m.resilience and isinstance(wire, dict):  # the handshake's messages are maps (MAP_FORM)
-        del wire["resilience"]
+    if isinstance(wire, dict):  # the handshake's messages are maps (MAP_FORM)
+        if not m.resilience:
+            del wire["resilience"]
+        if not m.space:
+            del wire["space"]
     return wire
 
 

@@ -126,17 +126,20 @@ async def test_duplicate_coordinate_is_refused(cluster20: LocalCluster) -> None:
     assert res.stdout == ""  # never announced readiness
 
 
-async def test_coordinate_outside_space_is_refused(cluster20: LocalCluster) -> None:
+async def test_coordinate_outside_space_or_another_space_is_refused(cluster20: LocalCluster) -> None:
     entry = cluster20.live()[0]
     # Locally: the default space is the unit square, so the flag itself is rejected.
     res = await asyncio.to_thread(_run_broker, "--coord", "1.5,0.5", "--join", entry.listen)
     assert res.returncode == 2
     assert "outside the space" in res.stderr
-    # Remotely: a broker configured with a larger space is refused by the overlay.
-    res = await asyncio.to_thread(_run_broker, "--coord", "1.5,1.5", "--space", "0,0,2,2", "--join", entry.listen)
-    assert res.returncode == 3
-    assert "coordinate_outside_space" in res.stderr
-    assert "outside the space [0.0, 1.0] x [0.0, 1.0]" in res.stderr
+    # Remotely: a broker configured with another space is refused by the overlay, also where its coordinate lies
+    # in both (before, that one joined, and placed every topic at coordinates the others do not use).
+    for coord in ("1.5,1.5", "0.5,0.5"):
+        res = await asyncio.to_thread(_run_broker, "--coord", coord, "--space", "0,0,2,2", "--join", entry.listen)
+        assert res.returncode == 3, res.stderr
+        assert "space_mismatch" in res.stderr, res.stderr
+        assert "was started with --space 0,0,2,2: start it with --space 0,0,1,1" in res.stderr, res.stderr
+        assert res.stdout == ""  # never announced readiness
 
 
 async def test_unreachable_join_address_fails_clearly() -> None:

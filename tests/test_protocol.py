@@ -295,7 +295,9 @@ def test_every_message_is_an_array_but_the_handshake_which_every_version_reads()
     # read), so that a peer of any version reads the refusal that names the fix.  Both forms decode, and an
     # array without its trailing defaulted fields decodes to the defaults.
     samples = [
-        p.Hello(PROTOCOL_VERSION, "n1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=2),
+        p.Hello(
+            PROTOCOL_VERSION, "n1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=2, space=(0.0, 0.0, 1.0, 1.0)
+        ),
         p.HelloOk(PROTOCOL_VERSION, A),
         p.Refuse("version_mismatch", "upgrade"),
         p.Ping(7),
@@ -502,7 +504,7 @@ def test_records_decode_as_each_checked_alone() -> None:
             p.decode_message(msgpack.packb(["deliver", "t", [[1.0, "p", 3, b"x"], bad]]))
 
 
-def test_a_clients_hello_leaves_the_resilience_out_and_a_brokers_carries_it() -> None:
+def test_a_clients_hello_leaves_resilience_and_space_out_and_a_brokers_carries_them() -> None:
     # Brokers of version 6 refuse a HELLO field they do not know: a client's HELLO must stay readable to them so
     # that they can answer it with version_mismatch; a broker's carries its level (refused when it differs).
     client = msgpack.unpackb(encode_message(Hello(PROTOCOL_VERSION, "c1", "client", token="t")))
@@ -512,3 +514,10 @@ def test_a_clients_hello_leaves_the_resilience_out_and_a_brokers_carries_it() ->
     assert decode_message(encode_message(broker)) == broker
     with pytest.raises(LocalProtocolError):
         Hello(PROTOCOL_VERSION, "b1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=4)
+    spaced = Hello(
+        PROTOCOL_VERSION, "b1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=2, space=(0.0, 0.0, 2.0, 1.5)
+    )
+    assert "space" not in client and decode_message(encode_message(spaced)) == spaced
+    for bad in ((0.0, 0.0, 1.0), (0.0, 0.0, 1.0, float("nan"))):
+        with pytest.raises(LocalProtocolError):
+            Hello(PROTOCOL_VERSION, "b1", "broker", (0.1, 0.2), "127.0.0.1:4000", resilience=2, space=bad)
