@@ -133,10 +133,9 @@ class Membership:
     event: Callable[..., None]
 
     @property
-    def _space(self) -> tuple[float, float, float, float]:
-        """The space as a HELLO carries it (xmin, ymin, xmax, ymax)."""
-        s = self.config.space
-        return (s.xmin, s.ymin, s.xmax, s.ymax)
+    def _space(self) -> tuple[float, ...]:
+        """The space as a HELLO carries it (Space's wire form: xmin, ymin, xmax, ymax)."""
+        return tuple(self.config.space.to_list())
 
     async def join(self) -> None:
         """Join the overlay through the configured addresses, in order, until one answers.

@@ -102,8 +102,8 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
     "copies_refused": (
         "sedax_copies_refused",
         "Copies this broker could not store (its data directory full, or its memory over --max-memory), answered "
-        "with a refusal: the primary "
-        "refuses new publishes of the topic with storage_full until a copy confirms again.",
+        "with a refusal: the primary refuses new publishes of the topic with storage_full until a copy confirms "
+        "again.",
     ),
     "empty_forgotten": (
         "sedax_empty_topics_forgotten",

@@ -649,8 +649,9 @@ _encode_hello_fields: Final = _ENCODERS[Hello]
 
 
 def _encode_hello(m: Hello) -> Any:
-    # Without a resilience level (a client's HELLO) the field is left out: brokers of version 6 and older
-    # refuse a field they do not know, and must still read a newer client's HELLO to refuse it in a form it reads.
+    # Without a resilience level and a space (a client's HELLO) those fields are left out: brokers of version 6
+    # and older refuse a field they do not know, and must still read a newer client's HELLO to refuse it in a
+    # form it reads.
     wire = _encode_hello_fields(m)
     if isinstance(wire, dict):  # the handshake's messages are maps (MAP_FORM)
         if not m.resilience:

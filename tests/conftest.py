@@ -21,10 +21,6 @@ os.environ["SEDAX_INSECURE"] = "1"
 settings.register_profile("sedax", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("sedax")
 
-# Failure detection fast enough for the tests' 5 s heal bound, hostile peers dismissed quickly.
-# A SIGKILLed broker is detected at once by the connection reset; the heartbeat only catches silent peers.
-# The tests run ten brokers and their clients on two shared cores, where a 0.6 s window would declare busy
-# brokers dead, so they use 2 s (0.25 s x 8).
 # The files that take minutes are handed out first: the two workers (pyproject addopts: -n 2 --dist loadfile)
 # take whole files in collection order, so a long file handed out last would end the run alone.
 LONG_FIRST = ("test_compose.py", "test_analysis_standalone.py", "test_data_membership.py", "test_analysis.py")
@@ -35,6 +31,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
 
 
+# Failure detection fast enough for the tests' 5 s heal bound, hostile peers dismissed quickly.
+# A SIGKILLed broker is detected at once by the connection reset; the heartbeat only catches silent peers.
+# The tests run ten brokers and their clients on two shared cores, where a 0.6 s window would declare busy
+# brokers dead, so they use 2 s (0.25 s x 8).
 FAST_ARGS = (
     "--hello-timeout", "2.0", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8", "--client-timeout", "3.0",
 )  # fmt: skip

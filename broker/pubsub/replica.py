@@ -455,10 +455,9 @@ class Replica:
     window: list[Batch] = field(default_factory=list)
     rto: float = REPLICATION_TIMEOUT  # current re-send timeout; doubles while the replica stays silent
     # At the primary: why a copy refused this topic's batches (its disk is full, or its memory over --max-memory),
-    # "" while none does.  New
-    # publishes get NACK storage_full with that text, before they are stored, until a copy confirms a batch
-    # again (a new secondary's first confirmation too), no copy is left, or this broker is no longer primary
-    # (replication.py `copy_refused`).
+    # "" while none does.  New publishes get NACK storage_full with that text, before they are stored, until a
+    # copy confirms a batch again (a new secondary's first confirmation too), no copy is left, or this broker is
+    # no longer primary (replication.py `copy_refused`).
     copy_refused: str = ""
     # Per publisher, the first seq this primary refused with storage_full (nothing from there on was stored):
     # the client fails those publishes and goes on past them, so that jump in its sequence is no loss.
