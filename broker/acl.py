@@ -70,6 +70,13 @@ class Acl:
         self.denied: dict[str, int] = {"access": 0, "holder": 0}
         self._cache: dict[tuple[str, str, str], Rule | None] = {}
 
+    def replace(self, other: Acl) -> None:
+        """Take other's rules (a reload of the file): this object is shared by the access and holder checks,
+        so it changes in place; the denial counters carry on."""
+        self.rules = other.rules
+        self.source = other.source
+        self._cache.clear()
+
     def decide(self, identity: str, action: Action, topic: str) -> Rule | None:
         """The first rule that applies, or None (denied by default)."""
         key = (identity, action, topic)

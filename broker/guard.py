@@ -27,6 +27,7 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -80,6 +81,8 @@ COUNTERS: Final = (
     "slow_consumers",
     "slow_consumer_drops",
     "idle_closed",
+    "reloads",
+    "reload_failures",
 )
 
 
@@ -178,6 +181,15 @@ class CloseLog:
         self._shown = self._hidden = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Reloaded:
+    """What a reload read again (`files`, for the log) and the connections it no longer admits, with why."""
+
+    files: tuple[str, ...]
+    revoked: tuple[tuple[PeerLink, str], ...]
+    subscriptions_ended: int = 0  # local subscriptions the new ACL denies (filled in by the broker)
+
+
 class Guard:
     """The security and limit decisions of one broker (see the module docstring)."""
 
@@ -255,10 +267,12 @@ class Guard:
                 return self._refuse(
                     "unauthenticated", "this broker has no tokens file (--tokens): present a client certificate"
                 )
-            name = self._token_name(hello.token)
+            digest = hashlib.sha256(hello.token.encode()).hexdigest()
+            name = self._token_name(digest)
             if name is None:
                 return self._refuse("unauthenticated", "the token is not valid on this broker")
             link.identity = name
+            link.token = digest
         elif self.tls is not None or self.tokens is not None:
             return self._refuse(
                 "unauthenticated",
@@ -280,9 +294,8 @@ class Guard:
         self.counters[key] += 1
         return Refuse(code, text)
 
-    def _token_name(self, token: str) -> str | None:
+    def _token_name(self, digest: str) -> str | None:
         assert self.tokens is not None
-        digest = hashlib.sha256(token.encode()).hexdigest()
         # Constant-time over the entries, so response timing says nothing about how close a guess was.
         found = None
         for known, name in self.tokens.items():
@@ -362,6 +375,57 @@ class Guard:
                 self.config.publish_rate, self.config.publish_burst, time.monotonic()
             )
         return bucket
+
+    # ---------------------------------------------------------------------------------------- reload
+
+    def reload(self, links: Iterable[PeerLink]) -> Reloaded:
+        """Read the TLS files, the tokens file and the ACL file again (SIGHUP), as nats-server and Mosquitto do.
+
+        All three are read and checked before any is taken, so a ConfigError (a file missing, a key that is not
+        the certificate's, a bad rule) leaves the broker with what it had.  New connections get the new
+        certificate; links made before keep their TLS session, as a restart would not.  What the new files no
+        longer admit is returned to be closed: client and admin connections whose token was withdrawn or now
+        names someone else, and, when a CA certificate left the bundle, every client and admin connection made
+        with a certificate (it may have been verified by that CA; a valid one connects again at once).  Broker
+        links are kept: closing them all would make the overlay heal around a broker that is well.
+        """
+        c = self.config
+        try:
+            tokens = load_tokens(c.tokens_file) if c.tokens_file else None
+            tls = load_broker_tls(c, require_client_cert=tokens is None) if c.tls else None
+            if tls is not None and self.tls is not None and tls.name != self.tls.name:
+                raise ConfigError(
+                    f"tls_cert={c.tls_cert!r} now names {tls.name!r}, but this broker is {self.tls.name!r}: a broker "
+                    f"keeps its name while it runs; issue the new certificate for {self.tls.name!r} (sedax certs "
+                    "issue --name) or restart the broker under the new name"
+                )
+            acl = load_acl(c.acl_file) if c.acl_file else None
+        except ConfigError:
+            self.counters["reload_failures"] += 1
+            raise
+        files: list[str] = []
+        ca_removed = False
+        if tls is not None and self.tls is not None:
+            before = self.tls.server.get_ca_certs(binary_form=True)
+            ca_removed = not set(before) <= set(tls.server.get_ca_certs(binary_form=True))
+            self.tls = tls
+            files.append(f"the TLS certificate {c.tls_cert}, its key and CA {c.tls_ca}")
+        if tokens is not None:
+            self.tokens = tokens
+            files.append(f"{len(tokens)} tokens from {c.tokens_file}")
+        if acl is not None and self.acl is not None:
+            self.acl.replace(acl)
+            files.append(f"{len(acl.rules)} ACL rules from {c.acl_file}")
+        revoked: list[tuple[PeerLink, str]] = []
+        for link in links:
+            if link.role not in ("client", "admin") or link.outbound or not link.established:
+                continue
+            if link.token and (self.tokens is None or self.tokens.get(link.token) != link.identity):
+                revoked.append((link, f"the token of {link.identity!r} is no longer in {c.tokens_file}"))
+            elif ca_removed and link.cert is not None:
+                revoked.append((link, f"a CA certificate left {c.tls_ca}: connect again to be verified anew"))
+        self.counters["reloads"] += 1
+        return Reloaded(tuple(files), tuple(revoked))
 
     # --------------------------------------------------------------------------------------- routing
 

@@ -234,6 +234,7 @@ class PeerLink:
         # identity the broker admitted it as at HELLO (broker/guard.py).
         self.cert: PeerCert | None = transport.peer_cert
         self.identity = ""
+        self.token = ""  # the SHA-256 of the token it was admitted with, if any (a reload may withdraw it)
         self.may_route = False  # routed frames accepted from this link (brokers, and tools with a broker cert)
         # Bound on bytes queued for a peer that does not read (client links; 0 = none, for broker links,
         # whose backpressure is the reader pause in Broker.flush).

@@ -40,7 +40,7 @@ def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
 
 
 async def serve(config: BrokerConfig) -> int:
-    """Start, join, announce readiness, serve until SIGTERM/SIGINT/SIGHUP, then leave gracefully."""
+    """Start, join, announce readiness, serve until SIGTERM/SIGINT (SIGHUP reloads), then leave gracefully."""
     soft_before, _ = raise_open_file_limit()
     try:
         broker = Broker(config)
@@ -61,10 +61,28 @@ async def serve(config: BrokerConfig) -> int:
         log.info("%s: leaving the overlay", name)
         stop.set()
 
-    # SIGHUP too: a broker run in a terminal that is closed (or a `kill -HUP` by habit) leaves as on SIGTERM,
-    # handing its topics on, instead of the signal's default: an exit as abrupt as a crash.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    def on_reload() -> None:
+        if not (config.tls or config.tokens_file or config.acl_file):
+            log.info("SIGHUP: nothing to read again (no --tls-cert, --tokens or --acl)")
+            return
+        try:
+            done = broker.reload()
+        except ConfigError as exc:
+            problem = str(exc)  # (logged below, outside the handler: the reason is the line, not a traceback)
+        else:
+            closed = f"; {len(done.revoked)} connections they no longer admit closed" if done.revoked else ""
+            n = done.subscriptions_ended
+            ended = f"; {n} subscriptions the ACL now denies ended" if n else ""
+            log.info("SIGHUP: read again %s%s%s", ", ".join(done.files), closed, ended)
+            return
+        log.error("SIGHUP: nothing was reloaded, the broker goes on as it was: %s", problem)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
+    # SIGHUP reads the TLS files, tokens and ACL again, as it does for nats-server, Mosquitto and Prometheus
+    # (`systemctl reload`, a certificate renewal hook).  Its default action would end the broker like a crash,
+    # and a leave on a "reload" would take it out of the overlay.
+    loop.add_signal_handler(signal.SIGHUP, on_reload)
     try:
         await broker.start()
     except StartFailed as exc:

@@ -21,6 +21,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TypeAlias
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 from broker.balancer import Balancer
 from broker.config import BrokerConfig, ConfigError
 from broker.eventlog import EventLog
-from broker.guard import Guard
+from broker.guard import Guard, Reloaded
 from broker.link import TICK_SLACK, CloseReason, LinkClosed, PeerLink
 from broker.membership import Membership
 from broker.memory import HeapTrimmer, human_bytes, memory_available
@@ -236,6 +237,20 @@ class Broker(Membership, Routing):
         self.tasks.spawn(self._ticker(), "ticker")
         await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
+
+    def reload(self) -> Reloaded:
+        """SIGHUP: read the TLS files, tokens and ACL again (Guard.reload; a ConfigError changes nothing).  New
+        connections get the new certificate, connections the new files no longer admit are closed, and local
+        subscriptions the new ACL denies end."""
+        done = self.guard.reload(self.links)
+        if self._listener is not None and self.guard.tls is not None:
+            self._listener.use(self.guard.tls.server)
+        for link, why in done.revoked:
+            link.close_soon(CloseReason.REFUSED, why)
+        ended = self.pubsub.acl_reloaded()
+        if ended:
+            self._pubsub_input = True  # their UNSUBSCRIBEs leave at the next pub/sub tick
+        return replace(done, subscriptions_ended=ended)
 
     def _log_limits(self) -> None:
         """Say at start what memory the stored messages may take and what the open-file limit allows; warn when

@@ -176,6 +176,10 @@ class Listener:
         self._task = self._tasks.spawn(self._accept_loop(sock), "accept")
         return int(sock.getsockname()[1])
 
+    def use(self, ctx: ssl.SSLContext) -> None:
+        """Handshake the connections accepted from now on with ctx (a reload's new certificate)."""
+        self._ctx = ctx
+
     def close(self) -> None:
         """Stop accepting (connections already handed over are not affected)."""
         if self._task is not None:

@@ -29,6 +29,7 @@ import math
 import os
 import random
 import secrets
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -39,7 +40,7 @@ from typing import Any, Final, Self
 from client.admin import HANDSHAKE_HINT
 from client.errors import ClientClosed, ClientError, ConnectError, RequestFailed, describe
 from net.connection import CLIENT_WRITE_HIGH_WATER, HandshakeRefused, Heartbeat, Requests, open_handshake
-from net.credentials import Credentials
+from net.credentials import Credentials, CredentialsError
 from net.transport import Transport, connect_broker
 from overlay.delegation import BalancePlan, BalancePlanned, MoveTopic
 from overlay.protocol import (
@@ -160,10 +161,12 @@ def _base36(n: int) -> str:
             return out
 
 
-def _expire(fut: asyncio.Future[PublishAck], seconds: float) -> None:
+def _expire(fut: asyncio.Future[PublishAck], seconds: float, client: Client) -> None:
     """publish()'s time-out: no acknowledgement came in time (the publish stays pending and is re-sent)."""
     if not fut.done():
-        fut.set_exception(TimeoutError(f"no acknowledgement within {seconds:g} s (request_timeout)"))
+        why = client.reconnect_error
+        offline = f"; not connected: {why}" if why else ""
+        fut.set_exception(TimeoutError(f"no acknowledgement within {seconds:g} s (request_timeout){offline}"))
 
 
 @fast_init  # one per message received
@@ -598,6 +601,9 @@ class Client:
         self._ping_seq = itertools.count()
         self._resending = False  # the re-send task runs (from the first connection on)
         self.reconnects = 0
+        # Why the last attempt to reconnect failed, while the client is still reconnecting (None once connected):
+        # a request that times out meanwhile says so, rather than only that no answer came.
+        self.reconnect_error: str | None = None
         self.resent = 0
         self.rate_limited = 0  # publishes the broker asked to send again later (NACK rate_limited)
         self.renewals = 0  # subscriptions subscribed again after subscription_lease without a word (`_renew`)
@@ -657,8 +663,18 @@ class Client:
     async def _connect_one(self, addr: str) -> None:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.connect_timeout):
-            transport = await connect_broker(host, port, self._ssl, self.connect_timeout)
+            transport = await connect_broker(host, port, self._tls(), self.connect_timeout)
         await self.attach(transport, addr)
+
+    def _tls(self) -> ssl.SSLContext | None:
+        """The TLS context for a connection made now: renewed certificate files are read again (a cheap stat
+        when they are not), so a long-running client follows a rotation; files that cannot be read now (one
+        half-written) leave it with those it had."""
+        try:
+            self._ssl = self.credentials.ssl_context()
+        except CredentialsError as exc:
+            log.warning("keeping the TLS files loaded before: %s", exc)
+        return self._ssl
 
     async def attach(self, transport: Transport, addr: str) -> None:
         """Make a connected transport this client's connection: the handshake (net.connection.open_handshake),
@@ -819,6 +835,8 @@ class Client:
                 if sub is not None:
                     sub._heard = True
                     sub._heads(m.publishers)
+            case Failed(corr=0):
+                self._subscription_refused(m)
             case Done() | Fetched() | Located() | Failed() | BalancePlanned():
                 self._resolve(m.corr, m)
             case Ping():
@@ -826,6 +844,17 @@ class Client:
                     self._conn.send(encode_control(Pong(m.seq)))
             case _:
                 pass  # PONG and anything newer: liveness is all they tell
+
+    def _subscription_refused(self, m: Failed) -> None:
+        """A FAILED no request asked for: the overlay ended a subscription that stood (the broker's ACL, read
+        again, denies it now; the topic's primary refused a registration made again).  Its iteration ends with
+        the reason, as a refused re-subscription does; a passing refusal is left to the next re-registration."""
+        sub = self._subs.get(m.topic)
+        if sub is None or m.code in RESUBSCRIBE_TRANSIENT:
+            return
+        log.warning("subscription to %s ended by the overlay: %s: %s", m.topic, m.code, m.text)
+        del self._subs[m.topic]
+        sub._fail(RequestFailed(m.code, m.text))
 
     def _resolve(self, corr: int, m: Message) -> None:
         self._requests.complete(corr, m)
@@ -844,11 +873,13 @@ class Client:
             try:
                 await self._connect_any([*others, failed])
             except ConnectError as exc:
+                self.reconnect_error = str(exc)
                 log.warning("reconnect failed, retrying in %.2fs: %s", delay, exc)
                 await asyncio.sleep(delay * (1.0 + random.random()))
                 delay = min(delay * 2, 2.0)
                 continue
             self.reconnects += 1
+            self.reconnect_error = None
             await self._restore()
             return
 
@@ -1063,8 +1094,13 @@ class Client:
         if self._closing:
             raise ClientClosed("the client is closed")
         if not self._connected.is_set():
-            async with asyncio.timeout(self.request_timeout):
-                await self._connected.wait()
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    await self._connected.wait()
+            except TimeoutError:
+                if self.reconnect_error is None:
+                    raise
+                raise ConnectError(f"not connected: {self.reconnect_error}") from None
         conn = self._conn
         if conn is None:
             raise ConnectError("not connected")
@@ -1159,7 +1195,7 @@ class Client:
         # One timer handle, not an asyncio.timeout() context (a Timeout object, a task lookup, a reschedule and
         # an exit check per publish: a quarter of a publishing device's client CPU by the fan-in profile).  The
         # timer fails the future itself, so a late ACK finds it done and is ignored as before.
-        timer = fut.get_loop().call_later(self.request_timeout, _expire, fut, self.request_timeout)
+        timer = fut.get_loop().call_later(self.request_timeout, _expire, fut, self.request_timeout, self)
         try:
             return await fut
         finally:

@@ -78,10 +78,24 @@ def peer_cert(info: object) -> PeerCert | None:
     return PeerCert(name, found.get("organizationalUnitName", ""))
 
 
+def _changed(path: str | None) -> tuple[int, int] | None:
+    """When and how a file last changed (None if it cannot be read: the load then says why)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_ino
+
+
 @functools.lru_cache(maxsize=64)
-def _client_context(ca: str, cert: str | None, key: str | None) -> ssl.SSLContext:
+def _client_context(
+    ca: str, cert: str | None, key: str | None, versions: tuple[tuple[int, int] | None, ...]
+) -> ssl.SSLContext:
     # Loading a CA bundle and a key costs about a millisecond; tools that open many connections (cluster
-    # status polling) share one context per set of files.
+    # status polling) share one context per set of files.  `versions` (the files' mtimes and inodes) is part of
+    # the key so that a long-running client reconnects with renewed files, not the ones it started with.
     try:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
     except (OSError, ssl.SSLError) as exc:
@@ -164,7 +178,8 @@ class Credentials:
         """The client-side TLS context (None for insecure); CredentialsError if a file cannot be loaded."""
         if self.insecure or self.ca is None:
             return None
-        return _client_context(self.ca, self.cert, self.key)
+        versions = (_changed(self.ca), _changed(self.cert), _changed(self.key))
+        return _client_context(self.ca, self.cert, self.key, versions)
 
 
 def source_address(listen: str) -> str | None:

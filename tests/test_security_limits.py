@@ -134,13 +134,14 @@ async def test_publish_rate_limit_throttles_without_losing_anything(limited: Loc
     before = await counters(limited)
     async with Client(addr) as sub_c, Client(addr, ack_timeout=0.2) as pub:
         sub = await sub_c.subscribe("grid/rate/voltage")
-        # Three batches, each sent before the next is made.  One batch, however large, passes a full bucket (and
-        # leaves it in debt): on a slow machine the first lone message and the batch behind it could be far enough
-        # apart for the bucket to fill again, and nothing was refused.  The next batch comes into the debt.
-        acks = []
-        for first in range(0, 300, 100):
-            acks += [await pub.publish_nowait("grid/rate/voltage", f"{i}") for i in range(first, first + 100)]
-            await asyncio.sleep(0)  # the batch leaves at the end of this turn
+        # One batch, however large, passes a full bucket and leaves it in debt: sent back to back, the messages
+        # could reach the broker in one read, be taken as one batch (coalesce_publishes) and all pass.  So the
+        # first 100 are acknowledged first; the next 200 then come into their debt (100 - 20 tokens at 200/s:
+        # refused unless the acknowledgements took 0.4 s).
+        acks = [await pub.publish_nowait("grid/rate/voltage", f"{i}") for i in range(100)]
+        async with asyncio.timeout(60):
+            await asyncio.gather(*acks)
+        acks += [await pub.publish_nowait("grid/rate/voltage", f"{i}") for i in range(100, 300)]
         async with asyncio.timeout(60):
             await asyncio.gather(*acks)
             got = [(await anext(sub)).seq for _ in range(300)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Final
 
+from broker.acl import refusal
 from broker.pubsub.core import TopicTable, control_frame, frame_chunks, same
 from broker.pubsub.settings import REGISTER_AGAIN
 from overlay.delegation import MoveTopic
@@ -153,6 +154,27 @@ class AccessRole:
             self._count(topic, -1)
             self.send_request(topic, session, Unsubscribe(0, topic))
         self.identities.pop(session, None)
+
+    def acl_reloaded(self) -> int:
+        """The ACL was read again: end each local subscription it no longer allows.  The topic's primary is told
+        (UNSUBSCRIBE, as when the client leaves) and the client gets a FAILED not_allowed with corr 0, which ends
+        that subscription with the reason; a client that subscribes again is refused as any new one is.  Returns
+        how many subscriptions ended."""
+        acl = self.t.config.acl
+        if acl is None:
+            return 0
+        ended = 0
+        for session, topics in self.session_topics.items():
+            identity = self.identities.get(session, "")
+            for topic in sorted(topics):
+                denied = refusal(acl, identity, Subscribe(0, topic), "access")
+                if denied is None:
+                    continue
+                self._forget(session, topic)
+                self.send_request(topic, session, Unsubscribe(0, topic))
+                self.to_local(session, denied)
+                ended += 1
+        return ended
 
     def _forget(self, session: str, topic: str) -> None:
         """The session no longer subscribes topic (unsubscribed, or refused by the primary)."""

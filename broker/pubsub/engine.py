@@ -177,6 +177,10 @@ class PubSub:
         """A local client went away: end its subscriptions at the topics' primaries."""
         self.access.session_closed(session)
 
+    def acl_reloaded(self) -> int:
+        """The ACL was read again: local subscriptions it denies now end (AccessRole.acl_reloaded); how many."""
+        return self.access.acl_reloaded()
+
     def subscriptions(self, session: str) -> int:
         """How many topics a local session is subscribed to."""
         return self.access.subscriptions(session)

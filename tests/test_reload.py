@@ -1,0 +1,254 @@
+"""SIGHUP reads a broker's TLS files, tokens file and ACL file again, on real TLS brokers.
+
+What an operator does to rotate: replace the files (`sedax certs issue --force`, a tokens file without a name, a
+new ACL, a new CA bundle) and `kill -HUP` the broker, as with nats-server or Mosquitto.  New connections get
+the new certificate; what the new files no longer admit is cut off; a file that does not load changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from cluster import log_has, log_size, wait_for
+from conftest import FAST_ARGS
+
+from cli.cluster import BrokerProcess, LocalCluster
+from client.client import Client, ClientError, RequestFailed
+from net import certs
+from net.credentials import Credentials
+from overlay.protocol import parse_address
+
+pytestmark = pytest.mark.slow
+
+ACL = """\
+allow     any        operator   grid/#
+allow     publish    meter-*    grid/+/voltage
+allow     subscribe  dashboard  grid/+/voltage
+"""
+DENY_DASHBOARD = """\
+allow     any        operator   grid/#
+allow     publish    meter-*    grid/+/voltage
+deny      subscribe  dashboard  grid/#
+"""
+
+
+class One:
+    """One TLS broker with an ACL and a tokens file, and the paths an operator would edit."""
+
+    def __init__(self, cluster: LocalCluster, tokens: dict[str, str]) -> None:
+        self.cluster = cluster
+        self.bp: BrokerProcess = cluster.nodes[0]
+        self.tokens = tokens  # name -> token
+        assert cluster.state_dir is not None
+        self.acl = cluster.state_dir / "broker.acl"
+        self.tokens_file = cluster.certs_dir / "tokens.json"
+        self.ca = str(certs.ca_paths(cluster.certs_dir)[0])
+
+    def creds(self, name: str) -> Credentials:
+        return self.cluster.credentials(name)
+
+    def token(self, name: str) -> Credentials:
+        return Credentials(ca=self.ca, token=self.tokens[name])
+
+    async def hup(self, expect: str) -> None:
+        """SIGHUP the broker and wait for its log line about it."""
+        since = log_size(self.bp)
+        os.kill(self.bp.pid, signal.SIGHUP)
+        await wait_for(lambda: log_has(self.bp, expect, since), 15.0, f"{expect!r} in the broker's log")
+        assert self.bp.alive, self.bp.stderr_tail()
+
+    async def counters(self) -> dict[str, int]:
+        return dict((await self.cluster.statuses())[self.bp.node_id].counters)
+
+
+@pytest.fixture
+async def one(tmp_path: Path) -> AsyncIterator[One]:
+    (tmp_path / "broker.acl").write_text(ACL)
+    tokens = {}
+    for name in ("dashboard", "meter-7"):
+        tokens[name], tokens_file = certs.add_token(tmp_path / "certs", name)
+    args = (*FAST_ARGS, "--acl", str(tmp_path / "broker.acl"), "--tokens", str(tokens_file))
+    cluster = LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, tls=True, broker_args=args)
+    try:
+        await cluster.start()
+        yield One(cluster, tokens)
+    finally:
+        await cluster.close()
+
+
+async def served_certificate(bp: BrokerProcess, ca: str) -> bytes:
+    """The certificate a new TLS connection to the broker is shown (DER)."""
+    host, port = parse_address(bp.listen)
+    ctx = ssl.create_default_context(cafile=ca)
+    reader, writer = await asyncio.open_connection(host, port, ssl=ctx, server_hostname=host)
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        assert isinstance(der, bytes)
+        return der
+    finally:
+        writer.close()
+        await asyncio.gather(writer.wait_closed(), return_exceptions=True)
+        del reader
+
+
+async def test_sighup_serves_a_renewed_certificate_and_a_broken_one_changes_nothing(one: One) -> None:
+    old = await served_certificate(one.bp, one.ca)
+    async with Client(one.bp.listen, credentials=one.creds("operator")) as c:
+        await c.publish("grid/a/voltage", b"before")
+        certs.issue(one.cluster.certs_dir, one.bp.node_id, "broker", force=True)  # the renewal
+        await one.hup("SIGHUP: read again the TLS certificate")
+        renewed = await served_certificate(one.bp, one.ca)
+        assert renewed != old
+        await c.publish("grid/a/voltage", b"after")  # a connection made before the renewal is kept
+
+        # A key that is not the certificate's (a renewal half done): refused, the renewed one stays in use.
+        cert, key = certs.cert_paths(one.cluster.certs_dir, one.bp.node_id)
+        good_key = key.read_bytes()
+        _, other_key = certs.issue(one.cluster.certs_dir, "someone-else", "broker")
+        shutil.copyfile(other_key, key)
+        await one.hup("SIGHUP: nothing was reloaded, the broker goes on as it was")
+        assert await served_certificate(one.bp, one.ca) == renewed
+        await c.publish("grid/a/voltage", b"still")
+        counters = await one.counters()
+        assert (counters["reloads"], counters["reload_failures"]) == (1, 1)
+
+        # A certificate for another name is refused too: a broker keeps its name while it runs.
+        key.write_bytes(good_key)
+        certs.issue(one.cluster.certs_dir, "renamed", "broker")
+        shutil.copyfile(certs.cert_paths(one.cluster.certs_dir, "renamed")[0], cert)
+        shutil.copyfile(certs.cert_paths(one.cluster.certs_dir, "renamed")[1], key)
+        await one.hup("now names 'renamed', but this broker is 'n0'")
+        assert await served_certificate(one.bp, one.ca) == renewed
+        assert "Traceback" not in one.bp.stderr_tail(200)
+
+
+async def test_sighup_cuts_off_a_withdrawn_token_and_keeps_the_others(one: One) -> None:
+    async with (
+        Client(one.bp.listen, credentials=one.token("dashboard"), connect_timeout=3.0) as dash,
+        Client(one.bp.listen, credentials=one.token("meter-7"), connect_timeout=3.0, request_timeout=3.0) as meter,
+    ):
+        sub = await dash.subscribe("grid/b/voltage")
+        await meter.publish("grid/b/voltage", b"1")
+        async with asyncio.timeout(10):
+            assert (await anext(sub)).payload == b"1"
+
+        kept = json.loads(one.tokens_file.read_text())
+        del kept["meter-7"]
+        one.tokens_file.write_text(json.dumps(kept))
+        await one.hup("1 connections they no longer admit closed")
+
+        async def refused() -> bool:
+            try:
+                await meter.publish("grid/b/voltage", b"2")
+            except (ClientError, TimeoutError) as exc:
+                # What the publisher is told: the reason its reconnects fail, not only that no answer came.
+                assert "unauthenticated: the token is not valid on this broker" in str(exc), exc
+                return True
+            return False
+
+        await wait_for(refused, 20.0, "the withdrawn token's client to be refused")
+        assert log_has(one.bp, "the token of 'meter-7' is no longer in")
+
+        async def reconnect_refused() -> bool:
+            return (await one.counters())["refused_unauthenticated"] >= 1
+
+        await wait_for(reconnect_refused, 20.0, "the client's reconnect with the withdrawn token refused")
+        # The other token's client is untouched: still subscribed, still served.
+        async with Client(one.bp.listen, credentials=one.creds("meter-8")) as other:
+            await other.publish("grid/b/voltage", b"3")
+        async with asyncio.timeout(10):
+            assert (await anext(sub)).payload == b"3"
+
+
+async def test_sighup_applies_a_new_acl_to_standing_subscriptions(one: One) -> None:
+    async with (
+        Client(one.bp.listen, credentials=one.token("dashboard")) as dash,
+        Client(one.bp.listen, credentials=one.creds("operator")) as op,
+    ):
+        denied = await dash.subscribe("grid/c/voltage")
+        kept = await op.subscribe("grid/c/voltage")
+        await op.publish("grid/c/voltage", b"1")
+        async with asyncio.timeout(10):
+            assert (await anext(denied)).payload == b"1"
+            assert (await anext(kept)).payload == b"1"
+
+        # A broken ACL first: nothing changes.
+        one.acl.write_text("allow any\n")
+        await one.hup("SIGHUP: nothing was reloaded")
+        await op.publish("grid/c/voltage", b"2")
+        async with asyncio.timeout(10):
+            assert (await anext(denied)).payload == b"2"
+            assert (await anext(kept)).payload == b"2"
+
+        one.acl.write_text(DENY_DASHBOARD)
+        await one.hup("1 subscriptions the ACL now denies ended")
+        async with asyncio.timeout(10):
+            with pytest.raises(RequestFailed, match="not_allowed") as refused:
+                await anext(denied)
+        assert "'dashboard' may not subscribe to 'grid/c/voltage'" in str(refused.value)
+        with pytest.raises(RequestFailed, match="not_allowed"):
+            await dash.subscribe("grid/c/voltage")
+        # The operator's subscription goes on, and the primary no longer sends the ended one anything.
+        before = (await one.counters())["delivered"]
+        await op.publish("grid/c/voltage", b"3")
+        async with asyncio.timeout(10):
+            assert (await anext(kept)).payload == b"3"
+        assert (await one.counters())["delivered"] - before == 1
+
+
+async def test_sighup_with_a_new_ca_reconnects_certificate_clients_and_refuses_the_old_ones(
+    one: One, tmp_path: Path
+) -> None:
+    # The CA is replaced (a compromised key): the broker gets a certificate of the new CA and trusts only it.
+    new = tmp_path / "new-ca"
+    certs.init_ca(new)
+    certs.issue(new, one.bp.node_id, "broker", ["127.0.0.1"])
+    certs.issue(new, "operator", "client")
+    old_dir = one.cluster.certs_dir
+    old_creds = one.creds("meter-9")
+    async with Client(one.bp.listen, credentials=old_creds, connect_timeout=3.0, request_timeout=3.0) as old:
+        await old.publish("grid/d/voltage", b"1")
+        for src, dst in (
+            (certs.ca_paths(new)[0], certs.ca_paths(old_dir)[0]),
+            *zip(certs.cert_paths(new, one.bp.node_id), certs.cert_paths(old_dir, one.bp.node_id), strict=True),
+        ):
+            shutil.copyfile(src, dst)
+        # The client's CA file was the one replaced too: what it verifies the broker with now is the new CA,
+        # but its own certificate is of the old one.
+        await one.hup("1 connections they no longer admit closed")
+
+        async def cut_off() -> bool:
+            try:
+                await old.publish("grid/d/voltage", b"2")
+            except (ClientError, TimeoutError):
+                return True
+            return False
+
+        await wait_for(cut_off, 20.0, "the old CA's client to be cut off")
+    new_cert, new_key = certs.cert_paths(new, "operator")
+    creds = Credentials(ca=str(certs.ca_paths(new)[0]), cert=str(new_cert), key=str(new_key))
+    async with Client(one.bp.listen, credentials=creds) as c:
+        await c.publish("grid/d/voltage", b"3")
+    assert log_has(one.bp, "TLS handshake with"), one.bp.stderr_tail()  # the old client's attempts
+
+
+async def test_sighup_without_files_to_read_keeps_serving(tmp_path: Path) -> None:
+    # SIGHUP used to be a graceful leave: `systemctl reload` or a renewal hook took the broker out of the overlay.
+    async with LocalCluster(2, state_dir=tmp_path, tls=False, broker_args=FAST_ARGS) as cluster:
+        await cluster.wait_converged(20.0)
+        bp = cluster.nodes[1]
+        since = log_size(bp)
+        os.kill(bp.pid, signal.SIGHUP)
+        await wait_for(lambda: log_has(bp, "SIGHUP: nothing to read again", since), 15.0, "the SIGHUP line")
+        assert bp.alive
+        await cluster.wait_converged(5.0)
+        async with Client(bp.listen, credentials=Credentials(insecure=True)) as c:
+            await c.publish("grid/e/voltage", b"1")
