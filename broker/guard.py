@@ -63,6 +63,11 @@ SWEEP_INTERVAL: Final = 1.0
 CLOSE_LOG_WINDOW: Final = 60.0
 CLOSE_LOG_FIRST: Final = 50
 
+# A certificate that expires while the broker runs makes every new link and client fail its handshake.  The log
+# warns from this long before (at start, at each reload, then once a day); the metrics show the date.
+EXPIRY_WARNING: Final = 30 * 86400.0
+EXPIRY_WARN_EVERY: Final = 86400.0
+
 COUNTERS: Final = (
     "tls_handshake_failures",
     "refused_at_accept",
@@ -218,6 +223,7 @@ class Guard:
         self._bounds = (s.xmin, s.xmax, s.ymin, s.ymax)
         self._next_sweep = 0.0
         self.closes = CloseLog(log)
+        self._expiry_warned = -math.inf
 
     @property
     def name(self) -> str | None:
@@ -425,7 +431,24 @@ class Guard:
             elif ca_removed and link.cert is not None:
                 revoked.append((link, f"a CA certificate left {c.tls_ca}: connect again to be verified anew"))
         self.counters["reloads"] += 1
+        self._expiry_warned = -math.inf  # a certificate renewed too little is said at once
         return Reloaded(tuple(files), tuple(revoked))
+
+    def check_expiry(self, wall: float) -> None:
+        """Warn, at most once per EXPIRY_WARN_EVERY, while the certificate expires within EXPIRY_WARNING."""
+        if self.tls is None or wall < self._expiry_warned + EXPIRY_WARN_EVERY:
+            return
+        left = self.tls.expires - wall
+        if left > EXPIRY_WARNING:
+            return
+        self._expiry_warned = wall
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.tls.expires))
+        state = f"expires in {left / 86400:.1f} days" if left > 0 else f"expired {-left / 86400:.1f} days ago"
+        self.log.warning(
+            "the TLS certificate %s %s (%s): new links and clients then fail their handshake; renew it (sedax "
+            "certs issue --force, or your CA) and send this broker SIGHUP",
+            self.config.tls_cert, state, when,
+        )  # fmt: skip
 
     # --------------------------------------------------------------------------------------- routing
 

@@ -241,6 +241,13 @@ class BrokerCollector:
             value=g.stored_memory,
         )
         yield GaugeMetricFamily("sedax_max_memory_bytes", "The broker's --max-memory, in bytes.", value=g.max_memory)
+        if g.certificate_expires:
+            yield GaugeMetricFamily(
+                "sedax_tls_certificate_expiry_timestamp_seconds",
+                "When the broker's TLS certificate expires (notAfter, Unix time): alert well before it; renew the "
+                "certificate and send the broker SIGHUP.",
+                value=g.certificate_expires,
+            )
 
         values = b.counter_values()
         drops = CounterMetricFamily("sedax_dropped_messages", "Routed messages dropped, by reason.", labels=["reason"])

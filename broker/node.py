@@ -231,6 +231,7 @@ class Broker(Membership, Routing):
         if self.config.on_disk:
             self.log.info("data directory %s (fsync %s): %s", self.config.data_dir, self.config.fsync, report)
         self._log_limits()
+        self.guard.check_expiry(time.time())
         if not self.config.join:
             self.pubsub.resume()  # the first broker: nobody to compare the recovered topics with
         self.balancer.start(self._now)
@@ -522,6 +523,7 @@ class Broker(Membership, Routing):
                 self.pubsub.tick()
                 self.guard.sweep_idle(self.links, now, self._subscribed)
                 self.guard.closes.tick(now)
+                self.guard.check_expiry(time.time())
                 self.trimmer.maybe_trim(now)
                 busy = now < busy_until
                 pubsub_at = now + PUBSUB_TICK if busy else never
@@ -695,7 +697,9 @@ class Broker(Membership, Routing):
         """Neighbours, links and sessions right now (stats.Observed)."""
         neighbours = tuple(link.peer for link in self.peers.values() if link.established and link.peer is not None)
         ps = self.pubsub
-        return Gauges(neighbours, len(self.links), len(self.sessions), ps.store.memory(), ps.config.max_memory)
+        tls = self.guard.tls
+        expires = tls.expires if tls is not None else 0.0
+        return Gauges(neighbours, len(self.links), len(self.sessions), ps.store.memory(), ps.config.max_memory, expires)
 
     def _security_counters(self) -> dict[str, int]:
         lst = self._listener

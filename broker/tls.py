@@ -45,6 +45,7 @@ class BrokerTls:
     server: ssl.SSLContext
     dial: ssl.SSLContext
     name: str
+    expires: float  # the certificate's notAfter, in seconds since the epoch
 
 
 def _load(ctx_for: str, purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLContext:
@@ -90,12 +91,13 @@ def _why(exc: ssl.SSLError) -> str:
     return str(getattr(exc, "verify_message", None) or exc.reason or exc)
 
 
-def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> PeerCert:
+def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> tuple[PeerCert, float]:
     """Handshakes with ourselves in memory: the certificate must verify against the CA as a client certificate
     (what peers we dial check) and as a server certificate (what peers dialling us check).
 
     Catches a certificate of another CA, a client certificate or a key that is not the certificate's at
-    start-up, with a clear message, instead of as refused links later.
+    start-up, with a clear message, instead of as refused links later.  Returns the name the certificate gives
+    and when it expires.
     """
     # First only the server side verifies, so a client certificate of the right CA gets as far as showing
     # its name and role.
@@ -107,7 +109,7 @@ def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> PeerCer
     except ssl.SSLError as exc:
         raise ConfigError(f"tls_cert={cert!r} does not verify against tls_ca={ca!r}: {_why(exc)}") from None
     me = peer_cert(seen)
-    if me is None:
+    if me is None or not isinstance(seen, dict):
         raise ConfigError(f"tls_cert={cert!r}: the TLS self-check did not complete; is it a certificate of tls_ca?")
     if me.role != ROLE_BROKER:
         raise ConfigError(
@@ -120,7 +122,7 @@ def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> PeerCer
         _handshake(server, verifying)
     except ssl.SSLError as exc:
         raise ConfigError(f"tls_cert={cert!r} is not usable as a server certificate of tls_ca: {_why(exc)}") from None
-    return me
+    return me, float(ssl.cert_time_to_seconds(str(seen["notAfter"])))
 
 
 def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> BrokerTls:
@@ -131,8 +133,8 @@ def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> Broke
     server = _load("server side", ssl.Purpose.CLIENT_AUTH, cert, key, ca)
     server.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     dial = _load("dialling brokers", ssl.Purpose.SERVER_AUTH, cert, key, ca)
-    me = _self_check(server, cert, key, ca)
-    return BrokerTls(server, dial, me.name)
+    me, expires = _self_check(server, cert, key, ca)
+    return BrokerTls(server, dial, me.name, expires)
 
 
 class Listener:

@@ -125,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "broker":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     previous = {}
-    # The broker handles these itself (SIGTERM a graceful leave, SIGHUP a reload); signal handlers can only be set in the main thread.
+    # The broker handles these itself (SIGTERM a graceful leave, SIGHUP a reload); signal handlers can only be
+    # set in the main thread.
     if args.command != "broker" and threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _terminated) for sig in ENDING_SIGNALS}
     try:

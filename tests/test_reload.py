@@ -13,6 +13,8 @@ import os
 import shutil
 import signal
 import ssl
+import subprocess
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -252,3 +254,38 @@ async def test_sighup_without_files_to_read_keeps_serving(tmp_path: Path) -> Non
         await cluster.wait_converged(5.0)
         async with Client(bp.listen, credentials=Credentials(insecure=True)) as c:
             await c.publish("grid/e/voltage", b"1")
+
+
+def _not_after(cert: Path) -> float:
+    out = subprocess.run(["openssl", "x509", "-enddate", "-noout", "-in", str(cert)], capture_output=True, text=True)
+    return float(ssl.cert_time_to_seconds(out.stdout.strip().removeprefix("notAfter=")))
+
+
+def _expiry_metric(bp: BrokerProcess) -> float:
+    with urllib.request.urlopen(f"http://{bp.metrics}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("sedax_tls_certificate_expiry_timestamp_seconds "):
+                return float(line.split()[1])
+    raise AssertionError("no sedax_tls_certificate_expiry_timestamp_seconds in the metrics")
+
+
+async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(tmp_path: Path) -> None:
+    # Expired while the broker runs, a certificate fails every new link's handshake: the overlay splits.
+    pki = tmp_path / "certs"
+    certs.init_ca(pki)
+    cert, _ = certs.issue(pki, "n0", "broker", ["127.0.0.1"], days=10)
+    args = (*FAST_ARGS, "--metrics", "127.0.0.1:0")
+    async with LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, tls=True, broker_args=args) as cluster:
+        bp = cluster.nodes[0]
+        assert log_has(bp, "the TLS certificate"), bp.stderr_tail()
+        assert log_has(bp, "expires in 10.0 days") or log_has(bp, "expires in 9.9 days"), bp.stderr_tail()
+        before = _not_after(cert)
+        assert abs(_expiry_metric(bp) - before) < 1.0
+
+        certs.issue(pki, "n0", "broker", ["127.0.0.1"], force=True, days=400)
+        since = log_size(bp)
+        os.kill(bp.pid, signal.SIGHUP)
+        await wait_for(lambda: log_has(bp, "SIGHUP: read again", since), 15.0, "the reload")
+        assert _not_after(cert) > before + 300 * 86400
+        assert abs(_expiry_metric(bp) - _not_after(cert)) < 1.0
+        assert not log_has(bp, "expires in", since)  # renewed for long enough: no warning after the reload
