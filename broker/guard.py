@@ -435,7 +435,7 @@ class Guard:
         return Reloaded(tuple(files), tuple(revoked))
 
     def check_expiry(self, wall: float) -> None:
-        """Warn, at most once per EXPIRY_WARN_EVERY, while the certificate expires within EXPIRY_WARNING."""
+        """Warn, at most once per EXPIRY_WARN_EVERY, while the certificate (or its CA) expires within EXPIRY_WARNING."""
         if self.tls is None or wall < self._expiry_warned + EXPIRY_WARN_EVERY:
             return
         left = self.tls.expires - wall
@@ -445,9 +445,9 @@ class Guard:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.tls.expires))
         state = f"expires in {left / 86400:.1f} days" if left > 0 else f"expired {-left / 86400:.1f} days ago"
         self.log.warning(
-            "the TLS certificate %s %s (%s): new links and clients then fail their handshake; renew it (sedax "
-            "certs issue --force, or your CA) and send this broker SIGHUP",
-            self.config.tls_cert, state, when,
+            "%s %s (%s): new links and clients then fail their handshake; renew it (sedax certs init/issue "
+            "--force, or your CA) and send this broker SIGHUP",
+            self.tls.expiring, state, when,
         )  # fmt: skip
 
     # --------------------------------------------------------------------------------------- routing

@@ -45,7 +45,8 @@ class BrokerTls:
     server: ssl.SSLContext
     dial: ssl.SSLContext
     name: str
-    expires: float  # the certificate's notAfter, in seconds since the epoch
+    expires: float  # when the certificate or the CA that issued it expires first (notAfter, epoch seconds)
+    expiring: str  # which of the two that is, for the log
 
 
 def _load(ctx_for: str, purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLContext:
@@ -91,13 +92,13 @@ def _why(exc: ssl.SSLError) -> str:
     return str(getattr(exc, "verify_message", None) or exc.reason or exc)
 
 
-def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> tuple[PeerCert, float]:
+def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> tuple[PeerCert, float, object]:
     """Handshakes with ourselves in memory: the certificate must verify against the CA as a client certificate
     (what peers we dial check) and as a server certificate (what peers dialling us check).
 
     Catches a certificate of another CA, a client certificate or a key that is not the certificate's at
-    start-up, with a clear message, instead of as refused links later.  Returns the name the certificate gives
-    and when it expires.
+    start-up, with a clear message, instead of as refused links later.  Returns the name the certificate gives,
+    when it expires and its issuer.
     """
     # First only the server side verifies, so a client certificate of the right CA gets as far as showing
     # its name and role.
@@ -122,7 +123,20 @@ def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> tuple[P
         _handshake(server, verifying)
     except ssl.SSLError as exc:
         raise ConfigError(f"tls_cert={cert!r} is not usable as a server certificate of tls_ca: {_why(exc)}") from None
-    return me, float(ssl.cert_time_to_seconds(str(seen["notAfter"])))
+    return me, float(ssl.cert_time_to_seconds(str(seen["notAfter"]))), seen.get("issuer")
+
+
+def _expiry(server: ssl.SSLContext, cert: str, ca: str, leaf: float, issuer: object) -> tuple[float, str]:
+    """When the chain stops verifying: the certificate's notAfter, or its CA's if that comes first (a CA of the
+    same name as another in the bundle, as a replaced CA has, counts as the later of them)."""
+    issued_by = [
+        float(ssl.cert_time_to_seconds(str(c["notAfter"])))
+        for c in server.get_ca_certs()
+        if c.get("subject") == issuer and "notAfter" in c
+    ]
+    if issued_by and max(issued_by) < leaf:
+        return max(issued_by), f"the CA certificate in {ca} that issued {cert}"
+    return leaf, f"the TLS certificate {cert}"
 
 
 def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> BrokerTls:
@@ -133,8 +147,8 @@ def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> Broke
     server = _load("server side", ssl.Purpose.CLIENT_AUTH, cert, key, ca)
     server.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     dial = _load("dialling brokers", ssl.Purpose.SERVER_AUTH, cert, key, ca)
-    me, expires = _self_check(server, cert, key, ca)
-    return BrokerTls(server, dial, me.name, expires)
+    me, leaf, issuer = _self_check(server, cert, key, ca)
+    return BrokerTls(server, dial, me.name, *_expiry(server, cert, ca, leaf, issuer))
 
 
 class Listener:

@@ -14,6 +14,8 @@ import argparse
 import sys
 from typing import Any, Final
 
+from net.certs import CA_DAYS, LEAF_DAYS
+
 EXIT_USAGE: Final = 2
 
 
@@ -22,27 +24,43 @@ def _cmd(args: argparse.Namespace) -> int:
 
     try:
         if args.action == "init":
-            path = certs.init_ca(args.dir, force=args.force)
+            path = certs.init_ca(args.dir, force=args.force, **({"days": args.days} if args.days else {}))
             print(f"CA certificate {path}; its key {certs.ca_paths(args.dir)[1]} signs every certificate: keep it safe")
         elif args.action == "issue":
             if not args.name or not args.role:
                 raise certs.CertError("issue needs --name NAME and --role broker|client")
-            cert, key = certs.issue(args.dir, args.name, args.role, args.host or (), force=args.force)
+            days = {"days": args.days} if args.days else {}
+            cert, key = certs.issue(args.dir, args.name, args.role, args.host or (), force=args.force, **days)
             print(f"{args.role} certificate {cert} (key {key}) for {args.name!r}")
             if args.role == "broker":
                 ca = certs.ca_paths(args.dir)[0]
                 print(f"run: sedax broker --node-id {args.name} --tls-cert {cert} --tls-key {key} --tls-ca {ca} ...")
+                if args.force:
+                    print(f"a broker already running with {cert} takes the new one at `kill -HUP <its pid>`")
         else:
             if not args.name:
                 raise certs.CertError("token needs --name NAME (the identity the token authenticates as)")
             token, path = certs.add_token(args.dir, args.name)
             print(token)
-            note = f"token for {args.name!r}; its digest is in {path} (pass --tokens {path} to brokers)"
+            note = (
+                f"token for {args.name!r}; its digest is in {path} (pass --tokens {path} to brokers; running ones "
+                "read it again at `kill -HUP <pid>`)"
+            )
             print(note, file=sys.stderr)
     except certs.CertError as exc:
         print(f"sedax: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _days(text: str) -> int:
+    try:
+        days = int(text)
+    except ValueError:
+        days = 0
+    if not 1 <= days <= 36500:
+        raise argparse.ArgumentTypeError(f"--days must be a whole number of days from 1 to 36500, got {text!r}")
+    return days
 
 
 def register(subparsers: Any) -> None:
@@ -60,4 +78,7 @@ def register(subparsers: Any) -> None:
         "--host", action="append", help="issue, broker: an extra IP or DNS name the broker is reached at (repeatable)"
     )
     p.add_argument("--force", action="store_true", help="replace an existing CA or certificate")
+    p.add_argument(
+        "--days", type=_days, help=f"init/issue: how long the certificate is valid (CA {CA_DAYS}, others {LEAF_DAYS})"
+    )
     p.set_defaults(func=_cmd)

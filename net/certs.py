@@ -161,6 +161,7 @@ def issue(
         extfile = Path(tmp) / "ext.cnf"
         extfile.write_text("\n".join(ext) + "\n")
         new_key = Path(tmp) / "new.key"
+        new_cert = Path(tmp) / "new.pem"
         _run(
             [
                 "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
@@ -171,12 +172,14 @@ def issue(
             [
                 "x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key),
                 "-set_serial", f"0x{secrets.randbits(63):x}", "-days", str(days), "-sha256",
-                "-extfile", str(extfile), "-out", str(cert),
+                "-extfile", str(extfile), "-out", str(new_cert),
             ]
         )  # fmt: skip
         new_key.chmod(0o600)
-        # Moved into place only once the certificate exists, so a failed issue leaves no orphan key.
+        # Both moved into place only once both exist, so a failed issue leaves the old pair (or none) whole, and
+        # a broker that reads them again (SIGHUP, a restart) never finds a half-written certificate.
         os.replace(new_key, key)
+        os.replace(new_cert, cert)
     return cert, key
 
 

@@ -289,3 +289,14 @@ async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(
         assert _not_after(cert) > before + 300 * 86400
         assert abs(_expiry_metric(bp) - _not_after(cert)) < 1.0
         assert not log_has(bp, "expires in", since)  # renewed for long enough: no warning after the reload
+
+
+async def test_a_ca_expiring_before_the_certificate_is_what_is_warned_of(tmp_path: Path) -> None:
+    pki = tmp_path / "certs"
+    ca = certs.init_ca(pki, days=20)
+    certs.issue(pki, "n0", "broker", ["127.0.0.1"], days=400)  # openssl lets a certificate outlive its CA
+    args = (*FAST_ARGS, "--metrics", "127.0.0.1:0")
+    async with LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, tls=True, broker_args=args) as cluster:
+        bp = cluster.nodes[0]
+        assert log_has(bp, f"the CA certificate in {ca} that issued"), bp.stderr_tail()
+        assert abs(_expiry_metric(bp) - _not_after(ca)) < 1.0
