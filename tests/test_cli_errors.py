@@ -89,6 +89,8 @@ def _one_line_error(err: str) -> str:
         (["load", "--topics", "100000000", "--broker", DEAD], 2, "at most 1,000,000 per run"),
         # A path the machine refuses: one line naming it (it was "failed unexpectedly ... a bug in sedax").
         (["certs", "init", "--dir", "/proc/no/such"], 1, "certs: cannot use /proc/no: No such file or directory"),
+        (["certs", "issue", "--dir", "/tmp", "--days", "0"], 2, "--days must be a whole number of days"),
+        (["certs", "init", "--dir", "/tmp", "--days", "2.5"], 2, "--days must be a whole number of days"),
         (
             ["cluster", "up", "--nodes", "2", "--insecure", "--state-dir", "/proc/no/such"],
             1,
