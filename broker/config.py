@@ -488,6 +488,49 @@ _OPT_STR_FIELDS: Final = frozenset(
 )
 FIELD_NAMES: Final = tuple(f.name for f in fields(BrokerConfig))
 
+# What SIGHUP may change in a running broker (docs/security.md, "Reloading without a restart"): the security
+# files and the per-client limits, which are read where they are used.  Anything else changes only with a
+# restart; a reload that would change it is refused whole.
+RELOADABLE: Final = frozenset(
+    {
+        "tls_cert",
+        "tls_key",
+        "tls_ca",
+        "tokens_file",
+        "acl_file",
+        "publish_rate",
+        "publish_burst",
+        "max_payload",
+        "max_frame_size",
+        "client_send_buffer",
+        "slow_consumer_policy",
+        "idle_timeout",
+        "log_level",
+    }
+)
+# Files that, given or not, decide how the broker admits anyone: turning one on or off takes a restart.
+_SWITCHES: Final = (("tls_cert", "TLS"), ("tokens_file", "tokens"), ("acl_file", "an ACL"))
+
+
+def changed_settings(old: BrokerConfig, new: BrokerConfig) -> tuple[str, ...]:
+    """The names of the settings whose values differ, in field order."""
+    return tuple(name for name in FIELD_NAMES if getattr(old, name) != getattr(new, name))
+
+
+def reload_problem(old: BrokerConfig, new: BrokerConfig) -> str | None:
+    """Why a running broker configured as `old` cannot take `new` by a reload (None if it can)."""
+    fixed = [name for name in changed_settings(old, new) if name not in RELOADABLE]
+    if fixed:
+        return (
+            f"{', '.join(fixed)} changed, which takes effect only at a restart: restart the broker, or undo that "
+            f"change and send SIGHUP again (what a reload changes: {', '.join(sorted(RELOADABLE))})"
+        )
+    for name, what in _SWITCHES:
+        if (getattr(old, name) is None) != (getattr(new, name) is None):
+            now = "given" if getattr(new, name) is not None else "left out"
+            return f"{name} is now {now}: turning {what} on or off takes a restart of the broker"
+    return None
+
 
 def _to_bool(name: str, value: object) -> bool:
     if isinstance(value, bool):

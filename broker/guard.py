@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Final
 
 from broker.acl import Acl, load_acl, refusal
-from broker.config import BrokerConfig, ConfigError
+from broker.config import BrokerConfig, ConfigError, changed_settings, reload_problem
 from broker.link import NOISY_CLOSES, CloseReason, PeerLink
 from broker.tls import BrokerTls, load_broker_tls
 from net.credentials import ROLE_BROKER, PeerCert
@@ -192,6 +192,7 @@ class Reloaded:
 
     files: tuple[str, ...]
     revoked: tuple[tuple[PeerLink, str], ...]
+    settings: tuple[str, ...] = ()  # the settings that changed, "name old -> new"
     subscriptions_ended: int = 0  # local subscriptions the new ACL denies (filled in by the broker)
 
 
@@ -384,7 +385,7 @@ class Guard:
 
     # ---------------------------------------------------------------------------------------- reload
 
-    def reload(self, links: Iterable[PeerLink]) -> Reloaded:
+    def reload(self, links: Iterable[PeerLink], config: BrokerConfig | None = None) -> Reloaded:
         """Read the TLS files, the tokens file and the ACL file again (SIGHUP), as nats-server and Mosquitto do.
 
         All three are read and checked before any is taken, so a ConfigError (a file missing, a key that is not
@@ -394,21 +395,28 @@ class Guard:
         names someone else, and, when a CA certificate left the bundle, every client and admin connection made
         with a certificate (it may have been verified by that CA; a valid one connects again at once).  Broker
         links are kept: closing them all would make the overlay heal around a broker that is well.
+
+        `config`, the configuration read again, may change what config.RELOADABLE names (the files' paths, the
+        per-client limits, which apply from then on); a change of anything else is refused whole.
         """
-        c = self.config
-        try:
-            tokens = load_tokens(c.tokens_file) if c.tokens_file else None
-            tls = load_broker_tls(c, require_client_cert=tokens is None) if c.tls else None
-            if tls is not None and self.tls is not None and tls.name != self.tls.name:
-                raise ConfigError(
-                    f"tls_cert={c.tls_cert!r} now names {tls.name!r}, but this broker is {self.tls.name!r}: a broker "
-                    f"keeps its name while it runs; issue the new certificate for {self.tls.name!r} (sedax certs "
-                    "issue --name) or restart the broker under the new name"
-                )
-            acl = load_acl(c.acl_file) if c.acl_file else None
-        except ConfigError:
-            self.counters["reload_failures"] += 1
-            raise
+        c = self.config if config is None else config
+        if (problem := reload_problem(self.config, c)) is not None:
+            raise ConfigError(problem)
+        tokens = load_tokens(c.tokens_file) if c.tokens_file else None
+        tls = load_broker_tls(c, require_client_cert=tokens is None) if c.tls else None
+        if tls is not None and self.tls is not None and tls.name != self.tls.name:
+            raise ConfigError(
+                f"tls_cert={c.tls_cert!r} now names {tls.name!r}, but this broker is {self.tls.name!r}: a broker "
+                f"keeps its name while it runs; issue the new certificate for {self.tls.name!r} (sedax certs "
+                "issue --name) or restart the broker under the new name"
+            )
+        acl = load_acl(c.acl_file) if c.acl_file else None
+        if (c.publish_rate, c.publish_burst) != (self.config.publish_rate, self.config.publish_burst):
+            self._buckets.clear()  # each identity's next publish starts a bucket of the new rate, full
+        settings = tuple(
+            f"{n} {getattr(self.config, n)!r} -> {getattr(c, n)!r}" for n in changed_settings(self.config, c)
+        )
+        self.config = c
         files: list[str] = []
         ca_removed = False
         if tls is not None and self.tls is not None:
@@ -430,9 +438,8 @@ class Guard:
                 revoked.append((link, f"the token of {link.identity!r} is no longer in {c.tokens_file}"))
             elif ca_removed and link.cert is not None:
                 revoked.append((link, f"a CA certificate left {c.tls_ca}: connect again to be verified anew"))
-        self.counters["reloads"] += 1
         self._expiry_warned = -math.inf  # a certificate renewed too little is said at once
-        return Reloaded(tuple(files), tuple(revoked))
+        return Reloaded(tuple(files), tuple(revoked), settings)
 
     def check_expiry(self, wall: float) -> None:
         """Warn, at most once per EXPIRY_WARN_EVERY, while the certificate (or its CA) expires within EXPIRY_WARNING."""

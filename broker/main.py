@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvloop
 
@@ -39,8 +39,9 @@ def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
     return logging.getLogger("sedax.broker")
 
 
-async def serve(config: BrokerConfig) -> int:
-    """Start, join, announce readiness, serve until SIGTERM/SIGINT (SIGHUP reloads), then leave gracefully."""
+async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:
+    """Start, join, announce readiness, serve until SIGTERM/SIGINT, then leave gracefully.  SIGHUP reloads:
+    `reread` builds the configuration again as it was built (config file, environment, flags)."""
     soft_before, _ = raise_open_file_limit()
     try:
         broker = Broker(config)
@@ -62,18 +63,19 @@ async def serve(config: BrokerConfig) -> int:
         stop.set()
 
     def on_reload() -> None:
-        if not (config.tls or config.tokens_file or config.acl_file):
-            log.info("SIGHUP: nothing to read again (no --tls-cert, --tokens or --acl)")
-            return
         try:
-            done = broker.reload()
+            done = broker.reload(reread)
         except ConfigError as exc:
             problem = str(exc)  # (logged below, outside the handler: the reason is the line, not a traceback)
         else:
-            closed = f"; {len(done.revoked)} connections they no longer admit closed" if done.revoked else ""
-            n = done.subscriptions_ended
-            ended = f"; {n} subscriptions the ACL now denies ended" if n else ""
-            log.info("SIGHUP: read again %s%s%s", ", ".join(done.files), closed, ended)
+            parts = [f"read again {', '.join(done.files)}"] if done.files else []
+            if done.settings:
+                parts.append(f"changed {', '.join(done.settings)}")
+            if done.revoked:
+                parts.append(f"{len(done.revoked)} connections they no longer admit closed")
+            if done.subscriptions_ended:
+                parts.append(f"{done.subscriptions_ended} subscriptions the ACL now denies ended")
+            log.info("SIGHUP: %s", "; ".join(parts) or "the configuration is as it was; no file to read again")
             return
         log.error("SIGHUP: nothing was reloaded, the broker goes on as it was: %s", problem)
 
@@ -158,9 +160,9 @@ async def serve(config: BrokerConfig) -> int:
     return 0
 
 
-def run(config: BrokerConfig) -> int:
-    """Run a broker until it is told to stop; returns the process exit code."""
-    return uvloop.run(serve(config))
+def run(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:
+    """Run a broker until it is told to stop; returns the process exit code.  `reread`: see `serve`."""
+    return uvloop.run(serve(config, reread))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,4 +175,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sedax broker: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    return run(config)
+    return run(config, lambda: config_from_args(args))

@@ -239,11 +239,19 @@ class Broker(Membership, Routing):
         await self._start_observability()
         self.log.info("listening on %s at (%s, %s) as %s", listen, *self.info.coord, self.node_id)
 
-    def reload(self) -> Reloaded:
-        """SIGHUP: read the TLS files, tokens and ACL again (Guard.reload; a ConfigError changes nothing).  New
-        connections get the new certificate, connections the new files no longer admit are closed, and local
-        subscriptions the new ACL denies end."""
-        done = self.guard.reload(self.links)
+    def reload(self, reread: Callable[[], BrokerConfig] | None = None) -> Reloaded:
+        """SIGHUP: read the configuration (`reread`, as at start) and the TLS files, tokens and ACL again
+        (Guard.reload; a ConfigError changes nothing).  New connections get the new certificate and limits,
+        connections the new files no longer admit are closed, and local subscriptions the new ACL denies end."""
+        try:
+            config = reread() if reread is not None else self.config
+            done = self.guard.reload(self.links, config)
+        except ConfigError:
+            self.guard.counters["reload_failures"] += 1
+            raise
+        self.guard.counters["reloads"] += 1
+        self.config = config
+        logging.getLogger("sedax").setLevel(config.log_level.upper())
         if self._listener is not None and self.guard.tls is not None:
             self._listener.use(self.guard.tls.server)
         for link, why in done.revoked:

@@ -58,7 +58,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         return fail(str(exc), EXIT_USAGE)
-    return run(config)
+    return run(config, lambda: config_from_args(args))  # (SIGHUP builds it again: the config file may have changed)
 
 
 # ------------------------------------------------------------------------------------------------ status

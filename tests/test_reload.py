@@ -242,18 +242,42 @@ async def test_sighup_with_a_new_ca_reconnects_certificate_clients_and_refuses_t
     assert log_has(one.bp, "TLS handshake with"), one.bp.stderr_tail()  # the old client's attempts
 
 
-async def test_sighup_without_files_to_read_keeps_serving(tmp_path: Path) -> None:
+async def test_sighup_applies_the_config_files_limits_and_refuses_what_takes_a_restart(tmp_path: Path) -> None:
     # SIGHUP used to be a graceful leave: `systemctl reload` or a renewal hook took the broker out of the overlay.
-    async with LocalCluster(2, state_dir=tmp_path, tls=False, broker_args=FAST_ARGS) as cluster:
+    conf = tmp_path / "broker.toml"
+    conf.write_text("publish_burst = 5\n")
+    args = (*FAST_ARGS, "--config", str(conf))
+    async with LocalCluster(2, state_dir=tmp_path, tls=False, broker_args=args) as cluster:
         await cluster.wait_converged(20.0)
         bp = cluster.nodes[1]
-        since = log_size(bp)
-        os.kill(bp.pid, signal.SIGHUP)
-        await wait_for(lambda: log_has(bp, "SIGHUP: nothing to read again", since), 15.0, "the SIGHUP line")
-        assert bp.alive
-        await cluster.wait_converged(5.0)
-        async with Client(bp.listen, credentials=Credentials(insecure=True)) as c:
-            await c.publish("grid/e/voltage", b"1")
+
+        async def hup(expect: str) -> None:
+            since = log_size(bp)
+            os.kill(bp.pid, signal.SIGHUP)
+            await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in the log")
+            assert bp.alive, bp.stderr_tail()
+
+        await hup("SIGHUP: the configuration is as it was")
+        async with Client(bp.listen, credentials=Credentials(insecure=True), ack_timeout=0.2) as c:
+            for i in range(30):  # no --publish-rate yet: nothing is limited
+                await c.publish("grid/e/voltage", b"%d" % i)
+            assert c.rate_limited == 0
+
+            conf.write_text("publish_burst = 5\npublish_rate = 20.0\n")
+            await hup("SIGHUP: changed publish_rate 0.0 -> 20.0")
+            acks = [await c.publish_nowait("grid/e/voltage", b"%d" % i) for i in range(30, 60)]
+            async with asyncio.timeout(30):
+                await asyncio.gather(*acks)  # limited, re-sent, all acknowledged
+            assert c.rate_limited > 0
+
+            conf.write_text("publish_burst = 5\npublish_rate = 20.0\nmax_connections = 10\nmax_hops = 9\n")
+            await hup("max_hops, max_connections changed, which takes effect only at a restart")
+            conf.write_text("publish_burst = 5\npublish_rate = 20.0\nresilience = 3\n")  # a flag: it wins
+            await hup("SIGHUP: the configuration is as it was")
+            conf.write_text("publish_rate = [")
+            await hup("is not valid TOML")
+            assert (await cluster.statuses())[bp.node_id].counters["reload_failures"] == 2
+        await cluster.wait_converged(5.0)  # still in the overlay, where it was
 
 
 def _not_after(cert: Path) -> float:
