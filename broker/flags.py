@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+SIGNALS_HELP = (
+    "signals: SIGTERM or SIGINT (Ctrl-C) hands the broker's topics on and leaves the overlay; SIGHUP reads the "
+    "--config file, the TLS files, --tokens and --acl again and applies them with the per-client limits, "
+    "without a restart (docs/security.md)"
+)
+
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The broker's command-line flags (shared by `python -m broker` and `sedax broker`)."""
+    """The broker's command-line flags (shared by `python -m broker` and `sedax broker`), and its signals."""
+    parser.epilog = SIGNALS_HELP
     parser.add_argument("--coord", help="coordinate X,Y of this broker (env SEDAX_COORD)")
     parser.add_argument("--listen", help="HOST:PORT to listen on, port 0 = any (default 127.0.0.1:0)")
     parser.add_argument("--advertise", help="HOST:PORT peers dial to reach this broker (default: listen)")
