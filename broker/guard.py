@@ -188,7 +188,8 @@ class CloseLog:
 
 @dataclass(frozen=True, slots=True)
 class Reloaded:
-    """What a reload read again (`files`, for the log) and the connections it no longer admits, with why."""
+    """What a reload read again (`files`) and changed (`settings`), for the log, and the connections it no
+    longer admits, with why."""
 
     files: tuple[str, ...]
     revoked: tuple[tuple[PeerLink, str], ...]

@@ -81,7 +81,7 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    # SIGHUP reads the TLS files, tokens and ACL again, as it does for nats-server, Mosquitto and Prometheus
+    # SIGHUP reads the configuration, TLS files, tokens and ACL again, as for nats-server, Mosquitto and Prometheus
     # (`systemctl reload`, a certificate renewal hook).  Its default action would end the broker like a crash,
     # and a leave on a "reload" would take it out of the overlay.
     loop.add_signal_handler(signal.SIGHUP, on_reload)

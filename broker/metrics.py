@@ -244,8 +244,8 @@ class BrokerCollector:
         if g.certificate_expires:
             yield GaugeMetricFamily(
                 "sedax_tls_certificate_expiry_timestamp_seconds",
-                "When the broker's TLS certificate expires (notAfter, Unix time): alert well before it; renew the "
-                "certificate and send the broker SIGHUP.",
+                "When the broker's TLS certificate, or the CA that issued it if earlier, expires (notAfter, Unix "
+                "time): alert well before it; renew the certificate and send the broker SIGHUP.",
                 value=g.certificate_expires,
             )
 

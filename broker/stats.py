@@ -205,7 +205,7 @@ class Gauges:
     sessions: int  # attached client sessions
     stored_memory: int = 0  # what the stored messages take in memory, estimated (TopicStore.memory)
     max_memory: int = 0  # --max-memory in bytes (resolved: never 0 in a running broker)
-    certificate_expires: float = 0.0  # the TLS certificate's notAfter (epoch seconds); 0 without TLS
+    certificate_expires: float = 0.0  # notAfter of the TLS certificate or its CA, the earlier; 0 without TLS
 
 
 class Observed(Protocol):
