@@ -47,6 +47,8 @@ B1_HELD_BACK = 15.0
 BASE_BUILD_TIMEOUT = 1200.0
 BUILD_TIMEOUT = 600.0
 COMMAND_TIMEOUT = 300.0
+# Renewing broker {b}'s certificate in the `certs` volume, as docs/compose.md says (run in the certs service).
+RENEW = "sedax certs issue --dir /certs --name {b} --role broker --host {b} --force && chown -R 10001 /certs"
 HEALTHY_WITHIN = 300.0
 CONVERGED_WITHIN = 120.0
 # After a restart every broker starts Python again, and b1 (which the others wait for) may be the last.
@@ -608,6 +610,16 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     # At level 2 the former secondary, now the closest live broker, holds the topic.
     assert _locate(p, pub_at)["primary"] == f"{secondary}:7000"
     phase("former secondary is primary")
+
+    # A broker's certificate renewed in the `certs` volume and taken by SIGHUP, the broker staying up
+    # (docs/compose.md, "Renewing a certificate"); the restarts below then run on it.
+    renewed = others[1]
+    p.check("run", "--rm", "-T", "certs", "sh", "-ec", RENEW.format(b=renewed))
+    p.check("kill", "-s", "HUP", renewed)
+    line = f"SIGHUP: read again the TLS certificate /certs/{renewed}.pem"
+    _wait(f"{renewed} took its renewed certificate", 60, lambda: line in p.logs(renewed) or _NotYet(p.logs(renewed)))
+    assert _health({renewed: cids[renewed]})[renewed].startswith("running"), p.logs(renewed)
+    phase(f"{renewed}'s certificate renewed and reloaded")
 
     # `docker compose restart` of every broker at once, as an operator would (the killed primary included):
     # each broker hands its topics off and leaves on SIGTERM, finds them again in its volume (bN-data), the
