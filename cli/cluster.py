@@ -61,6 +61,10 @@ class ClusterError(RuntimeError):
     """A broker did not start, exited, or the overlay did not converge in time (the message says which)."""
 
 
+class ClusterTooLarge(ClusterError):
+    """More brokers were asked for than the machine's memory holds (a usage error: ask for fewer)."""
+
+
 class Process(Protocol):
     """What a LocalCluster does with a broker's process: a child it started (`subprocess.Popen`), or one a
     `sedax cluster up` before it started and left running (`AdoptedProcess`)."""
@@ -187,7 +191,7 @@ class LocalCluster:
         self._rng = np.random.default_rng(self.seed)
         memory = memory_available()
         if self.n * BROKER_PROCESS_MEMORY > memory:
-            raise ClusterError(
+            raise ClusterTooLarge(
                 f"{self.n} brokers do not fit this machine: each broker process takes about "
                 f"{human_bytes(BROKER_PROCESS_MEMORY)} and the machine has {human_bytes(memory)}, room for "
                 f"{memory // BROKER_PROCESS_MEMORY}; ask for fewer"

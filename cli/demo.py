@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.args import EXIT_FAILED, fail, positive_int
+from cli.args import EXIT_FAILED, EXIT_USAGE, fail, positive_int
 from client.client import Client, ClientError, PublishAck
 from client.errors import describe
 
@@ -137,10 +137,12 @@ async def _demo(cluster: LocalCluster, names: list[str], messages: int, resilien
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from cli.cluster import ClusterError
+    from cli.cluster import ClusterError, ClusterTooLarge
 
     try:
         return asyncio.run(run_demo(args.nodes, args.seed, args.resilience, args.messages, args.topics, args.insecure))
+    except ClusterTooLarge as exc:  # the command line asked for it: a usage error, as for `cluster up`
+        return fail(f"--nodes {args.nodes}: {exc}", EXIT_USAGE)
     except (ClusterError, ClientError, TimeoutError, OSError) as exc:
         return fail(f"the demo failed: {describe(exc)}", EXIT_FAILED)
 

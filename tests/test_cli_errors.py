@@ -255,12 +255,16 @@ def test_a_signal_handled_in_process_is_given_back(capsys: pytest.CaptureFixture
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_cluster_the_machine_cannot_hold_is_refused_before_a_broker_starts(tmp_path: Path) -> None:
-    # A zero too many: before, `cluster up --nodes 100000` started brokers until the machine ran out of memory.
-    res = _sedax(["cluster", "up", "--nodes", "100000", "--insecure", "--state-dir", str(tmp_path / "c")])
+@pytest.mark.parametrize("command", ["cluster", "demo"])
+def test_a_cluster_the_machine_cannot_hold_is_refused_before_a_broker_starts(tmp_path: Path, command: str) -> None:
+    # A zero too many: before, `cluster up --nodes 100000` started brokers until the machine ran out of memory;
+    # `demo --nodes 100000` then said so as a failure of the demo (exit 1), not of the command line.
+    argv = ["cluster", "up", "--state-dir", str(tmp_path / "c")] if command == "cluster" else ["demo"]
+    res = _sedax([*argv, "--nodes", "100000", "--insecure"])
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "do not fit this machine" in res.stderr and "ask for fewer" in res.stderr, res.stderr
+    assert "--nodes 100000: 100000 brokers do not fit this machine" in res.stderr, res.stderr
+    assert "ask for fewer" in res.stderr, res.stderr
     assert not (tmp_path / "c").exists()
 
 
