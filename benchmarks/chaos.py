@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/chaos.py [--seed 1] [--level 2] [--disks] [--faults 12] [--brokers 7]
                                          [--topics 8] [--publishers 3] [--subscribers 3] [--late 2] [--rate 40]
-                                         [--kinds kill,term,replace,pause,isolate,cut,full,move] [--stagger]
+                                         [--kinds kill,term,replace,pause,isolate,cut,full,move,renew] [--stagger]
 
 Real broker processes over mutual TLS on 127.0.0.(10 + i), each publisher and subscriber a `Client` that
 reconnects to other brokers as its own goes away.  Publishers publish to every topic (one PUBLISH per message,
@@ -26,6 +26,7 @@ Kinds (a broker is never one of the first --anchors, whose addresses every clien
            routing and deliveries detour through a common neighbour
   full     with --disks, every broker SIGKILLed at once and started again (needs all anchors to come back)
   move     an operator moves a random topic to a random coordinate (a delegation: the records follow it)
+  renew    a broker's certificate issued again and taken by SIGHUP while it serves (docs/security.md)
 
 Checked at the end, once publishing stopped and every subscriber is given 90 s to catch up:
   - every acknowledged message is in its topic's history (a FETCH), once, with the payload it was sent with;
@@ -58,13 +59,15 @@ sys.path.insert(0, str(_ROOT))
 from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client, PublishAck, RequestFailed, Subscription  # noqa: E402
 from client.errors import ClientClosed  # noqa: E402
+from net import certs  # noqa: E402
 from tests import netcut  # noqa: E402
+from tests.cluster import log_has, log_size  # noqa: E402
 from tests.cluster import wait_for as poll_until  # noqa: E402
 
 # As the tests run brokers: failure detection within ~2 s of silence, clients that notice a dead broker quickly.
 BROKER_ARGS = ("--hello-timeout", "2.0", "--heartbeat-interval", "0.25", "--heartbeat-misses", "8",
                "--client-timeout", "3.0")  # fmt: skip
-KINDS = ("kill", "term", "replace", "pause", "isolate", "cut", "full", "move")
+KINDS = ("kill", "term", "replace", "pause", "isolate", "cut", "full", "move", "renew")
 HEAL_WITHIN = 60.0  # seconds for the overlay, the acknowledgements and the replicas after one fault
 DRAIN_WITHIN = 90.0  # seconds for every subscriber to get every acknowledged message at the end
 
@@ -183,6 +186,7 @@ class Chaos:
         self.subs = [Subscriber(f"scada-{i}", sorted(self.rng.sample(self.topics, max(1, len(self.topics) // 2))))
                      for i in range(args.subscribers)]  # fmt: skip
         self.faults: list[Fault] = []
+        self.failed_reloads: list[str] = []  # a renew whose SIGHUP did not take the new certificate
 
     # ------------------------------------------------------------------------------------------ health
 
@@ -295,6 +299,17 @@ class Chaos:
                     await admin.move(topic, to)
                 except Exception as exc:  # a refusal is reported, not a failure of the run
                     f.detail += f"refused: {exc} "
+        elif kind == "renew":
+            i = picked[0]
+            bp = c.nodes[i]
+            since = log_size(bp)
+            if c.tls:
+                certs.issue(c.certs_dir, bp.node_id, "broker", [c.host(i)], force=True)
+            os.kill(bp.pid, signal.SIGHUP)
+            await poll_until(lambda: log_has(bp, "SIGHUP: ", since), 15.0, f"n{i} reloading")
+            if not log_has(bp, "SIGHUP: read again" if c.tls else "SIGHUP: the configuration is as it was", since):
+                f.detail += "the reload failed "
+                self.failed_reloads.append(f"n{i}: {bp.stderr_tail(3)}")
         elif kind == "full":
             live = [bp.index for bp in c.live()]
             for bp in c.live():
@@ -437,7 +452,7 @@ class Chaos:
 
     async def check(self, drained: bool) -> dict[str, object]:
         acked = self._acked()
-        problems: list[str] = []
+        problems: list[str] = [f"a reload after a renewal failed: {why}" for why in self.failed_reloads]
         c = self.cluster
         async with Client([bp.listen for bp in c.live()], credentials=c.credentials()) as reader:
             for t in self.topics:
