@@ -1,8 +1,9 @@
-"""SIGHUP reads a broker's TLS files, tokens file and ACL file again, on real TLS brokers.
+"""SIGHUP reads a broker's configuration, TLS files, tokens file and ACL file again, on real brokers.
 
 What an operator does to rotate: replace the files (`sedax certs issue --force`, a tokens file without a name, a
-new ACL, a new CA bundle) and `kill -HUP` the broker, as with nats-server or Mosquitto.  New connections get
-the new certificate; what the new files no longer admit is cut off; a file that does not load changes nothing.
+new ACL, a new CA bundle, a config file with other limits) and `kill -HUP` the broker, as with nats-server or
+Mosquitto.  New connections get the new certificate; what the new files no longer admit is cut off; a file that
+does not load, or a change that takes a restart, changes nothing.  And a certificate near its expiry is said.
 """
 
 from __future__ import annotations
