@@ -285,9 +285,10 @@ def _histogram(name: str, doc: str, buckets: Buckets) -> HistogramMetricFamily:
 
 
 class MetricsServer:
-    """GET /metrics over HTTP/1.x on the broker's loop; one response per connection."""
+    """GET /metrics (and /healthz, /readyz) over HTTP/1.x on the broker's loop; one response per connection."""
 
     def __init__(self, broker: Observed) -> None:
+        self._broker = broker
         self.registry = CollectorRegistry()
         self.registry.register(BrokerCollector(broker))
         self._server: asyncio.Server | None = None
@@ -348,9 +349,16 @@ class MetricsServer:
             return "400 Bad Request", text, b"expected an HTTP/1.x request line: GET /metrics HTTP/1.1\n"
         method, target = parts[0], parts[1].split(b"?", 1)[0]
         if method != b"GET":
-            return "405 Method Not Allowed", text, b"only GET /metrics is served\n"
+            return "405 Method Not Allowed", text, b"only GET /metrics, /healthz and /readyz are served\n"
+        if target in (b"/healthz", b"/readyz"):
+            # For probes (Kubernetes, Nomad, a load balancer) that cannot speak the broker's protocol, as nats-server's
+            # /healthz: alive = the loop answers and its timers run; ready = also part of the overlay, not leaving.
+            why = self._broker.unhealthy() if target == b"/healthz" else self._broker.unready()
+            if why is None:
+                return "200 OK", text, b"ok\n"
+            return "503 Service Unavailable", text, f"{why}\n".encode()
         if target != b"/metrics":
-            return "404 Not Found", text, b"metrics are at /metrics\n"
+            return "404 Not Found", text, b"metrics are at /metrics (health at /healthz and /readyz)\n"
         try:
             body = generate_latest(self.registry)
         except Exception:

@@ -709,6 +709,23 @@ class Broker(Membership, Routing):
         expires = tls.expires if tls is not None else 0.0
         return Gauges(neighbours, len(self.links), len(self.sessions), ps.store.memory(), ps.config.max_memory, expires)
 
+    def unhealthy(self) -> str | None:
+        """Why the broker does not serve (stats.Observed: GET /healthz), or None: only a failure of its timers,
+        after which it stops.  That it answers at all says its loop runs."""
+        if self.failed.is_set():
+            return f"the broker's timers failed ({self.failure!r}); it is stopping"
+        return None
+
+    def unready(self) -> str | None:
+        """Why the broker does not take clients now (stats.Observed: GET /readyz), or None."""
+        if (why := self.unhealthy()) is not None:
+            return why
+        if self._closing:
+            return "leaving the overlay"
+        if not self.joined:
+            return f"joining the overlay (--join {','.join(self.config.join)})"
+        return None
+
     def _security_counters(self) -> dict[str, int]:
         lst = self._listener
         failures, refused = (lst.handshake_failures, lst.refused) if lst is not None else (0, 0)

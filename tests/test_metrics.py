@@ -24,7 +24,7 @@ from conftest import FAST_ARGS
 
 from broker.config import ConfigError, build_config
 from broker.stats import AckTimer, Buckets
-from cli.cluster import LocalCluster
+from cli.cluster import LocalCluster, die_with_parent
 from client.client import Client
 from overlay.protocol import encode_control, parse_address
 from overlay.pubsub import Ack, Deliver, Nack, Record
@@ -236,6 +236,44 @@ async def test_endpoint_answers_bad_requests_and_stays_up(tmp_path: Path) -> Non
         ok = await _http(m, b"GET /metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert ok.startswith(b"HTTP/1.1 200 ") and b'\nsedax_node_load_bytes{level="L1"} 0.0\n' in ok
         assert cluster.nodes[0].alive
+
+
+async def test_health_and_readiness_for_probes(tmp_path: Path) -> None:
+    # A probe that cannot speak the broker's protocol (Kubernetes, a load balancer) asks over HTTP: ready only once
+    # the broker is part of the overlay.  Here one waits to join through an address where nothing listens yet.
+    with socket.socket() as s1, socket.socket() as s2:
+        s1.bind(("127.0.0.1", 0))
+        s2.bind(("127.0.0.1", 0))
+        metrics, entry = (f"127.0.0.1:{s.getsockname()[1]}" for s in (s1, s2))
+    argv = [sys.executable, "-m", "broker", "--coord", "0.5,0.5", "--insecure", "--listen", "127.0.0.1:0",
+            "--join", entry, "--join-timeout", "120", "--metrics", metrics, *FAST_ARGS]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+    )
+    try:
+
+        async def answer(path: str) -> bytes:
+            try:
+                return await _http(metrics, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            except OSError:
+                return b""  # not listening yet
+
+        async def joining() -> bool:
+            return (await answer("/readyz")).startswith(b"HTTP/1.1 503 ")
+
+        await wait_for(joining, 60, "/readyz answering 503 while the broker joins")
+        ready = await answer("/readyz")
+        assert ready.endswith(f"joining the overlay (--join {entry})\n".encode()), ready
+        assert (await answer("/healthz")).startswith(b"HTTP/1.1 200 ")
+        assert proc.returncode is None
+    finally:
+        proc.kill()
+        await proc.wait()
+    async with LocalCluster(2, state_dir=tmp_path, broker_args=(*FAST_ARGS, "--metrics", "127.0.0.1:0")) as cluster:
+        for bp in cluster.nodes:
+            for path in ("/healthz", "/readyz"):
+                got = await _http(bp.metrics, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"\r\n\r\nok\n"), (bp.node_id, path, got)
 
 
 def test_start_errors_exit_2(tmp_path: Path) -> None:
