@@ -413,12 +413,13 @@ def _to_int(name: str, value: object) -> int:
 
 
 def _to_float(name: str, value: object) -> float:
+    what = _NOT_SECONDS.get(name, "a number of seconds")
     if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
+        raise ConfigError(f"{name} must be {what}, got {value!r}") from None
 
 
 def _to_opt_str(name: str, value: object) -> str | None:
@@ -472,6 +473,12 @@ _FLOAT_FIELDS: Final = frozenset(
         "idle_timeout",
     }
 )
+# The float settings that are not durations, and what they are.
+_NOT_SECONDS: Final = {
+    "min_gain": "a number (a fraction of the load, e.g. 0.05)",
+    "load_report_threshold": "a number (a fraction of the load, e.g. 0.01)",
+    "publish_rate": "a number of publishes per second",
+}
 _OPT_STR_FIELDS: Final = frozenset(
     {
         "metrics",

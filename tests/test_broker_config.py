@@ -72,6 +72,9 @@ def test_repeated_and_comma_join_flags() -> None:
         ({"coord": "0.5,0.5"}, {"SEDAX_BOOTSTRAP": "maybe"}, "bootstrap must be true or false"),
         ({"coord": "0.5,0.5", "bootstrap": True}, {}, "give the other brokers with --join"),
         ({"coord": "0.5,0.5"}, {"SEDAX_MAX_MEMORY": "-1"}, r"max_memory must be >= 0 bytes \(0 = half"),
+        # Not every number is a duration (it said "publish_rate must be a number of seconds").
+        ({"coord": "0.5,0.5"}, {"SEDAX_PUBLISH_RATE": "fast"}, "publish_rate must be a number of publishes per second"),
+        ({"coord": "0.5,0.5"}, {"SEDAX_MIN_GAIN": "x"}, r"min_gain must be a number \(a fraction of the load"),
     ],
 )
 def test_errors_name_the_setting(flags: dict[str, object], env: dict[str, str], match: str) -> None:
