@@ -217,3 +217,17 @@ def test_credentials_say_what_is_missing(pki: dict[str, Path]) -> None:
     creds = Credentials.from_env({"SEDAX_CA": str(pki["ca"]), "SEDAX_TOKEN": "t"})
     assert creds.token == "t" and creds.ssl_context() is not None
     assert Credentials.from_env({"SEDAX_INSECURE": "yes"}).ssl_context() is None
+
+
+def test_a_client_context_follows_renewed_files(tmp_path: Path) -> None:
+    # A long-running client reconnects with the files as they are now: a renewal (or a new CA bundle) is taken,
+    # an unchanged set of files shares one context.
+    certs.init_ca(tmp_path)
+    cert, key = certs.issue(tmp_path, "meter-9", "client")
+    creds = Credentials(ca=str(tmp_path / "ca.pem"), cert=str(cert), key=str(key))
+    first = creds.ssl_context()
+    assert creds.ssl_context() is first
+    certs.issue(tmp_path, "meter-9", "client", force=True)
+    renewed = creds.ssl_context()
+    assert renewed is not None and renewed is not first
+    assert creds.ssl_context() is renewed
