@@ -389,8 +389,9 @@ class Guard:
     def reload(self, links: Iterable[PeerLink], config: BrokerConfig | None = None) -> Reloaded:
         """Read the TLS files, the tokens file and the ACL file again (SIGHUP), as nats-server and Mosquitto do.
 
-        All three are read and checked before any is taken, so a ConfigError (a file missing, a key that is not
-        the certificate's, a bad rule) leaves the broker with what it had.  New connections get the new
+        The configuration and all three files are read and checked before any is taken, so a ConfigError (a
+        setting that takes a restart, a file missing, a key that is not the certificate's, a bad rule) leaves the
+        broker with what it had.  New connections get the new
         certificate; links made before keep their TLS session, as a restart would not.  What the new files no
         longer admit is returned to be closed: client and admin connections whose token was withdrawn or now
         names someone else, and, when a CA certificate left the bundle, every client and admin connection made
@@ -436,7 +437,7 @@ class Guard:
             if link.role not in ("client", "admin") or link.outbound or not link.established:
                 continue
             if link.token and (self.tokens is None or self.tokens.get(link.token) != link.identity):
-                revoked.append((link, f"the token of {link.identity!r} is no longer in {c.tokens_file}"))
+                revoked.append((link, f"the token of {link.identity!r} is no longer in {c.tokens_file} as theirs"))
             elif ca_removed and link.cert is not None:
                 revoked.append((link, f"a CA certificate left {c.tls_ca}: connect again to be verified anew"))
         self._expiry_warned = -math.inf  # a certificate renewed too little is said at once
