@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -463,6 +464,13 @@ def _prometheus_targets(base: str) -> list[dict[str, Any]]:
     return targets
 
 
+def _prometheus_rules(base: str) -> dict[str, str]:
+    """Alert name -> its health ("ok", "unknown" before the first evaluation, "err") as Prometheus loaded them."""
+    with urllib.request.urlopen(f"{base}/api/v1/rules?type=alert", timeout=10) as resp:
+        body = json.load(resp)
+    return {r["name"]: r.get("health", "") for g in body["data"]["groups"] for r in g["rules"]}
+
+
 def _wait_prometheus_up(p: Project) -> list[dict[str, Any]]:
     host_port = p.check("port", "prometheus", "9090").strip()
     assert host_port.startswith("127.0.0.1:"), host_port
@@ -567,7 +575,11 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
 
     targets = _wait_prometheus_up(p)
     assert len(targets) == len(BROKERS)
-    phase("Prometheus: every broker target up")
+    base = f"http://{p.check('port', 'prometheus', '9090').strip()}"
+    rules = _prometheus_rules(base)  # deploy/prometheus-rules.yml, mounted by docker-compose.yml
+    want = re.findall(r"- alert: (\w+)", (REPO / "deploy" / "prometheus-rules.yml").read_text())
+    assert sorted(rules) == sorted(want) and "err" not in rules.values(), rules
+    phase(f"Prometheus: every broker target up, {len(rules)} alert rules loaded")
 
     # The topic's holders, asked through the CLI service like a user would.
     loc = _locate(p, "b1")

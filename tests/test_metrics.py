@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -117,6 +118,23 @@ class Prometheus:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def test_alert_rules_fire_on_what_they_name() -> None:
+    # deploy/prometheus-rules.yml (loaded by the compose Prometheus), run by promtool against series that should
+    # and should not raise each alert; and every metric they use is one the brokers export (docs/metrics.md).
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: it comes with `apt-get install -y prometheus` (.ci/run installs it)")
+    deploy = Path(__file__).resolve().parent.parent / "deploy"
+    r = subprocess.run(
+        [promtool, "test", "rules", str(deploy / "prometheus-rules.test.yml")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    used = set(re.findall(r"\bsedax_[a-z_]+", (deploy / "prometheus-rules.yml").read_text()))
+    documented = set(re.findall(r"`(sedax_[a-z_]+)`", (deploy.parent / "docs" / "metrics.md").read_text()))
+    assert used and used <= documented, used - documented
 
 
 async def test_prometheus_sees_every_broker_rise(tmp_path: Path) -> None:
