@@ -386,22 +386,22 @@ class Guard:
 
     # ---------------------------------------------------------------------------------------- reload
 
-    def reload(self, links: Iterable[PeerLink], config: BrokerConfig | None = None) -> Reloaded:
+    def reload(self, links: Iterable[PeerLink], config: BrokerConfig) -> Reloaded:
         """Read the TLS files, the tokens file and the ACL file again (SIGHUP), as nats-server and Mosquitto do.
 
         The configuration and all three files are read and checked before any is taken, so a ConfigError (a
         setting that takes a restart, a file missing, a key that is not the certificate's, a bad rule) leaves the
-        broker with what it had.  New connections get the new
-        certificate; links made before keep their TLS session, as a restart would not.  What the new files no
-        longer admit is returned to be closed: client and admin connections whose token was withdrawn or now
-        names someone else, and, when a CA certificate left the bundle, every client and admin connection made
-        with a certificate (it may have been verified by that CA; a valid one connects again at once).  Broker
-        links are kept: closing them all would make the overlay heal around a broker that is well.
+        broker with what it had.  New connections get the new certificate; links made before keep their TLS
+        session, as a restart would not.  What the new files no longer admit is returned to be closed: client and
+        admin connections whose token was withdrawn or now names someone else, and, when a CA certificate left the
+        bundle, every client and admin connection made with a certificate (it may have been verified by that CA;
+        a valid one connects again at once).  Broker links are kept: closing them all would make the overlay
+        heal around a broker that is well.
 
-        `config`, the configuration read again, may change what config.RELOADABLE names (the files' paths, the
-        per-client limits, which apply from then on); a change of anything else is refused whole.
+        `config`, the configuration read again (or the one it runs with), may change what config.RELOADABLE
+        names (the files' paths, the per-client limits, which apply from then on); anything else is refused whole.
         """
-        c = self.config if config is None else config
+        c = config
         if (problem := reload_problem(self.config, c)) is not None:
             raise ConfigError(problem)
         tokens = load_tokens(c.tokens_file) if c.tokens_file else None

@@ -34,9 +34,14 @@ def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
     # Configure the "sedax" parent so every layer (sedax.broker, sedax.pubsub, ...) logs the same way.
     root = logging.getLogger("sedax")
     root.handlers[:] = [handler]
-    root.setLevel(config.log_level.upper())
     root.propagate = False
+    _set_level(config)
     return logging.getLogger("sedax.broker")
+
+
+def _set_level(config: BrokerConfig) -> None:
+    """The log level of every layer (the "sedax" parent logger): at start, and again at each reload."""
+    logging.getLogger("sedax").setLevel(config.log_level.upper())
 
 
 async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:
@@ -68,6 +73,7 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
         except ConfigError as exc:
             problem = str(exc)  # (logged below, outside the handler: the reason is the line, not a traceback)
         else:
+            _set_level(broker.config)  # (first: the new level decides whether this reload's own line is shown)
             parts = [f"read again {', '.join(done.files)}"] if done.files else []
             if done.settings:
                 parts.append(f"changed {', '.join(done.settings)}")

@@ -251,7 +251,6 @@ class Broker(Membership, Routing):
             raise
         self.guard.counters["reloads"] += 1
         self.config = config
-        logging.getLogger("sedax").setLevel(config.log_level.upper())
         if self._listener is not None and self.guard.tls is not None:
             self._listener.use(self.guard.tls.server)
         for link, why in done.revoked:
@@ -514,6 +513,7 @@ class Broker(Membership, Routing):
                         deadline = d
             if on_beat:
                 self.balancer.tick(now)
+                self.guard.check_expiry(time.time())  # (once a day at most; off the busy pub/sub ticks)
                 beat_at = next_beat(max(now, beat_at) + TICK_SLACK)
             self.release_held()  # (their time up: handled here; `_reconcile` releases them when links come up)
             if (
@@ -531,7 +531,6 @@ class Broker(Membership, Routing):
                 self.pubsub.tick()
                 self.guard.sweep_idle(self.links, now, self._subscribed)
                 self.guard.closes.tick(now)
-                self.guard.check_expiry(time.time())
                 self.trimmer.maybe_trim(now)
                 busy = now < busy_until
                 pubsub_at = now + PUBSUB_TICK if busy else never

@@ -24,13 +24,13 @@ def _cmd(args: argparse.Namespace) -> int:
 
     try:
         if args.action == "init":
-            path = certs.init_ca(args.dir, force=args.force, **({"days": args.days} if args.days else {}))
+            path = certs.init_ca(args.dir, force=args.force, days=args.days or CA_DAYS)
             print(f"CA certificate {path}; its key {certs.ca_paths(args.dir)[1]} signs every certificate: keep it safe")
         elif args.action == "issue":
             if not args.name or not args.role:
                 raise certs.CertError("issue needs --name NAME and --role broker|client")
-            days = {"days": args.days} if args.days else {}
-            cert, key = certs.issue(args.dir, args.name, args.role, args.host or (), force=args.force, **days)
+            days = args.days or LEAF_DAYS
+            cert, key = certs.issue(args.dir, args.name, args.role, args.host or (), force=args.force, days=days)
             print(f"{args.role} certificate {cert} (key {key}) for {args.name!r}")
             if args.role == "broker":
                 ca = certs.ca_paths(args.dir)[0]

@@ -9,6 +9,7 @@ does not load, or a change that takes a restart, changes nothing.  And a certifi
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -43,6 +44,15 @@ deny      subscribe  dashboard  grid/#
 """
 
 
+async def hup(bp: BrokerProcess, expect: str) -> int:
+    """SIGHUP the broker and wait for its log line about it; returns where its log stood before."""
+    since = log_size(bp)
+    os.kill(bp.pid, signal.SIGHUP)
+    await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in the broker's log")
+    assert bp.alive, bp.stderr_tail()
+    return since
+
+
 class One:
     """One TLS broker with an ACL and a tokens file, and the paths an operator would edit."""
 
@@ -62,11 +72,7 @@ class One:
         return Credentials(ca=self.ca, token=self.tokens[name])
 
     async def hup(self, expect: str) -> None:
-        """SIGHUP the broker and wait for its log line about it."""
-        since = log_size(self.bp)
-        os.kill(self.bp.pid, signal.SIGHUP)
-        await wait_for(lambda: log_has(self.bp, expect, since), 15.0, f"{expect!r} in the broker's log")
-        assert self.bp.alive, self.bp.stderr_tail()
+        await hup(self.bp, expect)
 
     async def counters(self) -> dict[str, int]:
         return dict((await self.cluster.statuses())[self.bp.node_id].counters)
@@ -252,20 +258,14 @@ async def test_sighup_applies_the_config_files_limits_and_refuses_what_takes_a_r
         await cluster.wait_converged(20.0)
         bp = cluster.nodes[1]
 
-        async def hup(expect: str) -> None:
-            since = log_size(bp)
-            os.kill(bp.pid, signal.SIGHUP)
-            await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in the log")
-            assert bp.alive, bp.stderr_tail()
-
-        await hup("SIGHUP: the configuration is as it was")
+        await hup(bp, "SIGHUP: the configuration is as it was")
         async with Client(bp.listen, credentials=Credentials(insecure=True), ack_timeout=0.2) as c:
             for i in range(30):  # no --publish-rate yet: nothing is limited
                 await c.publish("grid/e/voltage", b"%d" % i)
             assert c.rate_limited == 0
 
             conf.write_text("publish_burst = 5\npublish_rate = 20.0\n")
-            await hup("SIGHUP: changed publish_rate 0.0 -> 20.0")
+            await hup(bp, "SIGHUP: changed publish_rate 0.0 -> 20.0")
             # A batch passes a full bucket and leaves it in debt (however the broker's reads cut the messages):
             # the second, sent once the first is acknowledged, comes into that debt (25 tokens at 20/s).
             for first in (30, 60):
@@ -275,12 +275,27 @@ async def test_sighup_applies_the_config_files_limits_and_refuses_what_takes_a_r
             assert c.rate_limited > 0
 
             conf.write_text("publish_burst = 5\npublish_rate = 20.0\nmax_connections = 10\nmax_hops = 9\n")
-            await hup("max_hops, max_connections changed, which takes effect only at a restart")
+            await hup(bp, "max_hops, max_connections changed, which takes effect only at a restart")
             conf.write_text("publish_burst = 5\npublish_rate = 20.0\nresilience = 3\n")  # a flag: it wins
-            await hup("SIGHUP: the configuration is as it was")
+            await hup(bp, "SIGHUP: the configuration is as it was")
             conf.write_text("publish_rate = [")
-            await hup("is not valid TOML")
+            await hup(bp, "is not valid TOML")
             assert (await cluster.statuses())[bp.node_id].counters["reload_failures"] == 2
+
+            # The log level: at WARNING a reload's own INFO line is not written (the counter says it was done).
+            async def reloaded(n: int) -> bool:
+                return (await cluster.statuses())[bp.node_id].counters["reloads"] >= n
+
+            done = (await cluster.statuses())[bp.node_id].counters["reloads"]
+            conf.write_text('publish_burst = 5\npublish_rate = 20.0\nlog_level = "WARNING"\n')
+            for _ in range(2):  # the reload to WARNING, then one with nothing changed
+                since = log_size(bp)
+                os.kill(bp.pid, signal.SIGHUP)
+                done += 1
+                await wait_for(functools.partial(reloaded, done), 15.0, f"reload {done} done")
+                assert not log_has(bp, "SIGHUP:", since), bp.stderr_tail()
+            conf.write_text('publish_burst = 5\npublish_rate = 20.0\nlog_level = "INFO"\n')
+            await hup(bp, "SIGHUP: changed log_level 'WARNING' -> 'INFO'")
         await cluster.wait_converged(5.0)  # still in the overlay, where it was
 
 
@@ -311,9 +326,7 @@ async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(
         assert abs(_expiry_metric(bp) - before) < 1.0
 
         certs.issue(pki, "n0", "broker", ["127.0.0.1"], force=True, days=400)
-        since = log_size(bp)
-        os.kill(bp.pid, signal.SIGHUP)
-        await wait_for(lambda: log_has(bp, "SIGHUP: read again", since), 15.0, "the reload")
+        since = await hup(bp, "SIGHUP: read again")
         assert _not_after(cert) > before + 300 * 86400
         assert abs(_expiry_metric(bp) - _not_after(cert)) < 1.0
         assert not log_has(bp, "expires in", since)  # renewed for long enough: no warning after the reload
