@@ -471,11 +471,14 @@ def _prometheus_rules(base: str) -> dict[str, str]:
     return {r["name"]: r.get("health", "") for g in body["data"]["groups"] for r in g["rules"]}
 
 
-def _wait_prometheus_up(p: Project) -> list[dict[str, Any]]:
+def _prometheus_base(p: Project) -> str:
+    """The URL of the project's Prometheus, as published on the host."""
     host_port = p.check("port", "prometheus", "9090").strip()
     assert host_port.startswith("127.0.0.1:"), host_port
-    base = f"http://{host_port}"
+    return f"http://{host_port}"
 
+
+def _wait_prometheus_up(base: str) -> list[dict[str, Any]]:
     def probe() -> list[dict[str, Any]] | _NotYet:
         try:
             targets = _prometheus_targets(base)
@@ -573,9 +576,9 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     _wait_converged(p, cids)
     phase("overlay converged")
 
-    targets = _wait_prometheus_up(p)
+    base = _prometheus_base(p)
+    targets = _wait_prometheus_up(base)
     assert len(targets) == len(BROKERS)
-    base = f"http://{p.check('port', 'prometheus', '9090').strip()}"
     rules = _prometheus_rules(base)  # deploy/prometheus-rules.yml, mounted by docker-compose.yml
     want = re.findall(r"- alert: (\w+)", (REPO / "deploy" / "prometheus-rules.yml").read_text())
     assert sorted(rules) == sorted(want) and "err" not in rules.values(), rules
