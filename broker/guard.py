@@ -26,7 +26,7 @@ import math
 import ssl
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -68,27 +68,34 @@ CLOSE_LOG_FIRST: Final = 50
 EXPIRY_WARNING: Final = 30 * 86400.0
 EXPIRY_WARN_EVERY: Final = 86400.0
 
-COUNTERS: Final = (
-    "tls_handshake_failures",
-    "refused_at_accept",
-    "refused_unauthenticated",
-    "refused_not_allowed",
-    "refused_too_many_connections",
-    "protocol_errors",
-    "routed_from_non_broker",
-    "forged_outside_space",
-    "forged_hop_limit",
-    "forged_loop",
-    "rate_limited",
-    "too_large",
-    "acl_denied_access",
-    "acl_denied_holder",
-    "slow_consumers",
-    "slow_consumer_drops",
-    "idle_closed",
-    "reloads",
-    "reload_failures",
-)
+# The security and limit counters, by their one name (STATUS, the metrics log's snapshots, and the metrics
+# endpoint as sedax_<name>_total) with the help text the metrics endpoint gives them.
+COUNTERS: Final[Mapping[str, str]] = {
+    "tls_handshake_failures": "Connections whose TLS handshake failed (no or an untrusted certificate, an expired "
+    "one, not TLS at all).",
+    "refused_at_accept": "Connections closed at accept, before a handshake: more than --max-connections plus "
+    "headroom were open or handshaking.",
+    "refused_unauthenticated": "HELLOs refused unauthenticated: no certificate of the cluster CA and no valid token.",
+    "refused_not_allowed": "HELLOs and JOINs refused not_allowed: a certificate that does not entitle its holder "
+    "to the role or node it claimed.",
+    "refused_too_many_connections": "Clients refused too_many_connections (--max-connections).",
+    "protocol_errors": "Connections closed for a protocol error (a malformed or impossible frame).",
+    "routed_from_non_broker": "Routed frames dropped because a client or admin connection sent them.",
+    "forged_outside_space": "Routed frames dropped: a destination outside the coordinate space.",
+    "forged_hop_limit": "Routed frames dropped: a hop limit above this broker's --max-hops.",
+    "forged_loop": "Routed frames dropped: a sender closer to the destination than this broker (a loop or a "
+    "forgery; greedy forwarding only moves closer).",
+    "rate_limited": "PUBLISH frames refused rate_limited (--publish-rate, --publish-burst per client identity).",
+    "too_large": "PUBLISH frames refused too_large (--max-payload).",
+    "acl_denied_access": "Requests the ACL denied at the access broker (FAILED or NACK not_allowed).",
+    "acl_denied_holder": "Requests the ACL denied at the topic's holder (checked again there).",
+    "slow_consumers": "Client connections closed because they read too slowly (--slow-consumer-policy disconnect).",
+    "slow_consumer_drops": "Frames dropped for slow readers (--slow-consumer-policy drop).",
+    "idle_closed": "Client connections closed after --idle-timeout without a request.",
+    "reloads": "Reloads (SIGHUP) that took effect.",
+    "reload_failures": "Reloads (SIGHUP) refused whole: an unreadable or invalid file, or a setting that needs a "
+    "restart; the broker's log has the reason.",
+}
 
 
 class TokenBucket:
@@ -226,6 +233,8 @@ class Guard:
         self._next_sweep = 0.0
         self.closes = CloseLog(log)
         self._expiry_warned = -math.inf
+        # False from a refused reload until one takes effect: the broker runs on files its operator replaced.
+        self.last_reload_ok = True
 
     @property
     def name(self) -> str | None:

@@ -22,6 +22,7 @@ from typing import Final
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from broker.guard import COUNTERS as GUARD_COUNTERS
 from broker.stats import Buckets, Observed
 from overlay.protocol import format_address, parse_address
 
@@ -147,7 +148,22 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "PINGs sent to keep links alive (only on links with nothing else to send, by one end of a broker link).",
     ),
     "balance_rounds": ("sedax_balance_rounds", "Balancing rounds (Alg. 2) this broker ran."),
+    "balance_decisions_move": (
+        "sedax_balance_decisions_move",
+        "Alg. 2 rounds that chose to move a topic (moves_aborted counts those that then did not happen).",
+    ),
+    "placements": (
+        "sedax_placements",
+        "New topics Alg. 1 placed at a better coordinate than their hash h(t), as the topic's home broker.",
+    ),
+    "forwarded_requests": (
+        "sedax_forwarded_requests",
+        "Pub/sub requests for a topic that lives elsewhere this broker sent on (its delegate coordinate, where it "
+        "moved, its home).",
+    ),
 }
+# The guard's security and limit counters keep their STATUS names (broker/guard.py has their help texts).
+SECURITY: Final[Mapping[str, tuple[str, str]]] = {key: (f"sedax_{key}", doc) for key, doc in GUARD_COUNTERS.items()}
 # Exported from the start (0 until something happens), so dashboards see every series at once.
 ALWAYS: Final = ("delegations", "moved_bytes", "balance_queries", "balance_query_bytes")
 DROPS: Final = {
@@ -249,6 +265,13 @@ class BrokerCollector:
                 value=g.certificate_expires,
             )
 
+        yield GaugeMetricFamily(
+            "sedax_last_reload_successful",
+            "1 if the last reload (SIGHUP) took effect or none was asked for, 0 if it was refused: the broker runs on"
+            " its earlier files and settings; its log says what was wrong.",
+            value=float(g.last_reload_ok),
+        )
+
         values = b.counter_values()
         drops = CounterMetricFamily("sedax_dropped_messages", "Routed messages dropped, by reason.", labels=["reason"])
         for key, reason in DROPS.items():
@@ -257,7 +280,11 @@ class BrokerCollector:
         for key in ALWAYS:
             values.setdefault(key, 0)
         for key, value in values.items():
-            name, doc = COUNTERS.get(key) or (f"sedax_{_NAME_SAFE.sub('_', key)}", f"Pub/sub counter {key!r}.")
+            name, doc = (
+                COUNTERS.get(key)
+                or SECURITY.get(key)
+                or (f"sedax_{_NAME_SAFE.sub('_', key)}", f"Pub/sub counter {key!r}.")
+            )
             yield CounterMetricFamily(name, doc, value=float(value))
         yield CounterMetricFamily(
             "sedax_untimed_publishes", "Publishes not timed because too many were waiting.", value=b.stats.acks.untimed

@@ -248,8 +248,10 @@ class Broker(Membership, Routing):
             done = self.guard.reload(self.links, config)
         except ConfigError:
             self.guard.counters["reload_failures"] += 1
+            self.guard.last_reload_ok = False
             raise
         self.guard.counters["reloads"] += 1
+        self.guard.last_reload_ok = True
         self.config = config
         if self._listener is not None and self.guard.tls is not None:
             self._listener.use(self.guard.tls.server)
@@ -598,15 +600,7 @@ class Broker(Membership, Routing):
 
     def status(self, corr: int) -> Status:
         """This broker's STATUS answer."""
-        counters = {
-            **self.stats.counters(),
-            "links": len(self.links),
-            "sessions": len(self.sessions),
-            **self.pubsub.counters,
-            **self.balancer.counters,
-            **self._link_counters(),
-            **self._security_counters(),
-        }
+        counters = {**self.counter_values(), "links": len(self.links), "sessions": len(self.sessions)}
         held = sorted(self.pubsub.topics())
         states = self.pubsub.replica_states()
         since = time.time() - RATE_WINDOW  # the clock records are stamped with (the pub/sub port's now())
@@ -681,9 +675,15 @@ class Broker(Membership, Routing):
             self.eventlog.event(kind, topic=topic, load=load, frm=frm, to=to, peer=peer, seconds=seconds)
 
     def counter_values(self) -> dict[str, int]:
-        """Cumulative counters of the broker and its pub/sub layer, for the log's snapshots and the metrics."""
+        """Cumulative counters of the broker, its pub/sub layer and its guard (log snapshots, metrics)."""
         pubsub = {**self.pubsub.counters, "restamped": self.pubsub.store.restamped}
-        return {**self.stats.counters(), **pubsub, **self.balancer.counters, **self._link_counters()}
+        return {
+            **self.stats.counters(),
+            **pubsub,
+            **self.balancer.counters,
+            **self._link_counters(),
+            **self._security_counters(),
+        }
 
     def _link_counters(self) -> dict[str, int]:
         return {"heartbeat_pings": self._pings_of_closed + sum(link.pings_sent for link in self.links)}
@@ -706,7 +706,15 @@ class Broker(Membership, Routing):
         ps = self.pubsub
         tls = self.guard.tls
         expires = tls.expires if tls is not None else 0.0
-        return Gauges(neighbours, len(self.links), len(self.sessions), ps.store.memory(), ps.config.max_memory, expires)
+        return Gauges(
+            neighbours,
+            len(self.links),
+            len(self.sessions),
+            ps.store.memory(),
+            ps.config.max_memory,
+            expires,
+            self.guard.last_reload_ok,
+        )
 
     def unhealthy(self) -> str | None:
         """Why the broker does not serve (stats.Observed: GET /healthz), or None: only a failure of its timers,

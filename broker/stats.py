@@ -206,6 +206,7 @@ class Gauges:
     stored_memory: int = 0  # what the stored messages take in memory, estimated (TopicStore.memory)
     max_memory: int = 0  # --max-memory in bytes (resolved: never 0 in a running broker)
     certificate_expires: float = 0.0  # notAfter of the TLS certificate or its CA, the earlier; 0 without TLS
+    last_reload_ok: bool = True  # False from a refused reload (SIGHUP) until one takes effect
 
 
 class Observed(Protocol):

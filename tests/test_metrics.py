@@ -253,6 +253,12 @@ async def test_endpoint_answers_bad_requests_and_stays_up(tmp_path: Path) -> Non
             assert answer.startswith(status), (request[:30], answer[:80])
         ok = await _http(m, b"GET /metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert ok.startswith(b"HTTP/1.1 200 ") and b'\nsedax_node_load_bytes{level="L1"} 0.0\n' in ok
+        # Every series a broker exports is in docs/metrics.md.
+        exported = {n.decode() for n in re.findall(rb"^# TYPE (sedax_\w+) ", ok, re.M)}
+        documented = set(
+            re.findall(r"`(sedax_[a-z_]+)`", (Path(__file__).parent.parent / "docs/metrics.md").read_text())
+        )
+        assert "sedax_reload_failures_total" in exported and exported <= documented, exported - documented
         assert cluster.nodes[0].alive
 
 

@@ -24,6 +24,7 @@ import pytest
 from cluster import log_has, log_size, wait_for
 from conftest import FAST_ARGS
 
+from broker.guard import COUNTERS as GUARD_COUNTERS
 from cli.cluster import BrokerProcess, LocalCluster
 from client.client import Client, ClientError, RequestFailed
 from net import certs
@@ -84,7 +85,7 @@ async def one(tmp_path: Path) -> AsyncIterator[One]:
     tokens = {}
     for name in ("dashboard", "meter-7"):
         tokens[name], tokens_file = certs.add_token(tmp_path / "certs", name)
-    args = (*FAST_ARGS, "--acl", str(tmp_path / "broker.acl"), "--tokens", str(tokens_file))
+    args = (*FAST_ARGS, "--acl", str(tmp_path / "broker.acl"), "--tokens", str(tokens_file), "--metrics", "127.0.0.1:0")
     cluster = LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, tls=True, broker_args=args)
     try:
         await cluster.start()
@@ -128,6 +129,10 @@ async def test_sighup_serves_a_renewed_certificate_and_a_broken_one_changes_noth
         await c.publish("grid/a/voltage", b"still")
         counters = await one.counters()
         assert (counters["reloads"], counters["reload_failures"]) == (1, 1)
+        # The guard's counters are exported under their STATUS names (the alert on failed reloads reads them).
+        exported = _metrics(one.bp)
+        assert {k: exported[f"sedax_{k}_total"] for k in GUARD_COUNTERS} == {k: counters[k] for k in GUARD_COUNTERS}
+        assert exported["sedax_last_reload_successful"] == 0  # SedaxReloadFailed fires on it
 
         # A certificate for another name is refused too: a broker keeps its name while it runs.
         key.write_bytes(good_key)
@@ -304,12 +309,15 @@ def _not_after(cert: Path) -> float:
     return float(ssl.cert_time_to_seconds(out.stdout.strip().removeprefix("notAfter=")))
 
 
-def _expiry_metric(bp: BrokerProcess) -> float:
+def _metrics(bp: BrokerProcess) -> dict[str, float]:
+    """The broker's unlabelled series, by name, as a scrape reads them."""
     with urllib.request.urlopen(f"http://{bp.metrics}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("sedax_tls_certificate_expiry_timestamp_seconds "):
-                return float(line.split()[1])
-    raise AssertionError("no sedax_tls_certificate_expiry_timestamp_seconds in the metrics")
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, value in (ln.split() for ln in lines if ln[:1] != "#" and "{" not in ln)}
+
+
+def _expiry_metric(bp: BrokerProcess) -> float:
+    return _metrics(bp)["sedax_tls_certificate_expiry_timestamp_seconds"]
 
 
 async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(tmp_path: Path) -> None:
@@ -329,6 +337,8 @@ async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(
         since = await hup(bp, "SIGHUP: read again")
         assert _not_after(cert) > before + 300 * 86400
         assert abs(_expiry_metric(bp) - _not_after(cert)) < 1.0
+        exported = _metrics(bp)
+        assert (exported["sedax_reloads_total"], exported["sedax_last_reload_successful"]) == (1, 1)
         assert not log_has(bp, "expires in", since)  # renewed for long enough: no warning after the reload
 
 
