@@ -17,6 +17,7 @@ import uvloop
 from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
 from broker.membership import JoinFailed, JoinRefused
 from broker.node import Broker, StartFailed
+from broker.sdnotify import Notifier
 from broker.storage import raise_open_file_limit
 
 # Exit codes: 2 = bad configuration (also: metrics endpoint or log cannot be opened), 3 = the overlay refused
@@ -46,7 +47,8 @@ def _set_level(config: BrokerConfig) -> None:
 
 async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:
     """Start, join, announce readiness, serve until SIGTERM/SIGINT, then leave gracefully.  SIGHUP reloads:
-    `reread` builds the configuration again as it was built (config file, environment, flags)."""
+    `reread` builds the configuration again as it was built (config file, environment, flags).  Under systemd
+    (`Type=notify`) the service manager is told each step (broker/sdnotify.py)."""
     soft_before, _ = raise_open_file_limit()
     try:
         broker = Broker(config)
@@ -57,33 +59,52 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
     broker.log = log
     if broker.fd_limit.soft != soft_before:
         log.info("open-file limit raised from %d to %d (the hard limit)", soft_before, broker.fd_limit.soft)
+    notifier = Notifier.from_environ(os.environ, os.getpid(), log)
+    pets: asyncio.Future[None] | None = None
+    if notifier is not None and notifier.watchdog_interval is not None:
+        pets = asyncio.ensure_future(_watchdog(broker, notifier, notifier.watchdog_interval))
+    try:
+        return await _serve(broker, log, reread, notifier)
+    finally:
+        if pets is not None:
+            pets.cancel()
+            await asyncio.gather(pets, return_exceptions=True)
+        if notifier is not None:
+            notifier.close()
+
+
+async def _watchdog(broker: Broker, notifier: Notifier, interval: float) -> None:
+    """systemd's watchdog (WatchdogSec=): a ping each interval while the loop runs and the broker's timers work
+    (what /healthz answers 200 for).  A hung loop pings no more, and systemd kills and restarts the broker."""
+    while True:
+        if broker.unhealthy() is None:
+            notifier.watchdog()
+        await asyncio.sleep(interval)
+
+
+async def _serve(
+    broker: Broker, log: logging.Logger, reread: Callable[[], BrokerConfig] | None, notifier: Notifier | None
+) -> int:
+    config = broker.config
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    serving: list[str] = []  # the service manager's STATUS line, once ready
 
     def on_signal(name: str) -> None:
         if stop.is_set():
             log.warning("second %s: exiting without a graceful leave", name)
             os._exit(1)
         log.info("%s: leaving the overlay", name)
+        if notifier is not None:
+            notifier.stopping(f"{name}: leaving the overlay")
         stop.set()
 
     def on_reload() -> None:
-        try:
-            done = broker.reload(reread)
-        except ConfigError as exc:
-            problem = str(exc)  # (logged below, outside the handler: the reason is the line, not a traceback)
-        else:
-            _set_level(broker.config)  # (first: the new level decides whether this reload's own line is shown)
-            parts = [f"read again {', '.join(done.files)}"] if done.files else []
-            if done.settings:
-                parts.append(f"changed {', '.join(done.settings)}")
-            if done.revoked:
-                parts.append(f"{len(done.revoked)} connections they no longer admit closed")
-            if done.subscriptions_ended:
-                parts.append(f"{done.subscriptions_ended} subscriptions the ACL now denies ended")
-            log.info("SIGHUP: %s", "; ".join(parts) or "the configuration is as it was; no file to read again")
-            return
-        log.error("SIGHUP: nothing was reloaded, the broker goes on as it was: %s", problem)
+        if notifier is not None:
+            notifier.reloading()
+        line = _reload(broker, log, reread)
+        if notifier is not None:  # READY=1 ends the reload, taken or refused (sd_notify(3))
+            notifier.ready("; ".join((*serving, line)))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
@@ -108,6 +129,8 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
         return EXIT_CONFIG
     join = asyncio.ensure_future(broker.join()) if config.join else None
     if join is not None:
+        if notifier is not None:
+            notifier.send(status=f"joining the overlay through {', '.join(config.join)}")
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({join, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -142,6 +165,10 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
     gc.freeze()
     log.debug("%d objects frozen for the garbage collector", gc.get_freeze_count())
     print(json.dumps(ready), flush=True)
+    if notifier is not None:
+        x, y = broker.info.coord
+        serving.append(f"serving as {broker.node_id} at ({x:g}, {y:g}) on {broker.info.listen}")
+        notifier.ready(serving[0])
     stopping = asyncio.ensure_future(stop.wait())
     failing = asyncio.ensure_future(broker.failed.wait())
     await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
@@ -150,9 +177,12 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
     if broker.failed.is_set():
         # The traceback is in the log (the task set logs it); a broker without its timers detects no failure,
         # syncs nothing and times nothing out, so it leaves as gracefully as it still can and exits.
+        why = f"the broker's timers failed ({broker.failure!r}), so it stops"
+        if notifier is not None:
+            notifier.stopping(why)
         print(
-            f"sedax broker: error: the broker's timers failed ({broker.failure!r}), so it stops; started again it "
-            "recovers its topics from --data-dir. This is a bug: please report it with the log above",
+            f"sedax broker: error: {why}; started again it recovers its topics from --data-dir. This is a bug: "
+            "please report it with the log above",
             file=sys.stderr,
             flush=True,
         )
@@ -164,6 +194,30 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
         return EXIT_FAILED
     await broker.shutdown()
     return 0
+
+
+def _reload(broker: Broker, log: logging.Logger, reread: Callable[[], BrokerConfig] | None) -> str:
+    """SIGHUP: Broker.reload, and one log line saying what it did (returned too)."""
+    problem: str | None = None
+    try:
+        done = broker.reload(reread)
+    except ConfigError as exc:
+        problem = str(exc)  # (logged below, outside the handler: the reason is the line, not a traceback)
+    if problem is not None:
+        line = f"SIGHUP: nothing was reloaded, the broker goes on as it was: {problem}"
+        log.error("%s", line)
+        return line
+    _set_level(broker.config)  # (first: the new level decides whether this reload's own line is shown)
+    parts = [f"read again {', '.join(done.files)}"] if done.files else []
+    if done.settings:
+        parts.append(f"changed {', '.join(done.settings)}")
+    if done.revoked:
+        parts.append(f"{len(done.revoked)} connections they no longer admit closed")
+    if done.subscriptions_ended:
+        parts.append(f"{done.subscriptions_ended} subscriptions the ACL now denies ended")
+    line = f"SIGHUP: {'; '.join(parts) or 'the configuration is as it was; no file to read again'}"
+    log.info("%s", line)
+    return line
 
 
 def run(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 
 from broker import defaults
 from broker.memory import human_bytes, memory_available
+from broker.sdnotify import SERVICE_MANAGER_ENV
 from client.admin import AdminClient, AdminError
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
@@ -324,6 +325,8 @@ class LocalCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env.pop(ENV_INSECURE, None)  # the flags above decide
+        for name in SERVICE_MANAGER_ENV:  # this command's own, if systemd runs it: the brokers are not the service
+            env.pop(name, None)
         with out_path.open("wb") as out, err_path.open("wb") as err:
             proc = subprocess.Popen(
                 args,
