@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build a local base image for deploy/Dockerfile and the Prometheus service without pulling any image:
-# a Debian 12 root made with debootstrap (Python 3.11, OpenJDK 17 for PySpark, Debian's prometheus) plus a
+# a Debian 12 root made with debootstrap (Python 3.11, OpenJDK 17 for PySpark, Debian's prometheus, systemd for
+# the test of the unit file under a real systemd) plus a
 # venv /opt/sedax holding SeDAX's dependencies from wheels built on this machine, loaded with `docker import`.
 #
 #   deploy/offline-base.sh            build the image unless it exists; prints its tag as the last line
@@ -22,8 +23,10 @@ if [[ -z $python ]]; then
     if [[ -x $repo/.venv/bin/python ]]; then python=$repo/.venv/bin/python; else python=python3; fi
 fi
 repository=sedax-offline-base
-# Debian packages: python3 for the brokers, the JRE for Spark, prometheus for the Prometheus service.
-packages=python3,python3-venv,ca-certificates,openjdk-17-jre-headless,prometheus
+# Debian packages: python3 for the brokers, the JRE for Spark, prometheus for the Prometheus service; systemd and
+# procps (/bin/kill, which the unit's ExecReload= runs) for tests/test_systemd.py, where a container whose PID 1 is
+# systemd runs deploy/systemd/sedax-broker.service (the compose services never start it).
+packages=python3,python3-venv,ca-certificates,openjdk-17-jre-headless,prometheus,systemd,procps
 
 # The install requirements and the plot extra, plus what building the sedax wheel offline needs.
 requirements=$("$python" - "$repo/pyproject.toml" <<'PY'
@@ -40,6 +43,10 @@ if [[ ${1:-} == --tag ]]; then
     echo "$tag"
     exit 0
 fi
+# One build at a time: the compose test and the systemd test may ask at once (two pytest workers); the second
+# waits here and then finds the image built.
+exec 9>>/tmp/sedax-offline-base.lock
+flock 9
 if docker image inspect "$tag" >/dev/null 2>&1; then
     echo "$tag"
     exit 0

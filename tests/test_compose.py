@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+import containers
 import pytest
 
 from overlay.geometry import delaunay_neighbour_map
@@ -45,7 +46,6 @@ RESTART_MESSAGES = 20
 B1_HELD_BACK = 15.0
 
 # Generous bounds: image builds and container starts on a loaded 2-core machine with a slow storage driver.
-BASE_BUILD_TIMEOUT = 1200.0
 BUILD_TIMEOUT = 600.0
 COMMAND_TIMEOUT = 300.0
 # Renewing broker {b}'s certificate in the `certs` volume, as docs/compose.md says (run in the certs service).
@@ -76,21 +76,7 @@ pytestmark = [
 ]
 
 
-def _run(cmd: Sequence[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False, **kw)
-
-
-def _docker_engine() -> str | None:
-    """None if a Docker engine answers, else why not."""
-    if shutil.which("docker") is None:
-        return "the docker command is not installed"
-    try:
-        r = _run(["docker", "info", "--format", "{{.ServerVersion}}"], 60)
-    except subprocess.TimeoutExpired:
-        return "`docker info` did not answer within 60 s"
-    if r.returncode != 0:
-        return f"`docker info` failed: {(r.stderr or r.stdout).strip()[-300:]}"
-    return None
+_run = containers.run
 
 
 def _compose_command() -> list[str]:
@@ -167,13 +153,7 @@ class Project:
 @pytest.fixture(scope="module")
 def base_image() -> str:
     """The offline base image (built once per recipe, then found by its content tag)."""
-    why = _docker_engine()
-    if why is not None:
-        pytest.skip(f"no Docker engine answers: {why}")
-    env = {**os.environ, "SEDAX_PYTHON": sys.executable}
-    r = _run([str(REPO / "deploy" / "offline-base.sh")], BASE_BUILD_TIMEOUT, env=env, cwd=REPO)
-    assert r.returncode == 0, f"deploy/offline-base.sh failed:\n{r.stderr[-4000:]}"
-    return r.stdout.strip().splitlines()[-1]
+    return containers.offline_base_image()
 
 
 @pytest.fixture
