@@ -181,8 +181,12 @@ async def test_a_broker_tells_systemd_when_it_serves_reloads_and_leaves(tmp_path
             line = json.loads((tmp_path / "broker.out").read_text().splitlines()[0])
             assert line["event"] == "ready" and line["node"] == "substation-12"
             assert ready["STATUS"].startswith(f"serving as substation-12 at (0.25, 0.75) on {line['listen']}"), ready
-            statuses = await cluster.statuses()
-            assert "substation-12" in {n.id for n in statuses[cluster.nodes[0].node_id].neighbours}
+            first = cluster.nodes[0].node_id
+
+            async def linked() -> bool:
+                return "substation-12" in {n.id for n in (await cluster.statuses())[first].neighbours}
+
+            await wait_for(linked, 30.0, "the first broker linked to the one that joined")
 
             # The watchdog: pings while the loop runs, none while the process is stopped (a hung broker),
             # pings again once it runs.
