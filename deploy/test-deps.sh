@@ -7,8 +7,9 @@
 #   python3-venv             `python3 -m venv` on a Debian Python without ensurepip
 #   openjdk-17-jre-headless  Java for PySpark (sedax analyze, local and standalone Spark tests)
 #   prometheus               a real Prometheus scraping a cluster (tests/test_metrics.py)
-#   systemd                  systemd-analyze, which checks the shipped unit file (tests/test_systemd.py); nothing
-#                            is started with it
+#   systemd, procps          systemd-analyze, which checks the shipped unit file (tests/test_systemd.py; nothing
+#                            is started with it), and /bin/kill, which the unit's ExecReload= runs and
+#                            `systemd-analyze verify` looks for
 #   debootstrap              the compose test's local base image (nothing can be pulled); only where a Docker
 #                            engine answers, since elsewhere that test is skipped
 #
@@ -21,6 +22,7 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 command -v java >/dev/null || need+=(openjdk-17-jre-headless)
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v systemd-analyze >/dev/null || need+=(systemd)
+[ -x /bin/kill ] || need+=(procps)
 if command -v docker >/dev/null && docker info >/dev/null 2>&1 && ! command -v debootstrap >/dev/null; then
     need+=(debootstrap)
 fi
