@@ -44,8 +44,8 @@ if [[ ${1:-} == --tag ]]; then
     exit 0
 fi
 # One build at a time: the compose test and the systemd test may ask at once (two pytest workers); the second
-# waits here and then finds the image built.
-exec 9>>/tmp/sedax-offline-base.lock
+# waits here and then finds the image built.  The lock is on this script itself, so nothing is left behind.
+exec 9<"$script"
 flock 9
 if docker image inspect "$tag" >/dev/null 2>&1; then
     echo "$tag"
