@@ -101,6 +101,12 @@ def _example_config(tmp_path: Path, cluster: LocalCluster, node: str) -> Path:
     return cfg
 
 
+def _state(pid: int) -> str:
+    """The process's state letter in /proc/PID/stat (R, S, T, ...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
 class Manager:
     """The service manager's end of sd_notify(3): a datagram socket, and what arrived on it, in order."""
 
@@ -193,7 +199,8 @@ async def test_a_broker_tells_systemd_when_it_serves_reloads_and_leaves(tmp_path
             await manager.until("WATCHDOG", 10.0)
             os.kill(proc.pid, signal.SIGSTOP)
             try:
-                await asyncio.sleep(0)  # (the signal is delivered before kill() returns; let queued pings land)
+                # Stopped ("T"): it sends nothing more, and what it sent before is in the socket, drained.
+                await wait_for(lambda: _state(proc.pid) == "T", 10.0, "the broker stopped")
                 manager.drain()
                 with pytest.raises(TimeoutError):
                     await manager.next(4 * watchdog_usec / 1e6)  # systemd would have killed it by now
