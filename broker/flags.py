@@ -61,6 +61,13 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--space", help="XMIN,YMIN,XMAX,YMAX (default 0,0,1,1)")
     parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--config", dest="config_file", help="JSON or TOML settings file")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="read and check the configuration and the TLS, tokens and ACL files it names, then exit: 0 and a "
+        "summary, or 2 and what is wrong (starts nothing, so it is safe beside the running broker; a unit runs "
+        "it before each reload)",
+    )
     lb = parser.add_argument_group("load balancing (Sec. V, VI)")
     lb.add_argument("--balance", choices=("none", "addition", "continuous", "combined"), help="when (none)")
     lb.add_argument("--goal", choices=("L1", "L2", "L3"), help="node load to equalise (L3)")

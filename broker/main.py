@@ -10,11 +10,14 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import uvloop
 
 from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
+from broker.guard import Guard
 from broker.membership import JoinFailed, JoinRefused
 from broker.node import Broker, StartFailed
 from broker.sdnotify import Notifier
@@ -220,6 +223,53 @@ def _reload(broker: Broker, log: logging.Logger, reread: Callable[[], BrokerConf
     return line
 
 
+def check(config: BrokerConfig) -> int:
+    """`--check`: read and check what a start reads (the configuration, the TLS files with their self-check
+    handshake, the tokens, the ACL, whether the data directory can be written), without starting: exit 0 with one
+    line saying what a start would run with, or EXIT_CONFIG with what is wrong.  It binds nothing and takes no
+    lock, so it runs beside the broker it checks (the unit's ExecReload=, before the SIGHUP)."""
+    try:
+        guard = Guard(config, logging.getLogger("sedax.broker"))
+        data = _writable_data_dir(config)
+    except ConfigError as exc:
+        print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    x, y = config.coord
+    name = config.node_id or guard.name or "a generated node id"
+    parts = [f"{name} at ({x:g}, {y:g}) on {config.listen}", f"resilience {config.resilience}"]
+    parts.append(f"joins through {', '.join(config.join)}" if config.join else "starts a new overlay")
+    if guard.tls is not None:
+        expires = time.strftime("%Y-%m-%d", time.gmtime(guard.tls.expires))
+        parts.append(f"TLS as {guard.tls.name} until {expires}")
+    else:
+        parts.append("plain TCP (--insecure)")
+    if guard.tokens is not None:
+        parts.append(f"{len(guard.tokens)} tokens")
+    if guard.acl is not None:
+        parts.append(f"{len(guard.acl.rules)} ACL rules")
+    parts.append(data)
+    print(f"sedax broker: configuration OK: {'; '.join(parts)}", flush=True)
+    return 0
+
+
+def _writable_data_dir(config: BrokerConfig) -> str:
+    """Where the topics would be kept; ConfigError if the data directory cannot be made or written by this user."""
+    if not (config.on_disk and config.data_dir):
+        return "topics in memory"
+    d = Path(config.data_dir)
+    probe = d
+    while not probe.exists() and probe != probe.parent:  # (made at start: its nearest existing parent must allow it)
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        if not probe.is_dir():
+            raise ConfigError(f"data_dir {d}: {probe} is not a directory; choose another --data-dir")
+        raise ConfigError(
+            f"data_dir {d}: {probe} cannot be written by this user (uid {os.getuid()}); give it write access "
+            "(chown) or choose another --data-dir"
+        )
+    return f"topics in {d} (fsync {config.fsync})"
+
+
 def run(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:
     """Run a broker until it is told to stop; returns the process exit code.  `reread`: see `serve`."""
     return uvloop.run(serve(config, reread))
@@ -235,4 +285,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sedax broker: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.check:
+        return check(config)
     return run(config, lambda: config_from_args(args))

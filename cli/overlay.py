@@ -52,12 +52,14 @@ async def _first_answer(addrs: list[str], limit: float, creds: Credentials) -> A
 
 def _cmd_broker(args: argparse.Namespace) -> int:
     from broker.config import ConfigError, config_from_args
-    from broker.main import run
+    from broker.main import check, run
 
     try:
         config = config_from_args(args)
     except ConfigError as exc:
         return fail(str(exc), EXIT_USAGE)
+    if args.check:
+        return check(config)
     return run(config, lambda: config_from_args(args))  # (SIGHUP builds it again: the config file may have changed)
 
 

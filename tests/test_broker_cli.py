@@ -264,3 +264,31 @@ async def test_move_of_a_topic_nobody_published_to_fails_and_leaves_nothing(clus
         await c.publish(real, b"1")
     res = await asyncio.to_thread(_cli, "move", real, "0.9,0.1", "--broker", addr)
     assert res.returncode == 0 and res.stdout.startswith(f"moved {real}"), res.stderr
+
+
+def test_broker_check_reads_what_a_start_reads_and_starts_nothing(tmp_path: Path) -> None:
+    # `sedax broker --check` (a unit's ExecReload=, an operator before a restart): exit 0 and what a start would
+    # run with, or 2 and one line saying what is wrong; nothing is bound, locked or created.
+    acl = tmp_path / "broker.acl"
+    acl.write_text("allow any operator grid/#\n")
+    ok = _cli("broker", "--coord", "0.5,0.5", "--insecure", "--acl", str(acl), "--data-dir", str(tmp_path / "d"),
+              "--join", "127.0.0.1:7000", "--check")  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == (
+        "sedax broker: configuration OK: a generated node id at (0.5, 0.5) on 127.0.0.1:0; resilience 2; joins "
+        f"through 127.0.0.1:7000; plain TCP (--insecure); 1 ACL rules; topics in {tmp_path / 'd'} (fsync "
+        "interval:100)"
+    )
+    assert not (tmp_path / "d").exists()
+    acl.write_text("allow anything operator grid/#\n")
+    (tmp_path / "file").write_text("")
+    for extra, match in (
+        (("--acl", str(acl)), "broker.acl"),
+        (("--data-dir", str(tmp_path / "file" / "d")), "is not a directory; choose another --data-dir"),
+        (("--resilience", "4"), "invalid choice"),
+    ):
+        bad = _cli("broker", "--coord", "0.5,0.5", "--insecure", *extra, "--check")
+        # One line that says what is wrong (after argparse's usage, for a flag argparse itself refuses).
+        last = bad.stderr.strip().splitlines()[-1]
+        assert bad.returncode == 2 and last.startswith("sedax broker: error: ") and match in last, bad.stderr
+        assert "Traceback" not in bad.stderr, bad.stderr

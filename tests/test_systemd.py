@@ -66,7 +66,14 @@ def test_the_unit_file_verifies_and_is_hardened(tmp_path: Path) -> None:
     # An unknown key or a value systemd cannot parse is only a warning on stderr: none may appear.
     assert r.returncode == 0 and not r.stderr.strip(), r.stdout + r.stderr
     text = UNIT.read_text()
-    for setting in ("Type=notify", "ExecReload=/bin/kill -HUP $MAINPID", "KillSignal=SIGTERM", "WatchdogSec="):
+    settings = (
+        "Type=notify",
+        "ExecReload=/opt/sedax/bin/sedax broker --config /etc/sedax/broker.toml --check\n"
+        "ExecReload=/bin/kill -HUP $MAINPID",
+        "KillSignal=SIGTERM",
+        "WatchdogSec=",
+    )
+    for setting in settings:
         assert f"\n{setting}" in text, setting
     assert "ExecStart=/opt/sedax/bin/sedax broker --config /etc/sedax/broker.toml\n" in text
     r = subprocess.run(
@@ -207,6 +214,19 @@ async def test_a_broker_tells_systemd_when_it_serves_reloads_and_leaves(tmp_path
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
             await manager.until("WATCHDOG", 10.0)
+
+            # ExecReload='s first step, beside the running broker (its data directory locked, its port bound):
+            # the files check out, and a broken one is named.
+            check = [sys.executable, "-m", "broker", "--config", str(cfg), "--check"]
+            r = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env, check=False)  # noqa: ASYNC221
+            assert r.returncode == 0 and r.stdout.startswith("sedax broker: configuration OK: substation-12 at"), r
+            assert "TLS as substation-12 until" in r.stdout and "topics in " in r.stdout, r.stdout
+            key = certs.cert_paths(cluster.certs_dir, "substation-12")[1]
+            good = key.read_bytes()
+            key.write_bytes(certs.ca_paths(cluster.certs_dir)[1].read_bytes())  # a key that is not the certificate's
+            r = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env, check=False)  # noqa: ASYNC221
+            key.write_bytes(good)
+            assert r.returncode == 2 and "key values mismatch" in r.stderr and len(r.stderr.splitlines()) == 1, r
 
             # SIGHUP (ExecReload=): RELOADING=1 with the time, then READY=1 once the reload is over.
             os.kill(proc.pid, signal.SIGHUP)
@@ -405,6 +425,18 @@ async def test_the_unit_under_systemd_starts_reloads_restarts_a_hung_broker_and_
         lambda: "SIGHUP: read again the TLS certificate" in m.unit("StatusText")["StatusText"], 60, "the reload"
     )
     assert m.unit("MainPID")["MainPID"] == u["MainPID"]
+    # A key that is not the certificate's (a renewal half done): `systemctl reload` fails and says why; the
+    # broker gets no signal and serves on with the files it has.
+    m.put(certs.ca_paths(pki)[1], "/etc/sedax/tls/broker.key")
+    m.ok("sh", "-c", "chown root:sedax /etc/sedax/tls/* && chmod 0640 /etc/sedax/tls/*")
+    r = m.sh("systemctl", "reload", "sedax-broker")
+    assert r.returncode != 0, r
+    assert "key values mismatch" in m.journal(), m.journal()[-3000:]
+    after = m.unit("MainPID", "ActiveState", "StatusText")
+    assert (after["MainPID"], after["ActiveState"]) == (u["MainPID"], "active"), after
+    assert "nothing was reloaded" not in after["StatusText"], after  # it never got the SIGHUP
+    m.put(certs.cert_paths(pki, "substation-12")[1], "/etc/sedax/tls/broker.key")
+    m.ok("sh", "-c", "chown root:sedax /etc/sedax/tls/* && chmod 0640 /etc/sedax/tls/*")
 
     # A hung broker (stopped: no loop turns, no watchdog pings) is killed by systemd and started again; it
     # recovers its topic from /var/lib/sedax.
