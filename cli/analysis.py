@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from cli.args import ENV_BROKERS, EXIT_FAILED, UsageError, brokers, credentials, seconds
+from cli.args import ENV_BROKERS, EXIT_FAILED, Parser, UsageError, brokers, credentials, seconds
 from net.credentials import add_credential_flags
 from overlay.logschema import SCHEMA
 
@@ -269,7 +269,7 @@ def register(subparsers: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `analyze`/`viz` without the rest of the `sedax` CLI; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="sedax")
+    parser: argparse.ArgumentParser = Parser(prog="sedax")
     register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
     code: int = args.func(args)

@@ -22,6 +22,15 @@ EXIT_USAGE: Final = 2  # the command line is wrong; the message says how to writ
 ENV_BROKERS: Final = "SEDAX_BROKERS"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the house's usage error: one line that says what is wrong and where the options are listed
+    (exit 2), not the whole usage above it (forty lines for `sedax broker`, where the error was the last).
+    Subcommands' parsers are made of this class too (argparse gives subparsers their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; `{self.prog} --help` lists the options\n")
+
+
 class UsageError(ValueError):
     """A value on the command line (or in the environment it stands for) is wrong; exit 2."""
 

@@ -23,6 +23,7 @@ from cli import demo
 from cli import overlay as cli_overlay
 from cli import pubsub as cli_pubsub
 from cli import topics as cli_topics
+from cli.args import Parser
 from client.errors import describe
 
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
@@ -52,7 +53,7 @@ def _terminated(signum: int, _frame: object) -> None:
 
 def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
     """The argument parser of `sedax`; light leaves out sim, load, move and balance (numpy and scipy)."""
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog="sedax",
         description="SeDAX: a geo-addressed publish/subscribe broker overlay with topic delegation and "
         "distributed load balancing.",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, Generic, TypeVar
 
+from cli.args import Parser
 from overlay.balance import DEFAULT_HOPS, DEFAULT_QUERIES, BalanceMode, BalanceParams, Goal, Selection
 from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES, JsonlWriter
 from sim.experiments import (
@@ -440,7 +441,7 @@ def _emit(args: argparse.Namespace, summary: dict[str, object]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `sim` as a stand-alone program (the `sedax` CLI mounts the same parser via register)."""
-    parser = argparse.ArgumentParser(prog="sedax")
+    parser: argparse.ArgumentParser = Parser(prog="sedax")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(argv)

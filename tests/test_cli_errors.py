@@ -109,6 +109,25 @@ def test_bad_input_is_one_line_with_the_right_exit_code(
     assert says in line, line
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "sedax: error: the following arguments are required: COMMAND"),
+        (["pub"], "sedax pub: error: the following arguments are required: TOPIC"),
+        (["status", "--bogus"], "sedax: error: unrecognized arguments: --bogus"),
+        (["broker", "--resilience", "4"], "sedax broker: error: argument --resilience: invalid choice: 4"),
+        (["sim", "static", "--nodes", "x"], "sedax sim static: error: argument --nodes"),
+    ],
+)
+def test_a_usage_error_is_one_line_that_points_at_the_help(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not argparse's whole usage above the error (forty lines for `sedax broker`): the error, and where to look.
+    got, err = _run(argv, capsys)
+    assert got == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(says) and err.rstrip().endswith("--help` lists the options"), err
+
+
 def test_cluster_up_without_a_size_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No --nodes, no --coords and no cluster stopped in the state directory: exit 2; a stopped cluster's state
     file that cannot be read: exit 1, naming the file.  Neither starts a broker."""
