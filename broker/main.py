@@ -91,7 +91,7 @@ async def _serve(
     config = broker.config
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    serving: list[str] = []  # the service manager's STATUS line, once ready
+    serving = ""  # the service manager's STATUS line, once ready (read by on_reload when it runs)
 
     def on_signal(name: str) -> None:
         if stop.is_set():
@@ -107,7 +107,7 @@ async def _serve(
             notifier.reloading()
         line = _reload(broker, log, reread)
         if notifier is not None:  # READY=1 ends the reload, taken or refused (sd_notify(3))
-            notifier.ready("; ".join((*serving, line)))
+            notifier.ready(f"{serving}; {line}" if serving else line)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
@@ -170,8 +170,8 @@ async def _serve(
     print(json.dumps(ready), flush=True)
     if notifier is not None:
         x, y = broker.info.coord
-        serving.append(f"serving as {broker.node_id} at ({x:g}, {y:g}) on {broker.info.listen}")
-        notifier.ready(serving[0])
+        serving = f"serving as {broker.node_id} at ({x:g}, {y:g}) on {broker.info.listen}"
+        notifier.ready(serving)
     stopping = asyncio.ensure_future(stop.wait())
     failing = asyncio.ensure_future(broker.failed.wait())
     await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
@@ -260,9 +260,9 @@ def _writable_data_dir(config: BrokerConfig) -> str:
     probe = d
     while not probe.exists() and probe != probe.parent:  # (made at start: its nearest existing parent must allow it)
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        if not probe.is_dir():
-            raise ConfigError(f"data_dir {d}: {probe} is not a directory; choose another --data-dir")
+    if not probe.is_dir():
+        raise ConfigError(f"data_dir {d}: {probe} is not a directory; choose another --data-dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(
             f"data_dir {d}: {probe} cannot be written by this user (uid {os.getuid()}); give it write access "
             "(chown) or choose another --data-dir"
