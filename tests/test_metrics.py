@@ -120,6 +120,13 @@ class Prometheus:
                 self.proc.wait()
 
 
+def _documented_metrics() -> set[str]:
+    """Every metric name docs/metrics.md lists (in backquotes)."""
+    return set(
+        re.findall(r"`(sedax_[a-z_]+)`", (Path(__file__).resolve().parent.parent / "docs/metrics.md").read_text())
+    )
+
+
 def test_alert_rules_fire_on_what_they_name() -> None:
     # deploy/prometheus-rules.yml (loaded by the compose Prometheus), run by promtool against series that should
     # and should not raise each alert; and every metric they use is one the brokers export (docs/metrics.md).
@@ -133,7 +140,7 @@ def test_alert_rules_fire_on_what_they_name() -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     used = set(re.findall(r"\bsedax_[a-z_]+", (deploy / "prometheus-rules.yml").read_text()))
-    documented = set(re.findall(r"`(sedax_[a-z_]+)`", (deploy.parent / "docs" / "metrics.md").read_text()))
+    documented = _documented_metrics()
     assert used and used <= documented, used - documented
 
 
@@ -255,9 +262,7 @@ async def test_endpoint_answers_bad_requests_and_stays_up(tmp_path: Path) -> Non
         assert ok.startswith(b"HTTP/1.1 200 ") and b'\nsedax_node_load_bytes{level="L1"} 0.0\n' in ok
         # Every series a broker exports is in docs/metrics.md.
         exported = {n.decode() for n in re.findall(rb"^# TYPE (sedax_\w+) ", ok, re.M)}
-        documented = set(
-            re.findall(r"`(sedax_[a-z_]+)`", (Path(__file__).parent.parent / "docs/metrics.md").read_text())
-        )
+        documented = _documented_metrics()
         assert "sedax_reload_failures_total" in exported and exported <= documented, exported - documented
         assert cluster.nodes[0].alive
 
