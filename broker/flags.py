@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from typing import Final, NoReturn
+
+EXIT_USAGE: Final = 2  # the command line is wrong; the message says how to write it
 
 SIGNALS_HELP = (
     "signals: SIGTERM or SIGINT (Ctrl-C) hands the broker's topics on and leaves the overlay; SIGHUP reads the "
     "--config file, the TLS files, --tokens and --acl again and applies them with the per-client limits, "
     "without a restart (docs/security.md)"
 )
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the house's usage error: one line that says what is wrong and where the options are listed
+    (exit 2), not the whole usage above it (forty lines for `sedax broker`, where the error was the last).
+    Subcommands' parsers are made of this class too (argparse gives subparsers their parent's class).  Here, below
+    both entry points of a broker (`sedax broker`, `python -m broker`), so the two refuse a flag alike."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; `{self.prog} --help` lists the options\n")
 
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:

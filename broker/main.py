@@ -16,7 +16,8 @@ from pathlib import Path
 
 import uvloop
 
-from broker.config import BrokerConfig, ConfigError, add_broker_arguments, config_from_args
+from broker.config import BrokerConfig, ConfigError, config_from_args
+from broker.flags import Parser, add_broker_arguments
 from broker.guard import Guard
 from broker.membership import JoinFailed, JoinRefused
 from broker.node import Broker, StartFailed
@@ -275,11 +276,9 @@ def run(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) 
     return uvloop.run(serve(config, reread))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m broker --coord X,Y [--listen H:P] [--join H:P ...]`."""
-    parser = argparse.ArgumentParser(prog="python -m broker", description="Run one SeDAX broker.")
-    add_broker_arguments(parser)
-    args = parser.parse_args(argv)
+def start(args: argparse.Namespace) -> int:
+    """What both entry points (`sedax broker`, `python -m broker`) do with the parsed flags: build the
+    configuration (config file, environment, flags), then check it (`--check`) or run the broker with it."""
     try:
         config = config_from_args(args)
     except ConfigError as exc:
@@ -287,4 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.check:
         return check(config)
-    return run(config, lambda: config_from_args(args))
+    return run(config, lambda: config_from_args(args))  # (SIGHUP builds it again: the config file may have changed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m broker --coord X,Y [--listen H:P] [--join H:P ...]`."""
+    parser = Parser(prog="python -m broker", description="Run one SeDAX broker.")
+    add_broker_arguments(parser)
+    return start(parser.parse_args(argv))

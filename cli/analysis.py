@@ -20,7 +20,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from cli.args import ENV_BROKERS, EXIT_FAILED, Parser, UsageError, brokers, credentials, seconds
+from broker.flags import Parser
+from cli.args import ENV_BROKERS, EXIT_FAILED, UsageError, brokers, credentials, seconds
 from net.credentials import add_credential_flags
 from overlay.logschema import SCHEMA
 

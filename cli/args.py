@@ -13,22 +13,13 @@ import sys
 from collections.abc import Callable
 from typing import Final, NoReturn, TypeVar
 
+from broker.flags import EXIT_USAGE as EXIT_USAGE  # (cli.args is where subcommands take their exit codes)
 from net.credentials import Credentials, CredentialsError, add_credential_flags, credentials_from_args
 
 T = TypeVar("T")
 
 EXIT_FAILED: Final = 1  # the overlay refused or did not answer, or a file could not be read
-EXIT_USAGE: Final = 2  # the command line is wrong; the message says how to write it
 ENV_BROKERS: Final = "SEDAX_BROKERS"
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with the house's usage error: one line that says what is wrong and where the options are listed
-    (exit 2), not the whole usage above it (forty lines for `sedax broker`, where the error was the last).
-    Subcommands' parsers are made of this class too (argparse gives subparsers their parent's class)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; `{self.prog} --help` lists the options\n")
 
 
 class UsageError(ValueError):

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Final
+from typing import Any
 
+from cli.args import EXIT_USAGE, fail
 from net.certs import CA_DAYS, LEAF_DAYS
-
-EXIT_USAGE: Final = 2
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -48,8 +47,7 @@ def _cmd(args: argparse.Namespace) -> int:
             )
             print(note, file=sys.stderr)
     except certs.CertError as exc:
-        print(f"sedax: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(str(exc), EXIT_USAGE)
     return 0
 
 

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from broker.flags import Parser
 from cli import analysis as cli_analysis
 from cli import certs as cli_certs
 from cli import completion as cli_completion
@@ -23,7 +24,6 @@ from cli import demo
 from cli import overlay as cli_overlay
 from cli import pubsub as cli_pubsub
 from cli import topics as cli_topics
-from cli.args import Parser
 from client.errors import describe
 
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of

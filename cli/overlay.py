@@ -51,16 +51,9 @@ async def _first_answer(addrs: list[str], limit: float, creds: Credentials) -> A
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
-    from broker.config import ConfigError, config_from_args
-    from broker.main import check, run
+    from broker.main import start  # (here, not at the top: it imports the broker, uvloop and the geometry stack)
 
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        return fail(str(exc), EXIT_USAGE)
-    if args.check:
-        return check(config)
-    return run(config, lambda: config_from_args(args))  # (SIGHUP builds it again: the config file may have changed)
+    return start(args)
 
 
 # ------------------------------------------------------------------------------------------------ status

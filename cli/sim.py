@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, Generic, TypeVar
 
-from cli.args import Parser
+from broker.flags import Parser
 from overlay.balance import DEFAULT_HOPS, DEFAULT_QUERIES, BalanceMode, BalanceParams, Goal, Selection
 from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES, JsonlWriter
 from sim.experiments import (
