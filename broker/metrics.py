@@ -19,11 +19,12 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Final
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from broker.guard import COUNTERS as GUARD_COUNTERS
 from broker.stats import Buckets, Observed
+from broker.version import VERSION
 from overlay.protocol import format_address, parse_address
 
 # Topic roles always exported (0 when none is held), so dashboards see every series from the start; other
@@ -189,6 +190,11 @@ class BrokerCollector:
         )
         info.add_metric([b.node_id, b.info.listen], 1.0)
         yield info
+        build = GaugeMetricFamily(
+            "sedax_build_info", "The sedax version this broker runs (value 1).", labels=["version"]
+        )
+        build.add_metric([VERSION], 1.0)
+        yield build
         coord = GaugeMetricFamily("sedax_node_coordinate", "The broker's coordinate C(v).", labels=["axis"])
         coord.add_metric(["x"], b.info.coord[0])
         coord.add_metric(["y"], b.info.coord[1])
@@ -318,6 +324,10 @@ class MetricsServer:
         self._broker = broker
         self.registry = CollectorRegistry()
         self.registry.register(BrokerCollector(broker))
+        # The standard process_* series (CPU seconds, resident memory, open and allowed file descriptors, start
+        # time), read from /proc at each scrape: what every Prometheus exporter gives, and what an operator
+        # compares brokers by.
+        ProcessCollector(registry=self.registry)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.address = ""

@@ -40,6 +40,7 @@ from broker.storage import DataDirInUse, DiskStore, OpenFileLimit, StorageError,
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
+from broker.version import VERSION
 from net.transport import Transport
 from overlay.delegation import BalancePlan, BalancePlanned, LoadReport, MoveTopic
 from overlay.dt import NeighbourView
@@ -116,6 +117,7 @@ class Broker(Membership, Routing):
         """Raises ConfigError if the security settings are missing or unusable (see broker.guard)."""
         self.config = config
         self.log = log or logging.getLogger("sedax.broker")
+        self.started = time.time()  # (wall clock: STATUS says since when the broker runs)
         self.guard = Guard(config, self.log)
         self.node_id = config.node_id or self.guard.name or f"b-{uuid.uuid4().hex[:12]}"
         self.tasks = TaskSet(self.log)
@@ -625,6 +627,9 @@ class Broker(Membership, Routing):
                 TopicHeld(name, role, size, *states.get(name, ("caught_up", 0, 0))) for name, role, size in held[:1000]
             ),
             recent=recent,
+            version=VERSION,
+            started=self.started,
+            certificate_expires=self.gauges().certificate_expires,
         )
 
     # ------------------------------------------------------------------------------------ observability

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from broker.flags import Parser
+from broker.version import VERSION
 from cli import analysis as cli_analysis
 from cli import certs as cli_certs
 from cli import completion as cli_completion
@@ -58,7 +59,7 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
         description="SeDAX: a geo-addressed publish/subscribe broker overlay with topic delegation and "
         "distributed load balancing.",
     )
-    parser.add_argument("--version", action="version", version=f"sedax {_version()}")
+    parser.add_argument("--version", action="version", version=f"sedax {VERSION}")
     parser.add_argument(
         "--log-level",
         type=_log_level,
@@ -91,15 +92,6 @@ def _log_level(text: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
     return level
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sedax")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
 
 
 def _command(argv: Sequence[str]) -> str | None:

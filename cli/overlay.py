@@ -11,6 +11,7 @@ import asyncio
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Final
 
@@ -77,6 +78,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(st))
         return 0
     print(f"broker {st['node']} at {st['listen']}  coord ({st['coord'][0]:.6f}, {st['coord'][1]:.6f})")
+    if st["version"] is not None:  # (None: a broker older than these fields)
+        print(running_line(st, time.time()))
     print(f"neighbours ({len(st['neighbours'])}):")
     for n in st["neighbours"]:
         print(f"  {n['id']:<16} ({n['coord'][0]:.6f}, {n['coord'][1]:.6f})  {n['listen']}")
@@ -91,6 +94,34 @@ def _cmd_status(args: argparse.Namespace) -> int:
             state += f", {t['pending']} pending"
         print(f"  {t['topic']:<40} {t['role']:<10} {t['size']:>12} B  {state}")
     return 0
+
+
+def running_line(st: dict[str, Any], now: float) -> str:
+    """What runs, since when, and until when its certificate holds: `sedax 0.1.0, resilience 2, up 3 h 12 min
+    (since 2026-11-29 09:50 UTC); TLS certificate (or its CA) valid until 2027-02-27 00:00 UTC (90 days left)`."""
+    since = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(st["started"]))
+    line = (
+        f"sedax {st['version']}, resilience {st['resilience']}, up {human_span(now - st['started'])} (since {since}); "
+    )
+    expires = st["certificate_expires"]
+    if expires is None:
+        return line + "plain TCP (--insecure)"
+    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
+    if expires <= now:
+        return line + f"TLS certificate EXPIRED at {until}: renew it (docs/security.md), then `kill -HUP` the broker"
+    return line + f"TLS certificate (or its CA) valid until {until} ({human_span(expires - now)} left)"
+
+
+def human_span(seconds: float) -> str:
+    """A duration as people read it: `42 s`, `5 min`, `3 h 12 min`, `89 days`."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min"
+    if s < 2 * 86400:
+        return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s // 86400} days"
 
 
 # ------------------------------------------------------------------------------------------------- route

@@ -242,6 +242,10 @@ def status_json(st: Status) -> dict[str, object]:
         "loads": dict(st.loads),
         "resilience": st.resilience,
         "counters": dict(st.counters),
+        # null from a broker that predates them (or, for the expiry, one on plain TCP)
+        "version": st.version or None,
+        "started": st.started or None,
+        "certificate_expires": st.certificate_expires or None,
     }
 
 

@@ -925,9 +925,16 @@ class Status(Message):
     # Per topic held as primary or delegate: messages stored in the last RATE_WINDOW s (and still kept).  A
     # STATUS of a broker that predates the field decodes to {}: the CLI then shows no rate.
     recent: dict[str, int] = field(default_factory=dict)
+    # What runs and since when: the broker's package version, the wall-clock time it started and when its TLS
+    # certificate (or the CA that issued it, if earlier) expires (both epoch seconds; expiry 0 = plain TCP).  A
+    # STATUS of a broker that predates them decodes to these defaults: the CLI then leaves them out.
+    version: str = ""
+    started: float = 0.0
+    certificate_expires: float = 0.0
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_text(self.version, "status version")
         _check_list(self.held, "status held topics")
         _check_list(self.neighbours, "status neighbours")
         _check_list(self.desired, "status desired")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import fields
 from pathlib import Path
@@ -16,8 +17,10 @@ import msgpack
 import pytest
 from cluster import wait_for
 
+from broker.version import VERSION
 from cli.cluster import LocalCluster
-from client.admin import AdminClient
+from cli.overlay import human_span, running_line
+from client.admin import AdminClient, status_json
 from client.client import Client
 from overlay.geometry import closest
 from overlay.protocol import RATE_WINDOW, NodeInfo, Status, TopicHeld, decode_message, encode_message
@@ -46,8 +49,13 @@ async def test_status_json(cluster3: LocalCluster) -> None:
     assert {n["id"] for n in st["neighbours"]} == {"n1", "n2"}
     assert all(n["listen"] and len(n["coord"]) == 2 for n in st["neighbours"])
     assert st["topics"] == [] and st["loads"] == {"L1": 0, "L2": 0, "L3": 0}
+    # what runs and since when: the installed version, a start before this test asked, no certificate (plain TCP)
+    assert st["version"] == VERSION and 0 < st["started"] <= time.time()
+    assert st["certificate_expires"] is None and st["resilience"] == 2
     text = await asyncio.to_thread(_cli, "status", "--broker", bp.listen)
     assert text.returncode == 0 and "neighbours (2)" in text.stdout
+    assert text.stdout.splitlines()[1].startswith(f"sedax {VERSION}, resilience 2, up "), text.stdout
+    assert text.stdout.splitlines()[1].endswith("; plain TCP (--insecure)"), text.stdout
 
 
 async def test_route_json(cluster3: LocalCluster) -> None:
@@ -224,16 +232,34 @@ async def test_topics_lists_every_topic_with_its_holders(cluster3: LocalCluster)
     assert status.returncode == 0 and names[0] in status.stdout and "{" not in status.stdout, status.stdout
 
 
+def test_status_says_what_runs_since_when_and_an_expired_certificate() -> None:
+    st = {"version": "0.1.0", "resilience": 3, "started": 1_000_000.0, "certificate_expires": 1_000_000.0 + 86400}
+    assert running_line(st, 1_000_000.0 + 3 * 3600 + 12 * 60) == (
+        "sedax 0.1.0, resilience 3, up 3 h 12 min (since 1970-01-12 13:46 UTC); TLS certificate (or its CA) valid "
+        "until 1970-01-13 13:46 UTC (20 h 48 min left)"
+    )
+    assert running_line(st, 1_000_000.0 + 2 * 86400).endswith(
+        "TLS certificate EXPIRED at 1970-01-13 13:46 UTC: renew it (docs/security.md), then `kill -HUP` the broker"
+    )
+    assert [human_span(s) for s in (-1, 42, 300, 7200, 200_000)] == ["0 s", "42 s", "5 min", "2 h 0 min", "2 days"]
+
+
 def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
     st = Status(
         1, NodeInfo("n0", (0.5, 0.5), "127.0.0.1:7000"), (), (), ("t",), {}, {}, 2, (TopicHeld("t", "primary", 9),)
     )
     wire = msgpack.unpackb(encode_message(st))
-    assert wire.pop() == {}  # `recent`, the last field: an array without it (what a broker before it sent) ...
+    # `recent`, `version`, `started` and `certificate_expires`, the last fields: an array without them (what a
+    # broker before them sent) ...
+    assert wire[-4:] == [{}, "", 0.0, 0.0]
+    del wire[-4:]
     as_map = {"op": "status", **{f.name: v for f, v in zip(fields(Status), wire[1:], strict=False)}}
     for old_wire in (wire, as_map):  # ... and the map form of versions 1 and 2
         old = decode_message(msgpack.packb(old_wire))
         assert isinstance(old, Status) and old.recent == {} and old.held == st.held
+        assert (old.version, old.started, old.certificate_expires) == ("", 0.0, 0.0)
+    # and `sedax status` then leaves out the line it cannot fill
+    assert status_json(old)["version"] is None
 
 
 async def _holders_of(cluster: LocalCluster, topic: str) -> list[str]:

@@ -25,6 +25,7 @@ from conftest import FAST_ARGS
 
 from broker.config import ConfigError, build_config
 from broker.stats import AckTimer, Buckets
+from broker.version import VERSION
 from cli.cluster import LocalCluster, die_with_parent
 from client.client import Client
 from overlay.protocol import encode_control, parse_address
@@ -123,7 +124,9 @@ class Prometheus:
 def _documented_metrics() -> set[str]:
     """Every metric name docs/metrics.md lists (in backquotes)."""
     return set(
-        re.findall(r"`(sedax_[a-z_]+)`", (Path(__file__).resolve().parent.parent / "docs/metrics.md").read_text())
+        re.findall(
+            r"`((?:sedax|process)_[a-z_]+)`", (Path(__file__).resolve().parent.parent / "docs/metrics.md").read_text()
+        )
     )
 
 
@@ -261,9 +264,11 @@ async def test_endpoint_answers_bad_requests_and_stays_up(tmp_path: Path) -> Non
         ok = await _http(m, b"GET /metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert ok.startswith(b"HTTP/1.1 200 ") and b'\nsedax_node_load_bytes{level="L1"} 0.0\n' in ok
         # Every series a broker exports is in docs/metrics.md.
-        exported = {n.decode() for n in re.findall(rb"^# TYPE (sedax_\w+) ", ok, re.M)}
+        exported = {n.decode() for n in re.findall(rb"^# TYPE (\w+) ", ok, re.M)}
         documented = _documented_metrics()
         assert "sedax_reload_failures_total" in exported and exported <= documented, exported - documented
+        assert {"sedax_build_info", "process_resident_memory_bytes", "process_start_time_seconds"} <= exported
+        assert f'sedax_build_info{{version="{VERSION}"}} 1.0'.encode() in ok
         assert cluster.nodes[0].alive
 
 

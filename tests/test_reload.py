@@ -16,6 +16,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -320,6 +321,18 @@ def _expiry_metric(bp: BrokerProcess) -> float:
     return _metrics(bp)["sedax_tls_certificate_expiry_timestamp_seconds"]
 
 
+async def _status_text(cluster: LocalCluster) -> str:
+    """`sedax status` of the cluster's first broker, run as a TLS client of the cluster runs it."""
+    creds = cluster.credentials()
+    assert creds.ca is not None and creds.cert is not None and creds.key is not None
+    flags = ("--ca", creds.ca, "--cert", creds.cert, "--key", creds.key)
+    env = {k: v for k, v in os.environ.items() if k != "SEDAX_INSECURE"}  # (the suite's plain-TCP default)
+    argv = [sys.executable, "-m", "cli.main", "status", "--broker", cluster.nodes[0].listen, *flags]
+    res = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
 async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(tmp_path: Path) -> None:
     # Expired while the broker runs, a certificate fails every new link's handshake: the overlay splits.
     pki = tmp_path / "certs"
@@ -332,11 +345,15 @@ async def test_a_certificate_near_its_expiry_is_warned_of_and_its_date_exported(
         assert log_has(bp, "expires in 10.0 days") or log_has(bp, "expires in 9.9 days"), bp.stderr_tail()
         before = _not_after(cert)
         assert abs(_expiry_metric(bp) - before) < 1.0
+        # `sedax status` says it too, as an operator reads it (the TLS flags a client of this cluster gives)
+        line = (await _status_text(cluster)).splitlines()[1]
+        assert line.endswith(("(9 days left)", "(10 days left)")) and "TLS certificate (or its CA) valid until" in line
 
         certs.issue(pki, "n0", "broker", ["127.0.0.1"], force=True, days=400)
         since = await hup(bp, "SIGHUP: read again")
         assert _not_after(cert) > before + 300 * 86400
         assert abs(_expiry_metric(bp) - _not_after(cert)) < 1.0
+        assert (await _status_text(cluster)).splitlines()[1].endswith(("(399 days left)", "(400 days left)"))
         exported = _metrics(bp)
         assert (exported["sedax_reloads_total"], exported["sedax_last_reload_successful"]) == (1, 1)
         assert not log_has(bp, "expires in", since)  # renewed for long enough: no warning after the reload
