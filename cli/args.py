@@ -7,9 +7,12 @@ bad value is an argparse usage error (exit 2, one line naming the fix) before an
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Final, NoReturn, TypeVar
 
@@ -67,9 +70,37 @@ def seconds(text: str) -> float:
     return _parsed(text, float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 
 
-def timestamp(text: str) -> float:
-    """A Unix timestamp >= 0, as printed by `sedax sub --json` (argparse type)."""
-    return _parsed(text, float, lambda v: math.isfinite(v) and v >= 0, "a Unix timestamp >= 0 (seconds)")
+# `--since 10m`: a span back from now, in the units journalctl and Prometheus take.
+_SPAN_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def timestamp(text: str, now: float | None = None) -> float:
+    """A point in time (argparse type): a Unix timestamp >= 0 as `sedax sub --json` prints it, a span back from
+    now (`90s`, `10m`, `2h`, `1d`), or an ISO 8601 date and time (`2026-11-29T09:00`, local time unless it
+    names a zone such as `Z` or `+01:00`)."""
+    text = text.strip()
+    now = time.time() if now is None else now
+    unit = _SPAN_UNITS.get(text[-1:])
+    if unit is not None:
+        try:
+            span = float(text[:-1]) * unit
+        except ValueError:
+            span = math.nan
+        if math.isfinite(span) and span >= 0:
+            return max(0.0, now - span)
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+            with contextlib.suppress(ValueError):
+                value = datetime.datetime.fromisoformat(text).timestamp()  # (naive: local time, as `date` reads it)
+        if math.isfinite(value) and value >= 0:
+            return value
+    raise argparse.ArgumentTypeError(
+        f"a time is a Unix timestamp (0: everything stored), a span back from now such as 10m, 2h or 1d, or an ISO "
+        f"date and time such as 2026-11-29T09:00; got {text!r}"
+    )
 
 
 def positive_int(text: str) -> int:

@@ -367,7 +367,9 @@ def register(subparsers: Any) -> None:
     add_broker_arguments(p)
     p.set_defaults(func=_cmd_broker)
 
-    p = subparsers.add_parser("status", help="show a broker's coordinate, neighbours, topics and loads")
+    p = subparsers.add_parser(
+        "status", help="show a broker's version, uptime, coordinate, neighbours, topics and loads"
+    )
     add_broker_flag(p, what="broker to ask (the first that answers)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds, default=5.0, help="seconds (default 5)")

@@ -228,7 +228,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--count", type=positive_int, help="exit after N messages")
     p.add_argument("--timeout", type=seconds, help="exit after S seconds (non-zero if --count was not reached)")
     p.add_argument(
-        "--since", type=timestamp, help="first replay stored messages newer than this Unix timestamp (0: all)"
+        "--since",
+        type=timestamp,
+        help="first replay the stored messages newer than this: a Unix timestamp (0: all), a span back from now "
+        "(90s, 10m, 2h, 1d) or an ISO date and time (2026-11-29T09:00, local time unless a zone is given)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per message")
     p.add_argument("-v", "--verbose", action="store_true", help="say on stderr where the subscription went")

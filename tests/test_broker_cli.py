@@ -190,8 +190,8 @@ async def test_cluster_down_then_up_starts_the_same_brokers_with_their_data(tmp_
         assert [n["listen"] for n in third["nodes"]] == [n["listen"] for n in second["nodes"]]
         for n, m in zip(third["nodes"], second["nodes"], strict=True):
             assert _alive(n["pid"]) and n["pid"] != m["pid"]
-        sub = await asyncio.to_thread(
-            _cli, "sub", topic, "--since", "0", "--count", "10", "--json", "--timeout", "20", env=tools
+        sub = await asyncio.to_thread(  # (a span back from now: all ten were published within the hour)
+            _cli, "sub", topic, "--since", "1h", "--count", "10", "--json", "--timeout", "20", env=tools
         )
         assert sub.returncode == 0, sub.stderr
         assert [json.loads(ln)["seq"] for ln in sub.stdout.splitlines()] == list(range(10))

@@ -6,6 +6,7 @@ their own (stdin, signals, a busy port) run the `sedax` command.
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cli.args import timestamp
 from cli.main import main
 
 SEDAX = str(Path(sys.executable).with_name("sedax"))
@@ -56,6 +58,9 @@ def _one_line_error(err: str) -> str:
         (["route", "0.5,0.5", "--broker", "127.0.0.1:70000"], 2, "1-65535"),
         (["sub", "t", "--since", "nan", "--broker", DEAD], 2, "timestamp"),
         (["sub", "t", "--since", "-1", "--broker", DEAD], 2, "timestamp"),
+        (["sub", "t", "--since", "10x", "--broker", DEAD], 2, "a span back from now such as 10m, 2h or 1d"),
+        (["sub", "t", "--since=-5m", "--broker", DEAD], 2, "a span back from now such as 10m, 2h or 1d"),
+        (["sub", "t", "--since", "2026-13-01", "--broker", DEAD], 2, "an ISO date and time"),
         (["route", "1e13,0", "--broker", DEAD], 2, "finite numbers within"),
         (["route", "0.5", "--broker", DEAD], 2, "X,Y"),
         (["move", "t", "inf,0", "--broker", DEAD], 2, "finite"),
@@ -364,3 +369,13 @@ def test_an_exception_without_text_is_described_by_what_it_means_there() -> None
     assert describe(TimeoutError(), "no answer within 5 s") == "no answer within 5 s"
     assert describe(TimeoutError()) == "TimeoutError"
     assert describe(ConnectionResetError("gone"), "unused") == "gone"
+
+
+def test_since_reads_a_timestamp_a_span_back_from_now_or_an_iso_time() -> None:
+    now = 1_800_000_000.0
+    assert timestamp("0", now) == 0.0 and timestamp("1764406800.5", now) == 1764406800.5
+    assert [now - timestamp(t, now) for t in ("90s", "10m", "2h", "1d", "1.5h")] == [90, 600, 7200, 86400, 5400]
+    assert timestamp("100000d", now) == 0.0  # further back than 1970: everything stored
+    assert timestamp("2026-11-29T09:00:00Z", now) == timestamp("2026-11-29T10:00:00+01:00", now) == 1795942800.0
+    naive = "2026-11-29T09:00"  # local time, as `date` reads it
+    assert timestamp(naive, now) == datetime.datetime(2026, 11, 29, 9, 0).timestamp()
