@@ -33,10 +33,11 @@ from broker import defaults
 from broker.memory import human_bytes, memory_available
 from broker.sdnotify import SERVICE_MANAGER_ENV
 from client.admin import AdminClient, AdminError
+from client.crawl import lagging_topics, link_gaps
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
 from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
-from overlay.protocol import Status, TopicHeld
+from overlay.protocol import Status
 
 # How often conditions (readiness, exit, convergence) are polled; small against the ~100 ms they take.
 POLL_INTERVAL: Final = 0.02
@@ -456,17 +457,12 @@ class LocalCluster:
 
     async def mismatches(self) -> list[str]:
         """Differences between the overlay's links and the Delaunay triangulation (empty = converged)."""
-        expected = self.expected_neighbours()
         try:
             sts = await self.statuses()
         except AdminError as exc:
             return [f"status failed: {exc}"]
-        out = []
-        for nid, want in sorted(expected.items()):
-            have = {n.id for n in sts[nid].neighbours}
-            if have != want:
-                out.append(f"{nid}: missing {sorted(want - have)}, extra {sorted(have - want)}")
-        return out
+        coords = {bp.node_id: bp.coord for bp in self.live()}
+        return link_gaps(coords, {nid: {n.id for n in st.neighbours} for nid, st in sts.items()})
 
     async def wait_converged(self, deadline: float = 30.0) -> float:
         """Wait up to `deadline` seconds until every live broker's links equal its Delaunay neighbours.
@@ -484,23 +480,14 @@ class LocalCluster:
             await asyncio.sleep(POLL_INTERVAL * 5)
 
     async def lagging(self, topics: Iterable[str] = (), within: float = 5.0) -> list[str]:
-        """Topics whose copies are not all caught up: a holder not `caught_up` or with pulls or offers pending,
-        or fewer holders than the level keeps (as many as there are brokers, below it).  Empty: every topic the
-        live brokers hold is copied as docs/storage.md promises, and the next broker may be restarted.  topics:
-        topics known to exist, lagging also when no broker reports them."""
+        """Topics whose copies are not all caught up (client.crawl.lagging_topics) on the live brokers; empty:
+        the next broker may be restarted.  topics: topics known to exist, lagging also when no broker reports
+        them."""
         try:
             statuses = await self.statuses(within)
         except AdminError as exc:
             return [f"(status failed: {exc})"]
-        held: dict[str, list[TopicHeld]] = {t: [] for t in topics}
-        for st in statuses.values():
-            for h in st.held:
-                if h.role in ("primary", "delegate", "secondary", "tertiary"):
-                    held.setdefault(h.topic, []).append(h)
-        want = min(self.resilience, len(statuses))
-        return sorted(
-            t for t, hs in held.items() if len(hs) < want or any((h.state, h.pending) != ("caught_up", 0) for h in hs)
-        )
+        return lagging_topics(statuses, topics)
 
     # -------------------------------------------------------------------------------------- state file
 

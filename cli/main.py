@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from broker.flags import Parser
 from broker.version import VERSION
 from cli import analysis as cli_analysis
+from cli import brokers as cli_brokers
 from cli import certs as cli_certs
 from cli import completion as cli_completion
 from cli import demo
@@ -30,7 +31,7 @@ from client.errors import describe
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
 # `load`/`move`/`balance` (whose modules import both, ~1 s of CPU) are left out, so `sedax status` as a
 # container health check and `sedax pub`/`sub` start in a fraction of the time.
-LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster", "topics"})
+LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster", "topics", "brokers"})
 
 
 # Signals that end a command the way Ctrl-C does.  Their default action ends the process at once: an interrupted
@@ -70,6 +71,7 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.register(sub)
     cli_overlay.register(sub)
+    cli_brokers.register(sub)
     cli_pubsub.register(sub)
     cli_topics.register(sub)
     if not light:

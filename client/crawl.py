@@ -1,7 +1,8 @@
 """Crawl a live overlay: STATUS from one broker, then from the neighbours it reports, breadth first.
 
-Used by `sedax topics` (the cluster's topics and their holders), `sedax balance --cluster` (every primary's
-dry run) and `sedax viz` (the overlay picture); they only read what brokers report.  Neighbours that a
+Used by `sedax brokers` (every broker, and whether the overlay is whole and every topic caught up), `sedax
+topics` (the cluster's topics and their holders), `sedax balance --cluster` (every primary's dry run) and `sedax
+viz` (the overlay picture); they only read what brokers report.  Neighbours that a
 reachable broker reports but that cannot be reached themselves are returned as unreachable, with the
 coordinate they were reported at.
 """
@@ -9,14 +10,14 @@ coordinate they were reported at.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 from client.admin import DEFAULT_TIMEOUT, AdminClient, AdminError, BrokerUnavailable
 from client.errors import describe
 from net.credentials import Credentials
-from overlay.protocol import Status
+from overlay.protocol import Status, TopicHeld
 
 # Stop after this many brokers (a picture or a listing of more is no longer readable anyway).
 MAX_CRAWL: Final = 10_000
@@ -92,3 +93,56 @@ async def crawl_any(
     if last is None:
         raise BrokerUnavailable("no broker address given")
     raise last
+
+
+# ------------------------------------------------------------------------------------ what a crawl says
+
+# The roles that hold a topic's messages (a home only knows where the topic is).
+COPY_ROLES: Final = frozenset({"primary", "delegate", "secondary", "tertiary"})
+
+
+def link_gaps(coords: Mapping[str, Sequence[float]], links: Mapping[str, set[str]]) -> list[str]:
+    """Where the brokers' established links differ from the Delaunay triangulation of their coordinates, one line
+    per broker (empty: the overlay is whole, as each broker's neighbour maintenance promises once it settles).
+    links: each broker's linked neighbours by id, for every broker of coords."""
+    from overlay.geometry import delaunay_neighbour_map  # (here: numpy and scipy, ~1 s, only for this check)
+
+    expected = delaunay_neighbour_map(coords)
+    out = []
+    for nid, want in sorted(expected.items()):
+        have = links[nid]
+        if have != want:
+            out.append(f"{nid}: missing {sorted(want - have)}, extra {sorted(have - want)}")
+    return out
+
+
+def lagging_topics(statuses: Mapping[str, Status], topics: Iterable[str] = ()) -> list[str]:
+    """Topics whose copies are not all caught up: a holder not `caught_up` or with pulls or offers pending, or
+    fewer holders than the level keeps (as many as there are brokers, below it).  Empty: every topic the brokers
+    hold is copied as docs/storage.md promises, and the next broker may be restarted.  topics: topics known to
+    exist, lagging also when no broker reports them.  (A STATUS lists a broker's first 1,000 topics.)"""
+    held: dict[str, list[TopicHeld]] = {t: [] for t in topics}
+    for st in statuses.values():
+        for h in st.held:
+            if h.role in COPY_ROLES:
+                held.setdefault(h.topic, []).append(h)
+    level = max((st.resilience for st in statuses.values()), default=1)
+    want = min(level, len(statuses))
+    return sorted(
+        t for t, hs in held.items() if len(hs) < want or any((h.state, h.pending) != ("caught_up", 0) for h in hs)
+    )
+
+
+def overlay_gaps(found: Crawl, expect: int | None = None) -> list[str]:
+    """What keeps a crawled overlay from being whole, one line each (empty: whole): brokers their neighbours
+    report that did not answer, fewer brokers than expected (one that is down and that the overlay has healed
+    around is reported by nobody), and links that differ from the Delaunay triangulation."""
+    out = [
+        f"{nid} (at {c[0]:.4f},{c[1]:.4f}) is reported by its neighbours but does not answer"
+        for nid, c in sorted(found.unreachable.items())
+    ]
+    if expect is not None and len(found.statuses) != expect:
+        out.append(f"{len(found.statuses)} brokers answered, {expect} expected (--expect)")
+    coords = {nid: st.node.coord for nid, st in found.statuses.items()}
+    links = {nid: {n.id for n in st.neighbours} for nid, st in found.statuses.items()}
+    return out + link_gaps(coords, links)

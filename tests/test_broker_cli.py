@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from cluster import wait_for
+from conftest import FAST_ARGS
 
 from broker.version import VERSION
 from cli.cluster import LocalCluster
@@ -230,6 +231,39 @@ async def test_topics_lists_every_topic_with_its_holders(cluster3: LocalCluster)
     holder = next(bp for bp in cluster3.nodes if bp.node_id == rows[names[0]]["holders"]["primary"][0])
     status = await asyncio.to_thread(_cli, "status", "--broker", holder.listen)
     assert status.returncode == 0 and names[0] in status.stdout and "{" not in status.stdout, status.stdout
+
+
+async def test_brokers_lists_the_cluster_and_says_when_it_is_ready(tmp_path: Path) -> None:
+    # `sedax brokers`: a line per broker and a verdict, exit 0 only when every broker answers (as many as
+    # --expect), the overlay is whole and every topic's copies are caught up: what a rolling restart waits for.
+    async with LocalCluster(4, seed=3, state_dir=tmp_path, broker_args=FAST_ARGS) as cluster:
+        await cluster.wait_converged(30.0)
+        addrs = ",".join(bp.listen for bp in cluster.nodes)
+        async with Client(addrs.split(","), credentials=cluster.credentials()) as c:
+            for i in range(6):
+                await c.publish(f"grid/brokers-cli/{i}", b"1")
+        ok = await asyncio.to_thread(_cli, "brokers", "--broker", addrs, "--expect", "4", "--wait", "60", timeout=120)
+        lines = ok.stdout.splitlines()
+        assert ok.returncode == 0 and lines[-1] == (
+            "ready: 4 brokers answered; the overlay is whole; every topic's copies are caught up"
+        ), ok.stdout + ok.stderr
+        assert sorted(ln.split()[0] for ln in lines[1:-1]) == ["n0", "n1", "n2", "n3"]
+        js = json.loads((await asyncio.to_thread(_cli, "brokers", "--broker", addrs, "--json")).stdout)
+        assert js["ready"] and js["unreachable"] == {} and js["gaps"] == js["lagging"] == []
+        assert sum(b["topics"] for b in js["brokers"]) == 12  # six topics, two copies each at level 2
+        assert all(b["version"] == VERSION and b["certificate_expires"] is None for b in js["brokers"])
+
+        await cluster.kill(2)  # down: reported by its neighbours until they give it up, then by nobody
+        gone = await asyncio.to_thread(_cli, "brokers", "--broker", addrs, "--expect", "4")
+        last = gone.stdout.splitlines()[-1]
+        assert gone.returncode == 1 and last.startswith("not ready"), gone.stdout + gone.stderr
+        assert "n2 (at " in last or "3 brokers answered, 4 expected (--expect)" in last, last
+
+        await cluster.restart(2)  # at its address, with its data; --wait until the copies are caught up again
+        back = await asyncio.to_thread(_cli, "brokers", "--broker", addrs, "--expect", "4", "--wait", "90", timeout=150)
+        assert back.returncode == 0 and back.stdout.splitlines()[-1].startswith("ready: 4 brokers"), (
+            back.stdout + back.stderr
+        )
 
 
 def test_status_says_what_runs_since_when_and_an_expired_certificate() -> None:
