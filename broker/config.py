@@ -34,6 +34,7 @@ MAX_LOG_INTERVAL: Final = 3600.0
 MIN_LOG_BYTES: Final = 64 * 1024
 MAX_RUN_LEN: Final = 128
 SLOW_CONSUMER_POLICIES: Final = ("disconnect", "drop")
+LOG_FORMATS: Final = ("text", "json")
 # A client link must at least carry a HELLO, a small publish and a status answer.
 MIN_FRAME_SIZE: Final = 4096
 
@@ -85,6 +86,8 @@ class BrokerConfig:
         max_hops: hop limit stamped on routed frames this broker originates (<= 255).
         space: the coordinate space.
         log_level: Python logging level name.
+        log_format: stderr log lines as `text` (one line a record, for a terminal or the journal) or `json`
+            (one JSON object a line: ts, level, node, logger, message; for a log pipeline such as Loki or ELK).
         balance: when to balance load (Sec. VI): none, addition (Alg. 1), continuous (Alg. 2) or combined.
         goal: the node load to equalise, L1, L2 or L3 (Sec. IV).
         selection: coordinate selection (Sec. V): indcoord, bestlocal, bestregional or bestglobal.
@@ -164,6 +167,7 @@ class BrokerConfig:
     max_hops: int = 64
     space: Space = field(default=UNIT_SQUARE)
     log_level: str = "INFO"
+    log_format: str = "text"
     balance: str = "none"
     goal: str = "L3"
     selection: str = "bestlocal"
@@ -284,6 +288,8 @@ class BrokerConfig:
             raise ConfigError(f"log_run must be 1..{MAX_RUN_LEN} printable characters, got {self.log_run!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be {' or '.join(LOG_FORMATS)}, got {self.log_format!r}")
         self._check_security()
 
     def _check_security(self) -> None:
@@ -513,6 +519,7 @@ RELOADABLE: Final = frozenset(
         "slow_consumer_policy",
         "idle_timeout",
         "log_level",
+        "log_format",
     }
 )
 # Files that, given or not, decide how the broker admits anyone: turning one on or off takes a restart.
@@ -575,6 +582,7 @@ def _convert_one(name: str, value: object) -> object:
     if name in (
         "listen",
         "log_level",
+        "log_format",
         "balance",
         "goal",
         "selection",

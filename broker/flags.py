@@ -73,6 +73,12 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-hops", dest="max_hops", type=int, help="hop limit of routed frames (64)")
     parser.add_argument("--space", help="XMIN,YMIN,XMAX,YMAX (default 0,0,1,1)")
     parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-format",
+        dest="log_format",
+        choices=("text", "json"),
+        help="stderr log lines as text (default) or one JSON object each (ts, level, node, logger, message)",
+    )
     parser.add_argument("--config", dest="config_file", help="JSON or TOML settings file")
     parser.add_argument(
         "--check",

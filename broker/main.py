@@ -33,20 +33,61 @@ EXIT_JOIN_FAILED: int = 4
 EXIT_FAILED: int = 1
 
 
+class JsonLines(logging.Formatter):
+    """One JSON object a log record, for log pipelines (`--log-format json`): when (UTC, ISO 8601 with
+    milliseconds), how bad, which broker, which layer, what; and the traceback, if the record has one."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__()
+        self.node_id = node_id
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "node": self.node_id,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def _fatal(config: BrokerConfig, node_id: str, text: str) -> None:
+    """Why the broker does not start or stops, on stderr: `sedax broker: error: ...`, or with `--log-format json`
+    a CRITICAL record like every other line, so a log pipeline reads it too."""
+    if config.log_format == "json":
+        record = logging.makeLogRecord({"name": "sedax.broker", "levelname": "CRITICAL", "levelno": 50, "msg": text})
+        text = JsonLines(node_id).format(record)
+        print(text, file=sys.stderr, flush=True)
+    else:
+        print(f"sedax broker: error: {text}", file=sys.stderr, flush=True)
+
+
+def _formatter(config: BrokerConfig, node_id: str) -> logging.Formatter:
+    if config.log_format == "json":
+        return JsonLines(node_id)
+    return logging.Formatter(f"%(asctime)s %(levelname)s broker[{node_id}] %(message)s")
+
+
 def _setup_logging(config: BrokerConfig, node_id: str) -> logging.Logger:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s broker[{node_id}] %(message)s"))
     # Configure the "sedax" parent so every layer (sedax.broker, sedax.pubsub, ...) logs the same way.
     root = logging.getLogger("sedax")
     root.handlers[:] = [handler]
     root.propagate = False
-    _set_level(config)
+    _apply_logging(config, node_id)
     return logging.getLogger("sedax.broker")
 
 
-def _set_level(config: BrokerConfig) -> None:
-    """The log level of every layer (the "sedax" parent logger): at start, and again at each reload."""
-    logging.getLogger("sedax").setLevel(config.log_level.upper())
+def _apply_logging(config: BrokerConfig, node_id: str) -> None:
+    """The log level and line format of every layer (the "sedax" parent logger): at start, and again at each
+    reload."""
+    root = logging.getLogger("sedax")
+    root.setLevel(config.log_level.upper())
+    for handler in root.handlers:
+        handler.setFormatter(_formatter(config, node_id))
 
 
 async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None = None) -> int:
@@ -57,7 +98,7 @@ async def serve(config: BrokerConfig, reread: Callable[[], BrokerConfig] | None 
     try:
         broker = Broker(config)
     except ConfigError as exc:  # TLS files, tokens or ACL unusable
-        print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+        _fatal(config, config.node_id or "-", str(exc))
         return EXIT_CONFIG
     log = _setup_logging(config, broker.node_id)
     broker.log = log
@@ -119,15 +160,15 @@ async def _serve(
     try:
         await broker.start()
     except StartFailed as exc:
-        print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+        _fatal(config, broker.node_id, str(exc))
         await broker.shutdown()
         return EXIT_CONFIG
     except OSError as exc:  # the listening socket: a busy port, an address this host does not have
-        print(
-            f"sedax broker: error: cannot listen on {config.listen}: {exc.strerror or exc}; choose another "
-            "--listen HOST:PORT (port 0 lets the system pick one) or stop the process that holds it",
-            file=sys.stderr,
-            flush=True,
+        _fatal(
+            config,
+            broker.node_id,
+            f"cannot listen on {config.listen}: {exc.strerror or exc}; choose another --listen HOST:PORT (port 0 "
+            "lets the system pick one) or stop the process that holds it",
         )
         await broker.shutdown()
         return EXIT_CONFIG
@@ -146,11 +187,11 @@ async def _serve(
         try:
             join.result()
         except JoinRefused as exc:
-            print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+            _fatal(config, broker.node_id, str(exc))
             await broker.shutdown()
             return EXIT_REFUSED
         except JoinFailed as exc:
-            print(f"sedax broker: error: {exc}", file=sys.stderr, flush=True)
+            _fatal(config, broker.node_id, str(exc))
             await broker.shutdown()
             return EXIT_JOIN_FAILED
     ready = {
@@ -184,11 +225,11 @@ async def _serve(
         why = f"the broker's timers failed ({broker.failure!r}), so it stops"
         if notifier is not None:
             notifier.stopping(why)
-        print(
-            f"sedax broker: error: {why}; started again it recovers its topics from --data-dir. This is a bug: "
-            "please report it with the log above",
-            file=sys.stderr,
-            flush=True,
+        _fatal(
+            config,
+            broker.node_id,
+            f"{why}; started again it recovers its topics from --data-dir. This is a bug: please report it with the "
+            "log above",
         )
         try:
             async with asyncio.timeout(config.drain_timeout + 5.0):
@@ -211,7 +252,7 @@ def _reload(broker: Broker, log: logging.Logger, reread: Callable[[], BrokerConf
         line = f"SIGHUP: nothing was reloaded, the broker goes on as it was: {problem}"
         log.error("%s", line)
         return line
-    _set_level(broker.config)  # (first: the new level decides whether this reload's own line is shown)
+    _apply_logging(broker.config, broker.node_id)  # (first: the new level decides whether this reload's line is shown)
     parts = [f"read again {', '.join(done.files)}"] if done.files else []
     if done.settings:
         parts.append(f"changed {', '.join(done.settings)}")

@@ -368,3 +368,31 @@ async def test_a_ca_expiring_before_the_certificate_is_what_is_warned_of(tmp_pat
         bp = cluster.nodes[0]
         assert log_has(bp, f"the CA certificate in {ca} that issued"), bp.stderr_tail()
         assert abs(_expiry_metric(bp) - _not_after(ca)) < 1.0
+
+
+async def test_json_log_lines_and_a_reload_back_to_text(tmp_path: Path) -> None:
+    # --log-format json, a log pipeline's input: each line of the broker's stderr one JSON object, a start that
+    # fails included; a reload (the config file's log_format) switches the format without a restart.
+    conf = tmp_path / "broker.toml"
+    conf.write_text('log_format = "json"\n')
+    args = (*FAST_ARGS, "--config", str(conf))
+    async with LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, broker_args=args) as cluster:
+        bp = cluster.nodes[0]
+        conf.write_text('log_format = "text"\n')
+        since = await hup(bp, "SIGHUP: changed log_format 'json' -> 'text'")
+        raw = bp.err_path.read_bytes()
+        records = [json.loads(line) for line in raw[:since].decode().splitlines()]
+        assert records and all(set(r) == {"ts", "level", "node", "logger", "message"} for r in records), records
+        assert all(r["node"] == bp.node_id and r["ts"].endswith("Z") for r in records)
+        assert any(r["logger"] == "sedax.broker" and r["level"] == "INFO" for r in records)
+        after = raw[since:].decode().splitlines()
+        assert after and all(f"broker[{bp.node_id}]" in line for line in after), after
+
+        argv = [sys.executable, "-m", "broker", "--coord", "0.2,0.2", "--insecure", "--log-format", "json"]
+        busy = await asyncio.to_thread(  # the port the broker holds: a start that fails, said as a JSON record too
+            subprocess.run, [*argv, "--listen", bp.listen], capture_output=True, text=True, timeout=60
+        )
+        assert busy.returncode == 2, busy.stderr
+        lines = [json.loads(line) for line in busy.stderr.splitlines()]
+        fatal = [r for r in lines if r["level"] == "CRITICAL"]
+        assert len(fatal) == 1 and f"cannot listen on {bp.listen}" in fatal[0]["message"], busy.stderr
