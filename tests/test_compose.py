@@ -675,6 +675,13 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     _wait_serving(cids["b1"], sizes)
     _replay(p, published)
     phase("b1 restarted alone joined the overlay of the others; every topic replayed whole")
+    # What an operator's rolling upgrade waits on between two hosts (docs/deploy.md), over TLS in a container.
+    ready = _run(["docker", "exec", cids["b1"], "sedax", "brokers", "--broker", "b1:7000", "--expect", "9",
+                  "--wait", "120"], 180)  # fmt: skip
+    assert ready.returncode == 0, ready.stdout + ready.stderr
+    assert ready.stdout.splitlines()[-1].startswith("ready: 9 brokers answered"), ready.stdout
+    assert sum(1 for ln in ready.stdout.splitlines() if ln.startswith("b")) == 9, ready.stdout
+    phase("sedax brokers: nine brokers, the overlay whole, every topic caught up")
 
     analysis = p.check("run", "--rm", "-T", "analyze", profiles=("analysis",), timeout=ANALYSIS_TIMEOUT)
     summary = next((line for line in analysis.splitlines() if line.startswith("analysed ")), "")
