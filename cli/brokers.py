@@ -94,22 +94,22 @@ def _print_table(rows: list[dict[str, Any]], unreachable: dict[str, tuple[float,
 
 async def _judged(args: argparse.Namespace, addrs: list[str], creds: Credentials) -> Verdict:
     """One verdict, or with --wait the first ready one (else the last) within the time given."""
-    verdict = await judge(addrs, creds, args.timeout, args.expect)
     if args.wait is None:
-        return verdict
+        return await judge(addrs, creds, args.timeout, args.expect)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + args.wait
     told = loop.time()
-    while not verdict.ready and loop.time() < deadline:
+    while True:
+        try:
+            verdict = await judge(addrs, creds, args.timeout, args.expect)
+        except AdminError as exc:  # the brokers asked may be the ones restarting: ask again until the deadline
+            verdict = Verdict(Crawl(), [f"no broker answered: {describe(exc)}"], [])
+        if verdict.ready or loop.time() >= deadline:
+            return verdict
         if loop.time() - told >= WAIT_PROGRESS:
             told = loop.time()
             print(f"waiting: {verdict.summary()}", file=sys.stderr, flush=True)
         await asyncio.sleep(WAIT_POLL)
-        try:
-            verdict = await judge(addrs, creds, args.timeout, args.expect)
-        except AdminError as exc:  # the broker asked may be the one restarting: the next crawl asks again
-            verdict = Verdict(Crawl(), [f"no broker answered: {describe(exc)}"], [])
-    return verdict
 
 
 def _cmd_brokers(args: argparse.Namespace) -> int:

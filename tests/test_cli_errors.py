@@ -62,6 +62,9 @@ def _one_line_error(err: str) -> str:
         (["sub", "t", "--since=-5m", "--broker", DEAD], 2, "a span back from now such as 10m, 2h or 1d"),
         (["sub", "t", "--since", "2026-13-01", "--broker", DEAD], 2, "an ISO date and time"),
         (["route", "1e13,0", "--broker", DEAD], 2, "finite numbers within"),
+        (["brokers", "--broker", DEAD], 1, "cannot reach broker at 127.0.0.1:1"),
+        (["brokers", "--broker", DEAD, "--expect", "0"], 2, "a whole number >= 1"),
+        (["brokers", "--broker", DEAD, "--wait", "nan"], 2, "positive number of seconds"),
         (["route", "0.5", "--broker", DEAD], 2, "X,Y"),
         (["move", "t", "inf,0", "--broker", DEAD], 2, "finite"),
         (["--log-level", "foo", "status", "--broker", DEAD], 2, "log level"),
@@ -379,3 +382,11 @@ def test_since_reads_a_timestamp_a_span_back_from_now_or_an_iso_time() -> None:
     assert timestamp("2026-11-29T09:00:00Z", now) == timestamp("2026-11-29T10:00:00+01:00", now) == 1795942800.0
     naive = "2026-11-29T09:00"  # local time, as `date` reads it
     assert timestamp(naive, now) == datetime.datetime(2026, 11, 29, 9, 0).timestamp()
+
+
+def test_brokers_waiting_for_brokers_that_never_answer_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    # --wait asks again until its time is up (the brokers asked may be restarting), then exits 1 with the reason.
+    got = main(["brokers", "--broker", DEAD, "--wait", "0.5"])
+    out, err = capsys.readouterr()
+    assert got == 1 and "Traceback" not in out + err, out + err
+    assert out.splitlines()[-1].startswith("not ready: no broker answered: cannot reach broker at 127.0.0.1:1"), out
