@@ -32,6 +32,7 @@ import numpy as np
 from broker import defaults
 from broker.memory import human_bytes, memory_available
 from broker.sdnotify import SERVICE_MANAGER_ENV
+from cli.signals import held
 from client.admin import AdminClient, AdminError
 from client.crawl import lagging_topics, link_gaps
 from net import certs
@@ -328,7 +329,9 @@ class LocalCluster:
         env.pop(ENV_INSECURE, None)  # the flags above decide
         for name in SERVICE_MANAGER_ENV:  # this command's own, if systemd runs it: the brokers are not the service
             env.pop(name, None)
-        with out_path.open("wb") as out, err_path.open("wb") as err:
+        # Started and recorded as one step: a signal in between (Ctrl-C or SIGTERM during `cluster up`) left a
+        # broker running that no clean-up knew of.
+        with held(), out_path.open("wb") as out, err_path.open("wb") as err:
             proc = subprocess.Popen(
                 args,
                 stdin=subprocess.DEVNULL,
@@ -338,11 +341,11 @@ class LocalCluster:
                 start_new_session=True,
                 preexec_fn=None if self.detached else die_with_parent,
             )
-        bp = BrokerProcess(index, c, node_id, proc, out_path, err_path)
-        if again:
-            self.nodes[index] = bp
-        else:
-            self.nodes.append(bp)
+            bp = BrokerProcess(index, c, node_id, proc, out_path, err_path)
+            if again:
+                self.nodes[index] = bp
+            else:
+                self.nodes.append(bp)
         return bp
 
     def data_dir(self, index: int) -> Path:

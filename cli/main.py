@@ -26,6 +26,7 @@ from cli import demo
 from cli import overlay as cli_overlay
 from cli import pubsub as cli_pubsub
 from cli import topics as cli_topics
+from cli.signals import ENDING_SIGNALS, Terminated, terminated
 from client.errors import describe
 
 # Subcommands whose modules import neither numpy nor scipy.  For them the parsers of `sim` and of
@@ -34,23 +35,15 @@ from client.errors import describe
 LIGHT_COMMANDS = frozenset({"status", "route", "pub", "sub", "locate", "broker", "cluster", "topics", "brokers"})
 
 
-# Signals that end a command the way Ctrl-C does.  Their default action ends the process at once: an interrupted
-# `sedax cluster up` (a service manager's stop, `timeout`, a closed terminal) left the brokers it had started
-# running, with no state file through which `cluster down` could find them.
-ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+class _HandledInterrupt(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for a Terminated or KeyboardInterrupt.  Raised by a
+    signal inside a task's step (the handler runs wherever the main thread is), it is set on that task and also
+    propagates out of asyncio.run, where `_run` reports it in one line; the task, collected later, would log it
+    again, traceback and all."""
 
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP arrived: handled as Ctrl-C is (a KeyboardInterrupt, so asyncio and every `except
-    BaseException` clean-up treat it alike), reported with the signal's name and exit code."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _terminated(signum: int, _frame: object) -> None:
-    raise Terminated(signum)
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, KeyboardInterrupt)  # (Terminated is one)
 
 
 def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
@@ -123,7 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The broker handles these itself (SIGTERM a graceful leave, SIGHUP a reload); signal handlers can only be
     # set in the main thread.
     if args.command != "broker" and threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, _terminated) for sig in ENDING_SIGNALS}
+        previous = {sig: signal.signal(sig, terminated) for sig in ENDING_SIGNALS}
+        asyncio_log = logging.getLogger("asyncio")
+        if not any(isinstance(f, _HandledInterrupt) for f in asyncio_log.filters):
+            asyncio_log.addFilter(_HandledInterrupt())
     try:
         return _run(args)
     finally:

@@ -403,6 +403,15 @@ class Subscription:
             self._room.set()
         return self._queue.popleft()
 
+    def take_queued(self, limit: int) -> list[ReceivedMessage]:
+        """Up to limit messages already queued, without waiting: what a reader on another thread takes in one
+        crossing (client/blocking.py) after `__anext__` gave it the first."""
+        queue = self._queue
+        out = [queue.popleft() for _ in range(min(limit, len(queue)))]
+        if out and self._want_room:
+            self._room.set()
+        return out
+
     async def _until_room(self, n: int) -> None:
         """Wait until the queue can take n more messages without dropping any."""
         while len(self._queue) + n > self._maxsize and not self.closed:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from cli.args import timestamp
 from cli.main import main
+from cli.signals import Terminated, held, terminated
 
 SEDAX = str(Path(sys.executable).with_name("sedax"))
 DEAD = "127.0.0.1:1"  # nothing listens on port 1: connection refused at once
@@ -390,3 +392,20 @@ def test_brokers_waiting_for_brokers_that_never_answer_says_so(capsys: pytest.Ca
     out, err = capsys.readouterr()
     assert got == 1 and "Traceback" not in out + err, out + err
     assert out.splitlines()[-1].startswith("not ready: no broker answered: cannot reach broker at 127.0.0.1:1"), out
+
+
+def test_a_signal_in_a_held_step_is_handled_after_it() -> None:
+    # cli/cluster.py starts a broker and records it inside `held()`: SIGTERM or SIGHUP in between once left a
+    # broker running that no clean-up knew of (seen as a stray broker after `cluster up` was stopped).
+    assert threading.current_thread() is threading.main_thread()  # (pytest-xdist runs tests on the main thread)
+    before = signal.signal(signal.SIGTERM, terminated)
+    steps = []
+    try:
+        with pytest.raises(Terminated) as ended, held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            steps.append("started")  # not cut off by the signal ...
+            steps.append("recorded")
+        assert ended.value.signum == signal.SIGTERM and steps == ["started", "recorded"]  # ... which came after
+        assert signal.getsignal(signal.SIGTERM) is terminated  # and the handler is back
+    finally:
+        signal.signal(signal.SIGTERM, before)
