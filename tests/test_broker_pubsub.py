@@ -361,15 +361,20 @@ async def test_on_message_gets_every_message_in_order_and_survives_a_raising_cal
             assert got == list(range(20))  # the unsubscribed callback saw nothing of it
 
 
-def _readme_python_example() -> str:
+def _readme_python_examples() -> list[str]:
     blocks = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8").split("```python\n")
-    assert len(blocks) == 2, "the README has one Python example"
-    return blocks[1].split("```")[0]
+    return [b.split("```")[0] for b in blocks[1:]]
 
 
-async def test_the_readme_python_example_runs(tmp_path: Path) -> None:
-    # The client example users copy from the README, run as it is against a live broker.
-    example = _readme_python_example()
+def test_the_readme_has_both_python_examples() -> None:
+    examples = _readme_python_examples()
+    assert len(examples) == 2 and "asyncio.run(main())" in examples[0] and "BlockingClient" in examples[1]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["asyncio", "blocking"])
+async def test_the_readme_python_example_runs(tmp_path: Path, which: int) -> None:
+    # The client examples users copy from the README, run as they are against a live broker.
+    example = _readme_python_examples()[which]
     script = tmp_path / "example.py"
     async with LocalCluster(1, seed=17, resilience=1, state_dir=tmp_path / "c", broker_args=FAST_ARGS) as c:
         await c.wait_converged(30.0)
