@@ -630,6 +630,7 @@ class Broker(Membership, Routing):
             version=VERSION,
             started=self.started,
             certificate_expires=self.gauges().certificate_expires,
+            reload_ok=self.guard.last_reload_ok,
         )
 
     # ------------------------------------------------------------------------------------ observability

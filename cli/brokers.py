@@ -75,6 +75,7 @@ def broker_row(st: Status, now: float) -> dict[str, Any]:
         "topics": len(copies),
         "lagging": sum((h.state, h.pending) != ("caught_up", 0) for h in copies),
         "certificate_expires": st.certificate_expires or None,
+        "reload_ok": st.reload_ok,
     }
 
 
@@ -85,6 +86,8 @@ def _print_table(rows: list[dict[str, Any]], unreachable: dict[str, tuple[float,
         up = "?" if r["uptime"] is None else human_span(r["uptime"])
         expires = r["certificate_expires"]
         cert = "plain TCP" if expires is None else "EXPIRED" if expires <= now else human_span(expires - now)
+        if not r["reload_ok"]:
+            cert += "; last reload REFUSED"
         coord = f"{r['coord'][0]:.4f},{r['coord'][1]:.4f}"
         print(f"{r['node']:<16} {r['listen']:<22} {coord:<15} {r['version'] or '?':<9} {up:<12} "
               f"{len(r['neighbours']):>5} {r['topics']:>6} {r['lagging']:>7}  {cert}")  # fmt: skip

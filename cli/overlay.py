@@ -80,6 +80,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"broker {st['node']} at {st['listen']}  coord ({st['coord'][0]:.6f}, {st['coord'][1]:.6f})")
     if st["version"] is not None:  # (None: a broker older than these fields)
         print(running_line(st, time.time()))
+    if not st["reload_ok"]:
+        print(
+            "the last reload (SIGHUP) was REFUSED: the broker runs on its earlier files and settings; its log says why"
+        )
     print(f"neighbours ({len(st['neighbours'])}):")
     for n in st["neighbours"]:
         print(f"  {n['id']:<16} ({n['coord'][0]:.6f}, {n['coord'][1]:.6f})  {n['listen']}")

@@ -246,6 +246,7 @@ def status_json(st: Status) -> dict[str, object]:
         "version": st.version or None,
         "started": st.started or None,
         "certificate_expires": st.certificate_expires or None,
+        "reload_ok": st.reload_ok,
     }
 
 

@@ -931,6 +931,8 @@ class Status(Message):
     version: str = ""
     started: float = 0.0
     certificate_expires: float = 0.0
+    # False from a refused reload (SIGHUP) until one takes effect: the broker runs on its earlier files.
+    reload_ok: bool = True
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)

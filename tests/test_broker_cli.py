@@ -252,6 +252,7 @@ async def test_brokers_lists_the_cluster_and_says_when_it_is_ready(tmp_path: Pat
         assert js["ready"] and js["unreachable"] == {} and js["gaps"] == js["lagging"] == []
         assert sum(b["topics"] for b in js["brokers"]) == 12  # six topics, two copies each at level 2
         assert all(b["version"] == VERSION and b["certificate_expires"] is None for b in js["brokers"])
+        assert all(b["reload_ok"] for b in js["brokers"])
 
         await cluster.kill(2)  # down: reported by its neighbours until they give it up, then by nobody
         gone = await asyncio.to_thread(_cli, "brokers", "--broker", addrs, "--expect", "4")
@@ -283,15 +284,15 @@ def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
         1, NodeInfo("n0", (0.5, 0.5), "127.0.0.1:7000"), (), (), ("t",), {}, {}, 2, (TopicHeld("t", "primary", 9),)
     )
     wire = msgpack.unpackb(encode_message(st))
-    # `recent`, `version`, `started` and `certificate_expires`, the last fields: an array without them (what a
-    # broker before them sent) ...
-    assert wire[-4:] == [{}, "", 0.0, 0.0]
-    del wire[-4:]
+    # `recent`, `version`, `started`, `certificate_expires` and `reload_ok`, the last fields: an array without them
+    # (what a broker before them sent) ...
+    assert wire[-5:] == [{}, "", 0.0, 0.0, True]
+    del wire[-5:]
     as_map = {"op": "status", **{f.name: v for f, v in zip(fields(Status), wire[1:], strict=False)}}
     for old_wire in (wire, as_map):  # ... and the map form of versions 1 and 2
         old = decode_message(msgpack.packb(old_wire))
         assert isinstance(old, Status) and old.recent == {} and old.held == st.held
-        assert (old.version, old.started, old.certificate_expires) == ("", 0.0, 0.0)
+        assert (old.version, old.started, old.certificate_expires, old.reload_ok) == ("", 0.0, 0.0, True)
     # and `sedax status` then leaves out the line it cannot fill
     assert status_json(old)["version"] is None
 

@@ -134,6 +134,7 @@ async def test_sighup_serves_a_renewed_certificate_and_a_broken_one_changes_noth
         exported = _metrics(one.bp)
         assert {k: exported[f"sedax_{k}_total"] for k in GUARD_COUNTERS} == {k: counters[k] for k in GUARD_COUNTERS}
         assert exported["sedax_last_reload_successful"] == 0  # SedaxReloadFailed fires on it
+        assert not (await one.cluster.statuses())[one.bp.node_id].reload_ok  # and `sedax status`, `brokers` say it
 
         # A certificate for another name is refused too: a broker keeps its name while it runs.
         key.write_bytes(good_key)
