@@ -89,7 +89,7 @@ class BlockingClient:
         for sub in self._subscriptions:  # a reader still waiting on the stopped loop gets None, not a hang
             sub._end_reading()
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run coro on the client's loop and wait for its result (its exception is raised here)."""
         if not self._thread.is_alive():
             coro.close()
@@ -100,7 +100,7 @@ class BlockingClient:
                 "a BlockingClient call from its own thread (an on_message function) would wait for itself forever: "
                 "hand the message to a thread of yours (a queue.Queue) and call the client there"
             )
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def address(self) -> str | None:
