@@ -49,7 +49,7 @@ class Verdict:
             return f"ready: {n} brokers answered; the overlay is whole; every topic's copies are caught up"
         why = [*self.gaps[:3]]
         if len(self.gaps) > 3:
-            why.append(f"{len(self.gaps) - 3} more link differences")
+            why.append(f"{len(self.gaps) - 3} more (--json lists them all)")
         if self.lagging:
             more = f" and {len(self.lagging) - 5} more" if len(self.lagging) > 5 else ""
             why.append(f"{len(self.lagging)} topics not caught up: {', '.join(self.lagging[:5])}{more}")
