@@ -153,7 +153,8 @@ class BlockingClient:
 
 
 class BlockingSubscription:
-    """One topic's messages, read from the caller's thread; `close()` (or `with`) unsubscribes."""
+    """One topic's messages, read from one thread of the caller's (its buffer is that thread's); `close()` (or
+    `with`) unsubscribes, from any thread."""
 
     def __init__(self, owner: BlockingClient, sub: Subscription) -> None:
         self._owner = owner
