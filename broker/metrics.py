@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Final
@@ -263,6 +264,20 @@ class BrokerCollector:
             value=g.stored_memory,
         )
         yield GaugeMetricFamily("sedax_max_memory_bytes", "The broker's --max-memory, in bytes.", value=g.max_memory)
+        if b.config.data_dir is not None:
+            disk = _disk(b.config.data_dir)
+            if disk is not None:
+                yield GaugeMetricFamily(
+                    "sedax_data_dir_free_bytes",
+                    "Bytes the broker may still write to the file system of its --data-dir (statvfs f_bavail): at 0"
+                    " it refuses publishes and copies (storage_full).",
+                    value=disk[0],
+                )
+                yield GaugeMetricFamily(
+                    "sedax_data_dir_size_bytes",
+                    "Size of the file system of the broker's --data-dir (statvfs f_blocks).",
+                    value=disk[1],
+                )
         if g.certificate_expires:
             yield GaugeMetricFamily(
                 "sedax_tls_certificate_expiry_timestamp_seconds",
@@ -308,6 +323,16 @@ class BrokerCollector:
             "From detecting a neighbour's failure to linking all desired neighbours again.",
             s.heal,
         )
+
+
+def _disk(path: str) -> tuple[int, int] | None:
+    """(bytes free to an unprivileged writer, bytes in all) of the file system holding path; None if it cannot be
+    read (the directory was removed or unmounted: the scrape goes on without these two)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def _histogram(name: str, doc: str, buckets: Buckets) -> HistogramMetricFamily:

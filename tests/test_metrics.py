@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import socket
@@ -430,3 +431,19 @@ def test_ack_timer_answers_given_typed_match_the_decoded_frames() -> None:
                 t.frame("s", encode_control(m))
         timers.append((b.count, t.size, {k: [seq for seq, _ in q] for k, q in t.waiting["s"].items()}))
     assert timers[0] == timers[1] == (5, 2, {("a", "p"): [5], ("b", "p"): [1]})
+
+
+async def test_the_data_directorys_disk_is_exported_for_an_early_alert(tmp_path: Path) -> None:
+    # SedaxDataDiskNearlyFull (deploy/prometheus-rules.yml) reads these two: what the broker may still write where
+    # its topics are, and the size of that file system, as statvfs tells them at the scrape.
+    args = (*FAST_ARGS, "--metrics", "127.0.0.1:0")
+    async with LocalCluster(1, state_dir=tmp_path, broker_args=args, data_dirs=True) as cluster:
+        bp = cluster.nodes[0]
+        before = os.statvfs(cluster.data_dir(0))
+        body = (await _http(bp.metrics, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")).decode()
+        after = os.statvfs(cluster.data_dir(0))
+    series = {ln.split()[0]: float(ln.split()[1]) for ln in body.splitlines() if ln.startswith("sedax_data_dir_")}
+    assert series["sedax_data_dir_size_bytes"] == before.f_blocks * before.f_frsize
+    free = sorted(st.f_bavail * st.f_frsize for st in (before, after))
+    slack = 64 << 20  # (other tests write to the same file system meanwhile)
+    assert free[0] - slack <= series["sedax_data_dir_free_bytes"] <= free[1] + slack, (series, free)
