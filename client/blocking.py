@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -31,14 +33,22 @@ from typing import Any, Final, Self, TypeVar
 
 import uvloop
 
-from client.client import Client, PublishAck, ReceivedMessage, Subscription
-from client.errors import ClientClosed
+from client.client import Client, PublishAck, ReceivedMessage, Subscription, payload_bytes
+from client.errors import ClientClosed, ClientError
 from overlay.pubsub import Located, Record
+from overlay.topics import validate_topic
 
 T = TypeVar("T")
 
 # Messages a subscription's reader takes in one crossing between the threads.
 READ_BATCH: Final = 256
+# Publishes handed to the client's thread and not yet taken by it: beyond, publish_nowait waits (memory stays
+# bounded when a caller publishes faster than the client's window lets messages out).
+HANDOFF_LIMIT: Final = 4096
+# How long a caller waiting for room sleeps before it looks again (the drain wakes it sooner).
+ROOM_POLL: Final = 0.05
+# Topic names remembered as valid (a publisher of made-up names validates each from then on).
+MAX_VALIDATED: Final = 10_000
 # How long close() waits for the client's thread to end after the client closed.
 THREAD_JOIN_TIMEOUT: Final = 10.0
 
@@ -55,8 +65,20 @@ class BlockingClient:
         self._thread.start()
         self._closed = False
         self._subscriptions: list[BlockingSubscription] = []
+        # Publishes handed from callers' threads to the client's, in call order (publish_nowait, _drain).
+        self._handoff: deque[tuple[str, bytes, concurrent.futures.Future[PublishAck]]] = deque()
+        self._lock = threading.Lock()
+        # Set while fewer than HANDOFF_LIMIT wait to be taken (an Event: a test of a flag per publish, where a
+        # Semaphore took a Condition's lock twice).
+        self._room = threading.Event()
+        self._room.set()
+        self._topics: set[str] = set()  # names validated already (the async client keeps the same shortcut)
+        self._draining = False
+        self._drainer: asyncio.Task[None] | None = None
+        self._taking: concurrent.futures.Future[PublishAck] | None = None  # the one _drain hands over now
         try:
-            self._client: Client = self._call(_made(brokers, options))
+            self._client: Client
+            self._client, self._drained = self._call(_made(brokers, options))
             self._call(self._client.connect())
         except BaseException:
             self._stop_loop()
@@ -71,15 +93,26 @@ class BlockingClient:
         self.close(None if et is None else 0)
 
     def close(self, flush_timeout: float | None = None) -> None:
-        """Wait for the publishes in flight (Client.aclose: up to request_timeout by default, 0: not at all), close
-        the connection and end the client's thread.  A second call does nothing."""
+        """Wait for the publishes handed over and in flight (up to request_timeout each by default, as
+        Client.aclose; 0: not at all), close the connection and end the client's thread.  A second call does
+        nothing; publishes never sent fail with ClientClosed."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = True  # (publish_nowait refuses from now on)
         try:
-            self._call(self._client.aclose(flush_timeout))
+            self._call(self._close(flush_timeout))
         finally:
             self._stop_loop()
+
+    async def _close(self, flush_timeout: float | None) -> None:
+        # The publishes still handed off go to the client first (within the same time the client gives its own
+        # in flight), so that its close waits for them as for the others.
+        wait = self._client.request_timeout if flush_timeout is None else flush_timeout
+        if wait > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._drained.wait()
+        await self._client.aclose(flush_timeout)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -88,19 +121,33 @@ class BlockingClient:
             self._loop.close()
         for sub in self._subscriptions:  # a reader still waiting on the stopped loop gets None, not a hang
             sub._end_reading()
+        with self._lock:  # publishes never handed over: their futures fail, no caller waits forever
+            left = [acked for _, _, acked in self._handoff]
+            self._handoff.clear()
+        if self._taking is not None:
+            left.append(self._taking)
+        for acked in left:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                acked.set_exception(ClientClosed("the client was closed before this publish was sent"))
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run coro on the client's loop and wait for its result (its exception is raised here)."""
         if not self._thread.is_alive():
             coro.close()
             raise ClientClosed("the client was closed")
-        if threading.get_ident() == self._thread.ident:
+        try:
+            self._not_on_own_thread()
+        except RuntimeError:
             coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _not_on_own_thread(self) -> None:
+        if threading.get_ident() == self._thread.ident:
             raise RuntimeError(
                 "a BlockingClient call from its own thread (an on_message function) would wait for itself forever: "
                 "hand the message to a thread of yours (a queue.Queue) and call the client there"
             )
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def address(self) -> str | None:
@@ -110,17 +157,76 @@ class BlockingClient:
     # ---- publishing ----------------------------------------------------------------------------------
 
     def publish(self, topic: str, payload: bytes | str) -> PublishAck:
-        """Publish and return the acknowledgement (RequestFailed if refused, TimeoutError if none comes)."""
-        return self._call(self._client.publish(topic, payload))
+        """Publish and return the acknowledgement: RequestFailed if refused, TimeoutError if none comes within the
+        client's request_timeout (the publish stays pending and is re-sent, as with the async client)."""
+        acked = self.publish_nowait(topic, payload)
+        limit = self._client.request_timeout
+        try:
+            return acked.result(limit)
+        except concurrent.futures.TimeoutError:
+            why = self._client.reconnect_error
+            offline = f"; not connected: {why}" if why else ""
+            raise TimeoutError(f"no acknowledgement within {limit:g} s (request_timeout){offline}") from None
 
     def publish_nowait(self, topic: str, payload: bytes | str) -> concurrent.futures.Future[PublishAck]:
-        """Send a publish and return a future of its acknowledgement (`.result(timeout)`); blocks only while too
-        many publishes are in flight.  Publishes of one thread keep their order."""
-        return self._call(_queued(self._client, topic, payload))
+        """Hand a publish to the client and return a future of its acknowledgement (`.result(timeout)`).
+
+        It does not wait for the client's thread: publishes queue up in call order (so those of one thread keep
+        their order, `publish` included) and the client's thread takes them as fast as its window lets it.  It
+        blocks only while HANDOFF_LIMIT publishes wait to be taken.  A bad topic name or payload raises here, as
+        the async client's does."""
+        if topic not in self._topics:
+            validate_topic(topic)
+            if len(self._topics) < MAX_VALIDATED:
+                self._topics.add(topic)
+        data = payload_bytes(payload)
+        self._not_on_own_thread()
+        if not self._thread.is_alive() or self._closed:
+            raise ClientClosed("the client was closed")
+        while len(self._handoff) >= HANDOFF_LIMIT:
+            self._room.clear()
+            if len(self._handoff) >= HANDOFF_LIMIT:  # (taken meanwhile: the drain sets it only when it finds it clear)
+                self._room.wait(ROOM_POLL)
+        acked: concurrent.futures.Future[PublishAck] = concurrent.futures.Future()
+        with self._lock:
+            self._handoff.append((topic, data, acked))
+            start, self._draining = not self._draining, True
+        if start:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        return acked
+
+    def _start_drain(self) -> None:
+        self._drained.clear()
+        self._drainer = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """On the client's thread: pass the handed-off publishes to the client, in order."""
+        while True:
+            with self._lock:
+                if not self._handoff:
+                    self._draining = False
+                    self._drained.set()
+                    return
+                topic, data, acked = self._handoff.popleft()
+            if not self._room.is_set():
+                self._room.set()
+            self._taking = acked
+            try:
+                fut = await self._client.publish_nowait(topic, data)
+            except (ClientError, ValueError) as exc:  # (the client closed meanwhile, or refused it at once)
+                acked.set_exception(exc)
+                continue
+            finally:
+                self._taking = None
+            fut.add_done_callback(functools.partial(_copy_outcome, acked))
 
     def flush(self) -> None:
-        """Wait until every publish sent so far is acknowledged."""
-        self._call(self._client.flush())
+        """Wait until every publish handed to the client so far is acknowledged."""
+        self._call(self._flushed())
+
+    async def _flushed(self) -> None:
+        await self._drained.wait()
+        await self._client.flush()
 
     @property
     def unacknowledged(self) -> int:
@@ -221,9 +327,11 @@ class BlockingSubscription:
         self.close()
 
 
-async def _made(brokers: Sequence[str] | str, options: dict[str, Any]) -> Client:
+async def _made(brokers: Sequence[str] | str, options: dict[str, Any]) -> tuple[Client, asyncio.Event]:
     # Made on its loop's thread: what the client creates (events, futures, its connection) belongs to that loop.
-    return Client(brokers, **options)
+    drained = asyncio.Event()
+    drained.set()  # (nothing handed off yet)
+    return Client(brokers, **options), drained
 
 
 async def _unacknowledged(client: Client) -> int:
@@ -236,20 +344,14 @@ async def _subscribed(
     return await client.subscribe(topic, since, on_message=on_message)
 
 
-async def _queued(client: Client, topic: str, payload: bytes | str) -> concurrent.futures.Future[PublishAck]:
-    acked = await client.publish_nowait(topic, payload)
-    out: concurrent.futures.Future[PublishAck] = concurrent.futures.Future()
-
-    def copy(fut: asyncio.Future[PublishAck]) -> None:
-        if fut.cancelled():
-            out.cancel()
-        elif (exc := fut.exception()) is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(fut.result())
-
-    acked.add_done_callback(copy)
-    return out
+def _copy_outcome(to: concurrent.futures.Future[PublishAck], fut: asyncio.Future[PublishAck]) -> None:
+    """An acknowledgement's future on the client's loop, copied to the caller's concurrent future."""
+    if fut.cancelled():
+        to.cancel()
+    elif (exc := fut.exception()) is not None:
+        to.set_exception(exc)
+    else:
+        to.set_result(fut.result())
 
 
 async def _read(sub: Subscription) -> list[ReceivedMessage]:

@@ -161,6 +161,23 @@ def _base36(n: int) -> str:
             return out
 
 
+def payload_bytes(payload: object) -> bytes:
+    """A publish's payload as bytes (str as UTF-8); TypeError for anything else, ValueError over the size limit."""
+    if isinstance(payload, str):
+        data = payload.encode()
+    elif isinstance(payload, bytes | bytearray | memoryview):
+        data = bytes(payload)
+    else:
+        # bytes(230) is 230 zero bytes, and bytes(10**10) ten gigabytes: a number is not a payload.
+        raise TypeError(
+            f"payload must be bytes or str, got {type(payload).__name__}: encode it first "
+            "(str(value), json.dumps(value), struct.pack)"
+        )
+    if len(data) > MAX_PAYLOAD_SIZE:
+        raise ValueError(f"payload of {len(data)} bytes is over the limit of {MAX_PAYLOAD_SIZE}")
+    return data
+
+
 def _expire(fut: asyncio.Future[PublishAck], seconds: float, client: Client) -> None:
     """publish()'s time-out: no acknowledgement came in time (the publish stays pending and is re-sent)."""
     if not fut.done():
@@ -1219,20 +1236,8 @@ class Client:
         """
         if topic not in self._seq:
             validate_topic(topic)
-        if type(payload) is bytes:  # (the common case first: no conversion, no call)
-            data = payload
-        elif isinstance(payload, str):
-            data = payload.encode()
-        elif isinstance(payload, bytes | bytearray | memoryview):
-            data = bytes(payload)
-        else:
-            # bytes(230) is 230 zero bytes, and bytes(10**10) ten gigabytes: a number is not a payload.
-            raise TypeError(
-                f"payload must be bytes or str, got {type(payload).__name__}: encode it first "
-                "(str(value), json.dumps(value), struct.pack)"
-            )
-        if len(data) > MAX_PAYLOAD_SIZE:
-            raise ValueError(f"payload of {len(data)} bytes is over the limit of {MAX_PAYLOAD_SIZE}")
+        # (the common case first: bytes within the limit, no conversion and no call)
+        data = payload if type(payload) is bytes and len(payload) <= MAX_PAYLOAD_SIZE else payload_bytes(payload)
         if not self._inflight.take():
             await self._inflight.wait()
         seq = self._seq.get(topic, 0)

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from cli.cluster import LocalCluster
-from client.blocking import READ_BATCH, BlockingClient
+from client.blocking import HANDOFF_LIMIT, READ_BATCH, BlockingClient
 from client.errors import ClientClosed, ConnectError, RequestFailed
 
 
@@ -108,3 +108,15 @@ def test_calling_the_client_from_on_message_is_refused_not_a_deadlock(cluster3: 
             c.publish(topic, b"1")
             assert done.wait(30.0)
     assert len(errors) == 1 and "would wait for itself forever" in errors[0], errors
+
+
+def test_closing_waits_for_the_publishes_handed_over_and_orders_them_with_publish(cluster3: LocalCluster) -> None:
+    # publish_nowait returns before the client's thread took the message; publish after it still comes after it,
+    # and leaving `with` sends and acknowledges every one handed over (as the async client's close does).
+    topic, n = _topic("handoff"), HANDOFF_LIMIT + 1000  # (more than the hand-off holds at once)
+    with BlockingClient(_addrs(cluster3), credentials=cluster3.credentials()) as c:
+        futures = [c.publish_nowait(topic, str(i)) for i in range(n)]
+        last = c.publish(topic, str(n))
+    assert last.seq == n and [f.result(0).seq for f in futures] == list(range(n))  # all resolved by the close
+    with BlockingClient(_addrs(cluster3), credentials=cluster3.credentials()) as c:
+        assert [int(r.payload) for r in c.fetch(topic)] == list(range(n + 1))
