@@ -133,6 +133,10 @@ async def _demo(cluster: LocalCluster, names: list[str], messages: int, resilien
                 hops = " -> ".join(f"({d.coord[0]:.3f}, {d.coord[1]:.3f})" for d in moved.delegates)
                 _say(f"{moving} delegate list: {hops}; served by {moved.primary.listen}")
     _say("cluster stopped")
+    _say(
+        "next: `sedax cluster up` keeps a cluster running; then `sedax brokers`, `sedax topics`, `sedax pub` and "
+        '`sedax sub TOPIC --since 10m` against it (README, "Using it")'
+    )
     return 0 if ok else 1
 
 

@@ -170,3 +170,21 @@ class Relay:
                 if not self.drop(frame.message, up):
                     dst.write(encode_control(frame.message))
         dst.close()
+
+
+def brokers_marked(mark: str) -> list[int]:
+    """The pids of broker processes started with SEDAX_TEST_MARK=mark in their environment (what a command under
+    test left running)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (
+                f"SEDAX_TEST_MARK={mark}".encode() in (d / "environ").read_bytes()
+                and b"-m\x00broker" in (d / "cmdline").read_bytes()
+            ):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids

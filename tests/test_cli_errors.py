@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from cluster import brokers_marked
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -220,22 +221,6 @@ def test_a_busy_port_is_one_line() -> None:
     assert "cannot listen on" in res.stderr and "--listen" in res.stderr
 
 
-def _brokers_marked(mark: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if (
-                f"SEDAX_TEST_MARK={mark}".encode() in (d / "environ").read_bytes()
-                and b"-m\x00broker" in (d / "cmdline").read_bytes()
-            ):
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
-
-
 # Ctrl-C, and what ends a command the same way since SIGTERM and SIGHUP are handled: a service manager's stop,
 # `timeout`, a closed terminal.  Their default action ended `cluster up` at once, and the brokers it had started
 # ran on with no state file for `cluster down` to find them by.
@@ -253,9 +238,9 @@ def test_a_signal_during_cluster_up_leaves_no_broker_running(tmp_path: Path, sig
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     ) as proc:  # fmt: skip
         deadline = time.monotonic() + 60
-        while not _brokers_marked(mark) and proc.poll() is None and time.monotonic() < deadline:
+        while not brokers_marked(mark) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _brokers_marked(mark), "no broker started"
+        assert brokers_marked(mark), "no broker started"
         deadline = time.monotonic() + extra
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
@@ -271,9 +256,9 @@ def test_a_signal_during_cluster_up_leaves_no_broker_running(tmp_path: Path, sig
         down = _sedax(["cluster", "down", "--state-dir", str(tmp_path / "c")])
         assert down.returncode == 0, down.stderr
     deadline = time.monotonic() + 10
-    while _brokers_marked(mark) and time.monotonic() < deadline:
+    while brokers_marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _brokers_marked(mark) == []
+    assert brokers_marked(mark) == []
 
 
 def test_a_signal_handled_in_process_is_given_back(capsys: pytest.CaptureFixture[str]) -> None:
