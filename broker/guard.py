@@ -241,6 +241,11 @@ class Guard:
         """The node id this broker's certificate gives it (None without TLS)."""
         return self.tls.name if self.tls is not None else None
 
+    @property
+    def certificate_expires(self) -> float:
+        """When the certificate or its CA expires first (notAfter, Unix time); 0.0 without TLS."""
+        return self.tls.expires if self.tls is not None else 0.0
+
     # ------------------------------------------------------------------------------------- admission
 
     def may_accept(self, links: int, handshaking: int) -> bool:

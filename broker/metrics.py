@@ -264,20 +264,19 @@ class BrokerCollector:
             value=g.stored_memory,
         )
         yield GaugeMetricFamily("sedax_max_memory_bytes", "The broker's --max-memory, in bytes.", value=g.max_memory)
-        if b.config.data_dir is not None:
-            disk = _disk(b.config.data_dir)
-            if disk is not None:
-                yield GaugeMetricFamily(
-                    "sedax_data_dir_free_bytes",
-                    "Bytes the broker may still write to the file system of its --data-dir (statvfs f_bavail): at 0"
-                    " it refuses publishes and copies (storage_full).",
-                    value=disk[0],
-                )
-                yield GaugeMetricFamily(
-                    "sedax_data_dir_size_bytes",
-                    "Size of the file system of the broker's --data-dir (statvfs f_blocks).",
-                    value=disk[1],
-                )
+        disk = _disk(b.config.data_dir) if b.config.on_disk else None  # (with --store memory it is unused)
+        if disk is not None:
+            yield GaugeMetricFamily(
+                "sedax_data_dir_free_bytes",
+                "Bytes the broker may still write to the file system of its --data-dir (statvfs f_bavail): at 0 it"
+                " refuses publishes and copies (storage_full).",
+                value=disk[0],
+            )
+            yield GaugeMetricFamily(
+                "sedax_data_dir_size_bytes",
+                "Size of the file system of the broker's --data-dir (statvfs f_blocks).",
+                value=disk[1],
+            )
         if g.certificate_expires:
             yield GaugeMetricFamily(
                 "sedax_tls_certificate_expiry_timestamp_seconds",
@@ -325,9 +324,11 @@ class BrokerCollector:
         )
 
 
-def _disk(path: str) -> tuple[int, int] | None:
-    """(bytes free to an unprivileged writer, bytes in all) of the file system holding path; None if it cannot be
-    read (the directory was removed or unmounted: the scrape goes on without these two)."""
+def _disk(path: str | None) -> tuple[int, int] | None:
+    """(bytes free to an unprivileged writer, bytes in all) of the file system holding path; None without a path or
+    if it cannot be read (the directory was removed or unmounted: the scrape goes on without these two)."""
+    if path is None:
+        return None
     try:
         st = os.statvfs(path)
     except OSError:

@@ -629,7 +629,7 @@ class Broker(Membership, Routing):
             recent=recent,
             version=VERSION,
             started=self.started,
-            certificate_expires=self.gauges().certificate_expires,
+            certificate_expires=self.guard.certificate_expires,  # (not gauges(): that also sums the store's memory)
             reload_ok=self.guard.last_reload_ok,
         )
 
@@ -710,15 +710,13 @@ class Broker(Membership, Routing):
         """Neighbours, links and sessions right now (stats.Observed)."""
         neighbours = tuple(link.peer for link in self.peers.values() if link.established and link.peer is not None)
         ps = self.pubsub
-        tls = self.guard.tls
-        expires = tls.expires if tls is not None else 0.0
         return Gauges(
             neighbours,
             len(self.links),
             len(self.sessions),
             ps.store.memory(),
             ps.config.max_memory,
-            expires,
+            self.guard.certificate_expires,
             self.guard.last_reload_ok,
         )
 

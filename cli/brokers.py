@@ -19,8 +19,8 @@ from typing import Any, Final
 
 from cli.args import EXIT_FAILED, EXIT_USAGE, UsageError, add_broker_flag, fail, positive_int, seconds, target
 from cli.overlay import human_span
-from client.admin import AdminError
-from client.crawl import COPY_ROLES, Crawl, crawl_any, lagging_topics, overlay_gaps
+from client.admin import AdminError, status_json
+from client.crawl import COPY_ROLES, Crawl, caught_up, crawl_any, lagging_topics, overlay_gaps
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import Status
@@ -65,17 +65,13 @@ async def judge(addrs: list[str], creds: Credentials, timeout: float, expect: in
 def broker_row(st: Status, now: float) -> dict[str, Any]:
     """One broker as `--json` lists it."""
     copies = [h for h in st.held if h.role in COPY_ROLES]
+    whole = status_json(st)  # (its None for what an older broker does not say)
     return {
-        "node": st.node.id,
-        "listen": st.node.listen,
-        "coord": [st.node.coord[0], st.node.coord[1]],
-        "version": st.version or None,  # (None: a broker older than the field)
+        **{k: whole[k] for k in ("node", "listen", "coord", "version", "certificate_expires", "reload_ok")},
         "uptime": round(now - st.started, 3) if st.started else None,
         "neighbours": sorted(n.id for n in st.neighbours),
         "topics": len(copies),
-        "lagging": sum((h.state, h.pending) != ("caught_up", 0) for h in copies),
-        "certificate_expires": st.certificate_expires or None,
-        "reload_ok": st.reload_ok,
+        "lagging": sum(not caught_up(h) for h in copies),
     }
 
 

@@ -197,7 +197,7 @@ class BlockingClient:
 
     def _start_drain(self) -> None:
         self._drained.clear()
-        self._drainer = self._loop.create_task(self._drain())
+        self._drainer = self._loop.create_task(self._drain())  # (kept: the loop holds only a weak reference)
 
     async def _drain(self) -> None:
         """On the client's thread: pass the handed-off publishes to the client, in order."""
@@ -230,8 +230,14 @@ class BlockingClient:
 
     @property
     def unacknowledged(self) -> int:
-        """Publishes sent and not yet acknowledged (counted on the client's thread, where they change)."""
-        return self._call(_unacknowledged(self._client))
+        """Publishes handed over and not yet acknowledged: those the client's thread has not taken yet, and the
+        client's own (counted on its thread, where they change)."""
+        return self._call(self._unacknowledged())
+
+    async def _unacknowledged(self) -> int:
+        with self._lock:
+            waiting = len(self._handoff) + (self._taking is not None)  # (_taking: waiting for the client's window)
+        return waiting + self._client.unacknowledged
 
     # ---- subscribing and reading ---------------------------------------------------------------------
 
@@ -285,10 +291,8 @@ class BlockingSubscription:
             batch = self._reading.result(timeout)
         except concurrent.futures.TimeoutError:
             return None
-        except concurrent.futures.CancelledError:  # the client was closed under the read
-            self._reading = None
-            self._ended = True
-            return None
+        except concurrent.futures.CancelledError:  # the client was closed under the read: the end, as below
+            batch = []
         except BaseException:
             self._reading = None
             self._ended = True
@@ -332,10 +336,6 @@ async def _made(brokers: Sequence[str] | str, options: dict[str, Any]) -> tuple[
     drained = asyncio.Event()
     drained.set()  # (nothing handed off yet)
     return Client(brokers, **options), drained
-
-
-async def _unacknowledged(client: Client) -> int:
-    return client.unacknowledged
 
 
 async def _subscribed(

@@ -116,6 +116,11 @@ def link_gaps(coords: Mapping[str, Sequence[float]], links: Mapping[str, set[str
     return out
 
 
+def caught_up(h: TopicHeld) -> bool:
+    """A replica level with its topic's other holders: `caught_up`, with no pull or offer under way."""
+    return h.state == "caught_up" and h.pending == 0
+
+
 def lagging_topics(statuses: Mapping[str, Status], topics: Iterable[str] = ()) -> list[str]:
     """Topics whose copies are not all caught up: a holder not `caught_up` or with pulls or offers pending, or
     fewer holders than the level keeps (as many as there are brokers, below it).  Empty: every topic the brokers
@@ -128,9 +133,7 @@ def lagging_topics(statuses: Mapping[str, Status], topics: Iterable[str] = ()) -
                 held.setdefault(h.topic, []).append(h)
     level = max((st.resilience for st in statuses.values()), default=1)
     want = min(level, len(statuses))
-    return sorted(
-        t for t, hs in held.items() if len(hs) < want or any((h.state, h.pending) != ("caught_up", 0) for h in hs)
-    )
+    return sorted(t for t, hs in held.items() if len(hs) < want or not all(caught_up(h) for h in hs))
 
 
 def overlay_gaps(found: Crawl, expect: int | None = None) -> list[str]:
