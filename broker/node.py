@@ -20,7 +20,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from operator import itemgetter
 from pathlib import Path
@@ -49,8 +49,11 @@ from overlay.protocol import (
     MAX_CORR,
     MAX_LINK_FRAME_SIZE,
     RATE_WINDOW,
+    STATUS_PAGE,
     Coord,
     Frame,
+    HeldPage,
+    HeldReq,
     Join,
     Leave,
     Message,
@@ -99,6 +102,17 @@ def _stored_after(store: TopicStore, topic: str, ts: float) -> int:
     order) when STATUS is asked, instead of a counter on every publish."""
     rows = store.get(topic).rows
     return len(rows) - bisect.bisect_right(rows, ts, key=itemgetter(0))
+
+
+def page_after(names: Sequence[str], after: str, size: int) -> tuple[int, int]:
+    """The slice [first, end) of the sorted `names` that is the page after the name `after` ("": the first page):
+    size entries, more where the last name goes on (a topic held as home and as a copy has an entry for each), so
+    that the next page, after that name, misses none."""
+    first = bisect.bisect_right(names, after) if after else 0
+    end = min(first + size, len(names))
+    while first < end < len(names) and names[end] == names[end - 1]:
+        end += 1
+    return first, end
 
 
 # The messages of a client's pub/sub session, and Broker.on_message's first test (isinstance takes the union at
@@ -433,6 +447,9 @@ class Broker(Membership, Routing):
                 self._witness_arrived(link, msg)
             case StatusReq(corr=corr):
                 link.send_nowait(self.status(corr))
+            case HeldReq(corr=corr, after=after):
+                held, recent, more, _ = self.held_page(after)
+                link.send_nowait(HeldPage(corr, held, recent, more))
             case RouteProbe(corr=corr, target=target, origin=None):
                 self._start_probe(link, corr, target)
             case Join(origin=None) if link.role == "client":
@@ -601,37 +618,47 @@ class Broker(Membership, Routing):
     # ------------------------------------------------------------------------------------------- status
 
     def status(self, corr: int) -> Status:
-        """This broker's STATUS answer."""
+        """This broker's STATUS answer: its first page of topics (the rest: held_page)."""
         counters = {**self.counter_values(), "links": len(self.links), "sessions": len(self.sessions)}
-        held = sorted(self.pubsub.topics())
-        states = self.pubsub.replica_states()
-        since = time.time() - RATE_WINDOW  # the clock records are stamped with (the pub/sub port's now())
-        store = self.pubsub.store
-        recent = {
-            name: _stored_after(store, name, since)
-            for name, role, _ in held[:1000]
-            if role in ("primary", "delegate") and name in store
-        }
+        held, recent, _, total = self.held_page("")
         return Status(
             corr=corr,
             node=self.info,
             neighbours=tuple(self.view.infos(k for k, link in self.peers.items() if link.established)),
             desired=tuple(sorted(self._advertised)),
-            topics=tuple(name for name, _, _ in held[:1000]),
+            topics=tuple(dict.fromkeys(h.topic for h in held)),
             loads=self.pubsub.loads(),
             # Counters fed by clients (e.g. "lost", from a publisher's claimed base) must not make STATUS
             # unencodable: msgpack integers are 64-bit.
             counters={k: min(v, MAX_CORR) for k, v in counters.items()},
             resilience=self.config.resilience,
-            held=tuple(
-                TopicHeld(name, role, size, *states.get(name, ("caught_up", 0, 0))) for name, role, size in held[:1000]
-            ),
+            held=held,
             recent=recent,
             version=VERSION,
             started=self.started,
             certificate_expires=self.guard.certificate_expires,  # (not gauges(): that also sums the store's memory)
             reload_ok=self.guard.last_reload_ok,
+            held_total=total,
         )
+
+    def held_page(self, after: str) -> tuple[tuple[TopicHeld, ...], dict[str, int], bool, int]:
+        """The topics held after the name `after` (all: ""), STATUS_PAGE at most, in name order; for those it is
+        primary or delegate of, the messages stored in the last RATE_WINDOW s; whether more follow; how many
+        entries all pages hold.  A page never ends between two roles of one name (home and a copy): the next
+        starts after that name."""
+        rows = sorted(self.pubsub.topics())
+        first, end = page_after([name for name, _, _ in rows], after, STATUS_PAGE)
+        page = rows[first:end]
+        states = self.pubsub.replica_states()
+        since = time.time() - RATE_WINDOW  # the clock records are stamped with (the pub/sub port's now())
+        store = self.pubsub.store
+        recent = {
+            name: _stored_after(store, name, since)
+            for name, role, _ in page
+            if role in ("primary", "delegate") and name in store
+        }
+        held = tuple(TopicHeld(name, role, size, *states.get(name, ("caught_up", 0, 0))) for name, role, size in page)
+        return held, recent, end < len(rows), len(rows)
 
     # ------------------------------------------------------------------------------------ observability
 

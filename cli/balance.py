@@ -182,7 +182,7 @@ async def _cluster_plans(
     primaries = sorted(
         (nid, st.node.listen)
         for nid, st in found.statuses.items()
-        if any(h.role in ("primary", "delegate") and h.size > 0 for h in st.held)
+        if any(h.role in ("primary", "delegate") and h.size > 0 for h in found.holdings[nid].held)
     )
     sem = asyncio.Semaphore(PLAN_PARALLEL)
 

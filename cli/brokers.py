@@ -19,8 +19,8 @@ from typing import Any, Final
 
 from cli.args import EXIT_FAILED, EXIT_USAGE, UsageError, add_broker_flag, fail, positive_int, seconds, target
 from cli.overlay import human_span
-from client.admin import AdminError, status_json
-from client.crawl import COPY_ROLES, Crawl, caught_up, crawl_any, lagging_topics, overlay_gaps
+from client.admin import AdminError, Holdings, status_json
+from client.crawl import COPY_ROLES, Crawl, caught_up, crawl_any, overlay_gaps
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import Status
@@ -59,12 +59,12 @@ class Verdict:
 async def judge(addrs: list[str], creds: Credentials, timeout: float, expect: int | None) -> Verdict:  # noqa: ASYNC109
     """Crawl the overlay from the first broker that answers and judge it."""
     found, _ = await crawl_any(addrs, credentials=creds, timeout=timeout)
-    return Verdict(found, overlay_gaps(found, expect), lagging_topics(found.statuses))
+    return Verdict(found, overlay_gaps(found, expect), found.lagging())
 
 
-def broker_row(st: Status, now: float) -> dict[str, Any]:
+def broker_row(st: Status, holdings: Holdings, now: float) -> dict[str, Any]:
     """One broker as `--json` lists it."""
-    copies = [h for h in st.held if h.role in COPY_ROLES]
+    copies = [h for h in holdings.held if h.role in COPY_ROLES]
     whole = status_json(st)  # (its None for what an older broker does not say)
     return {
         **{k: whole[k] for k in ("node", "listen", "coord", "version", "certificate_expires", "reload_ok")},
@@ -121,13 +121,14 @@ def _cmd_brokers(args: argparse.Namespace) -> int:
     except (AdminError, OSError, TimeoutError) as exc:
         return fail(describe(exc), EXIT_FAILED)
     now = time.time()
-    rows = [broker_row(st, now) for _, st in sorted(verdict.found.statuses.items())]
+    found = verdict.found
+    rows = [broker_row(st, found.holdings[nid], now) for nid, st in sorted(found.statuses.items())]
     if args.json:
-        unreachable = {nid: list(c) for nid, c in sorted(verdict.found.unreachable.items())}
+        unreachable = {nid: list(c) for nid, c in sorted(found.unreachable.items())}
         out = {"brokers": rows, "unreachable": unreachable, "ready": verdict.ready, "gaps": verdict.gaps}
         print(json.dumps({**out, "lagging": verdict.lagging}))
     else:
-        _print_table(rows, verdict.found.unreachable, now)
+        _print_table(rows, found.unreachable, now)
         print(verdict.summary())
     return 0 if verdict.ready else EXIT_FAILED
 

@@ -34,7 +34,7 @@ from broker.memory import human_bytes, memory_available
 from broker.sdnotify import SERVICE_MANAGER_ENV
 from cli.signals import held
 from client.admin import AdminClient, AdminError
-from client.crawl import lagging_topics, link_gaps
+from client.crawl import lagging_topics, link_gaps, report
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
 from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
@@ -486,11 +486,14 @@ class LocalCluster:
         """Topics whose copies are not all caught up (client.crawl.lagging_topics) on the live brokers; empty:
         the next broker may be restarted.  topics: topics known to exist, lagging also when no broker reports
         them."""
+        creds = self.credentials()
+        live = self.live()
         try:
-            statuses = await self.statuses(within)
+            reports = await asyncio.gather(*(report(bp.listen, timeout=within, credentials=creds) for bp in live))
         except AdminError as exc:
             return [f"(status failed: {exc})"]
-        return lagging_topics(statuses, topics)
+        level = max((st.resilience for st, _ in reports), default=1)
+        return lagging_topics({bp.node_id: h.held for bp, (_, h) in zip(live, reports, strict=True)}, level, topics)
 
     # -------------------------------------------------------------------------------------- state file
 

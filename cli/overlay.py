@@ -62,7 +62,8 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 async def _status(addrs: list[str], limit: float, creds: Credentials) -> dict[str, Any]:
     async with await _first_answer(addrs, limit, creds) as c:
-        return status_json(await c.status())
+        st = await c.status()
+        return status_json(st, await c.holdings(st))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

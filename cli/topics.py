@@ -42,12 +42,12 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
     holders: dict[str, dict[str, list[str]]] = {}
     sizes: dict[str, int] = {}
     recent: dict[str, int] = {}
-    for nid, st in sorted(found.statuses.items()):
-        for h in st.held:
+    for nid, hs in sorted(found.holdings.items()):
+        for h in hs.held:
             holders.setdefault(h.topic, {}).setdefault(h.role, []).append(nid)
             if h.role in ("primary", "delegate"):
                 sizes[h.topic] = max(sizes.get(h.topic, 0), h.size)
-        for topic, n in st.recent.items():  # two primaries for a moment during a move: the larger count
+        for topic, n in hs.recent.items():  # two primaries for a moment during a move: the larger count
             recent[topic] = max(recent.get(topic, 0), n)
     sem = asyncio.Semaphore(LOCATE_PARALLEL)
     out: list[dict[str, Any]] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Self
 
@@ -22,6 +23,8 @@ from overlay.protocol import (
     Coord,
     Error,
     FrameDecoder,
+    HeldPage,
+    HeldReq,
     Hello,
     Message,
     NodeInfo,
@@ -34,6 +37,7 @@ from overlay.protocol import (
     RouteReply,
     Status,
     StatusReq,
+    TopicHeld,
     encode_control,
     parse_address,
 )
@@ -50,7 +54,17 @@ DEFAULT_TIMEOUT: Final = 5.0
 # One error hierarchy for the whole client library (client/errors.py); the admin names are the same classes.
 AdminError = ClientError
 BrokerUnavailable = ConnectError
-__all__ = ["AdminClient", "AdminError", "BrokerUnavailable", "RequestFailed", "route_json", "status_json"]
+__all__ = ["AdminClient", "AdminError", "BrokerUnavailable", "Holdings", "RequestFailed", "route_json", "status_json"]
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """Every topic one broker holds, in name order (STATUS's first page and the HELD_PAGEs after it; an entry per
+    role, as STATUS's `held`), and for those it is primary or delegate of, the messages stored in the last
+    RATE_WINDOW s (STATUS's `recent`)."""
+
+    held: tuple[TopicHeld, ...]
+    recent: dict[str, int]
 
 
 class AdminClient:
@@ -200,6 +214,24 @@ class AdminClient:
             raise BrokerUnavailable(f"expected STATUS, got {reply.op}")
         return reply
 
+    async def holdings(self, st: Status) -> Holdings:
+        """Every topic the broker that answered st holds: st's first page, then the next pages (HELD_REQ) while it
+        says more follow.  A topic added or dropped while the pages are read may be missing or still listed, as in
+        any listing of a live broker."""
+        held, recent = list(st.held), dict(st.recent)
+        more = st.held_total > len(held)  # (0 from a broker that predates paging: its STATUS is all it says)
+        while more and held:
+            after = held[-1].topic
+            reply = await self.request(HeldReq(self.next_corr(), after))
+            if not isinstance(reply, HeldPage):
+                raise BrokerUnavailable(f"expected HELD_PAGE, got {reply.op}")
+            if reply.held and reply.held[0].topic <= after:  # a page must move on: a broker looping is stopped here
+                raise BrokerUnavailable(f"{self.broker.listen} sent a HELD_PAGE that does not follow {after!r}")
+            held.extend(reply.held)
+            recent.update(reply.recent)
+            more = reply.more
+        return Holdings(tuple(held), recent)
+
     async def route(self, target: Coord) -> RouteReply:
         """Probe the route from this broker to the broker closest to target."""
         reply = await self.request(RouteProbe(self.next_corr(), target))
@@ -221,8 +253,9 @@ class AdminClient:
             self._t.abort()
 
 
-def status_json(st: Status) -> dict[str, object]:
-    """STATUS in the JSON shape of `sedax status --json`."""
+def status_json(st: Status, holdings: Holdings | None = None) -> dict[str, object]:
+    """STATUS in the JSON shape of `sedax status --json`; its topics are holdings' (every page) when given, else
+    STATUS's first page."""
     return {
         "node": st.node.id,
         "coord": [st.node.coord[0], st.node.coord[1]],
@@ -237,7 +270,7 @@ def status_json(st: Status) -> dict[str, object]:
                 "behind": h.behind,
                 "pending": h.pending,
             }
-            for h in st.held
+            for h in (st.held if holdings is None else holdings.held)
         ],
         "loads": dict(st.loads),
         "resilience": st.resilience,

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from client.admin import DEFAULT_TIMEOUT, AdminClient, AdminError, BrokerUnavailable
+from client.admin import DEFAULT_TIMEOUT, AdminClient, AdminError, BrokerUnavailable, Holdings
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import Status, TopicHeld
@@ -27,10 +27,33 @@ CRAWL_PARALLEL: Final = 16
 
 @dataclass(slots=True)
 class Crawl:
-    """What a crawl found: the STATUS of every reachable broker, and the reported ones that did not answer."""
+    """What a crawl found: the STATUS of every reachable broker with every topic it holds (a STATUS lists only the
+    first STATUS_PAGE), and the reported brokers that did not answer."""
 
     statuses: dict[str, Status] = field(default_factory=dict)  # by node id
+    holdings: dict[str, Holdings] = field(default_factory=dict)  # by node id, as statuses
     unreachable: dict[str, tuple[float, float]] = field(default_factory=dict)  # node id -> reported coordinate
+
+    @property
+    def level(self) -> int:
+        """The resilience level the brokers keep (the highest any reports; 1 if none answered)."""
+        return max((st.resilience for st in self.statuses.values()), default=1)
+
+    def lagging(self, topics: Iterable[str] = ()) -> list[str]:
+        """lagging_topics of what the brokers that answered hold."""
+        return lagging_topics({nid: h.held for nid, h in self.holdings.items()}, self.level, topics)
+
+
+async def report(
+    address: str,
+    *,
+    credentials: Credentials | None = None,
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - as AdminClient's
+) -> tuple[Status, Holdings]:
+    """One broker's STATUS and every topic it holds, on one connection."""
+    async with await AdminClient.connect(address, timeout=timeout, credentials=credentials) as client:
+        st = await client.status()
+        return st, await client.holdings(st)
 
 
 async def crawl(
@@ -43,9 +66,9 @@ async def crawl(
     """Crawl the overlay from the broker at address; BrokerUnavailable if that first broker cannot be reached."""
     sem = asyncio.Semaphore(CRAWL_PARALLEL)
 
-    async def fetch(addr: str) -> Status:
-        async with sem, await AdminClient.connect(addr, timeout=timeout, credentials=credentials) as client:
-            return await client.status()
+    async def fetch(addr: str) -> tuple[Status, Holdings]:
+        async with sem:
+            return await report(addr, credentials=credentials, timeout=timeout)
 
     found = Crawl()
     reported: dict[str, tuple[float, float]] = {}
@@ -64,8 +87,10 @@ async def crawl(
                 continue
             if isinstance(res, BaseException):
                 raise res
-            found.statuses[res.node.id] = res
-            for nb in res.neighbours:
+            st, holdings = res
+            found.statuses[st.node.id] = st
+            found.holdings[st.node.id] = holdings
+            for nb in st.neighbours:
                 reported.setdefault(nb.id, (float(nb.coord[0]), float(nb.coord[1])))
                 if nb.listen not in asked and nb.id not in found.statuses:
                     asked.add(nb.listen)
@@ -121,19 +146,19 @@ def caught_up(h: TopicHeld) -> bool:
     return h.state == "caught_up" and h.pending == 0
 
 
-def lagging_topics(statuses: Mapping[str, Status], topics: Iterable[str] = ()) -> list[str]:
+def lagging_topics(held: Mapping[str, Iterable[TopicHeld]], level: int, topics: Iterable[str] = ()) -> list[str]:
     """Topics whose copies are not all caught up: a holder not `caught_up` or with pulls or offers pending, or
     fewer holders than the level keeps (as many as there are brokers, below it).  Empty: every topic the brokers
-    hold is copied as docs/storage.md promises, and the next broker may be restarted.  topics: topics known to
-    exist, lagging also when no broker reports them.  (A STATUS lists a broker's first 1,000 topics.)"""
-    held: dict[str, list[TopicHeld]] = {t: [] for t in topics}
-    for st in statuses.values():
-        for h in st.held:
+    hold is copied as docs/storage.md promises, and the next broker may be restarted.  held: every topic each
+    broker holds (Holdings.held, not a STATUS's first page), by node id.  topics: topics known to exist, lagging
+    also when no broker reports them."""
+    copies: dict[str, list[TopicHeld]] = {t: [] for t in topics}
+    for hs in held.values():
+        for h in hs:
             if h.role in COPY_ROLES:
-                held.setdefault(h.topic, []).append(h)
-    level = max((st.resilience for st in statuses.values()), default=1)
-    want = min(level, len(statuses))
-    return sorted(t for t, hs in held.items() if len(hs) < want or not all(caught_up(h) for h in hs))
+                copies.setdefault(h.topic, []).append(h)
+    want = min(level, len(held))
+    return sorted(t for t, hs in copies.items() if len(hs) < want or not all(caught_up(h) for h in hs))
 
 
 def overlay_gaps(found: Crawl, expect: int | None = None) -> list[str]:

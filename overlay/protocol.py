@@ -902,6 +902,11 @@ register_field_type(
 )
 
 
+# A STATUS lists a broker's first STATUS_PAGE topics (by name) and says how many it holds; HELD_REQ asks for the
+# topics after a name, STATUS_PAGE at a time, so that the tools see every topic of a broker holding 100,000.  A
+# page of topics of the longest names is ~300 KiB, within MAX_FRAME_SIZE; at most MAX_LIST_LEN.
+STATUS_PAGE: Final = 1000
+
 # STATUS `recent` counts the messages a topic's primary stored in this many seconds before it answered:
 # `sedax topics` shows recent / RATE_WINDOW as the topic's rate (msg/s).
 RATE_WINDOW: Final = 60
@@ -933,15 +938,51 @@ class Status(Message):
     certificate_expires: float = 0.0
     # False from a refused reload (SIGHUP) until one takes effect: the broker runs on its earlier files.
     reload_ok: bool = True
+    # How many entries `held` has in all (a topic held as home and as a copy is two): STATUS lists the first
+    # STATUS_PAGE or so by name, HELD_REQ asks for the rest.  A STATUS of a broker that predates the field decodes
+    # to 0: its `held` is then all the tools see.
+    held_total: int = 0
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_uint(self.held_total, "status held_total", MAX_CORR)
         _check_text(self.version, "status version")
         _check_list(self.held, "status held topics")
         _check_list(self.neighbours, "status neighbours")
         _check_list(self.desired, "status desired")
         _check_list(self.topics, "status topics")
         _check_uint(self.resilience, "resilience", 3)
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class HeldReq(Message):
+    """Ask a broker for the topics it holds after `after` in name order: the pages that follow STATUS's `held`."""
+
+    op: ClassVar[Literal["held_req"]] = "held_req"
+    corr: int
+    after: str
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_text(self.after, "held_req after")
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class HeldPage(Message):
+    """The answer to HELD_REQ: the next STATUS_PAGE topics at most, as STATUS's `held` and `recent` list them, and
+    whether more follow (ask again after the last name)."""
+
+    op: ClassVar[Literal["held_page"]] = "held_page"
+    corr: int
+    held: tuple[TopicHeld, ...]
+    recent: dict[str, int]
+    more: bool
+
+    def __post_init__(self) -> None:
+        _check_uint(self.corr, "correlation id", MAX_CORR)
+        _check_list(self.held, "held_page held topics")
 
 
 @register_message

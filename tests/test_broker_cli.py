@@ -18,13 +18,14 @@ import pytest
 from cluster import wait_for
 from conftest import FAST_ARGS
 
+from broker.node import page_after
 from broker.version import VERSION
 from cli.cluster import LocalCluster
 from cli.overlay import human_span, running_line
 from client.admin import AdminClient, status_json
 from client.client import Client
 from overlay.geometry import closest
-from overlay.protocol import RATE_WINDOW, NodeInfo, Status, TopicHeld, decode_message, encode_message
+from overlay.protocol import RATE_WINDOW, STATUS_PAGE, NodeInfo, Status, TopicHeld, decode_message, encode_message
 
 pytestmark = pytest.mark.slow
 
@@ -267,6 +268,43 @@ async def test_brokers_lists_the_cluster_and_says_when_it_is_ready(tmp_path: Pat
         )
 
 
+async def test_the_tools_see_every_topic_of_a_broker_past_the_first_status_page(tmp_path: Path) -> None:
+    # A STATUS lists a broker's first STATUS_PAGE topics; status, topics, brokers and the cluster's own wait read
+    # the rest page by page (HELD_REQ), so that the rolling-upgrade gate judges every topic, not the first 1,000.
+    names = [f"grid/paged/{i:05d}" for i in range(STATUS_PAGE + 150)]
+    async with LocalCluster(2, seed=5, state_dir=tmp_path, broker_args=FAST_ARGS, resilience=2) as cluster:
+        await cluster.wait_converged(30.0)
+        addrs = ",".join(bp.listen for bp in cluster.nodes)
+        async with Client(addrs.split(","), credentials=cluster.credentials()) as c:
+            await asyncio.gather(*(c.publish(t, b"1") for t in names))
+        brokers = await asyncio.to_thread(_cli, "brokers", "--broker", addrs, "--expect", "2", "--wait", "60", "--json")
+        js = json.loads(brokers.stdout)
+        assert js["ready"], brokers.stdout + brokers.stderr
+        assert [b["topics"] for b in js["brokers"]] == [len(names)] * 2  # level 2 on two brokers: each holds all
+        assert await cluster.lagging(names) == []
+        status = await asyncio.to_thread(_cli, "status", "--broker", cluster.nodes[0].listen, "--json")
+        assert sorted(t["topic"] for t in json.loads(status.stdout)["topics"]) == names
+        topics = await asyncio.to_thread(_cli, "topics", "--broker", addrs, "--json", timeout=120)
+        rows = json.loads(topics.stdout)
+        assert [r["topic"] for r in rows] == names
+        assert all(r["holders"].keys() == {"primary", "secondary"} for r in rows)
+        # and what STATUS itself carries: the first page, and how many entries all pages hold
+        async with await AdminClient.connect(cluster.nodes[1].listen, credentials=cluster.credentials()) as admin:
+            st = await admin.status()
+            assert [h.topic for h in st.held] == names[:STATUS_PAGE] and st.held_total == len(names)
+            assert [h.topic for h in (await admin.holdings(st)).held] == names
+
+
+def test_a_page_of_topics_never_ends_between_two_roles_of_one_name() -> None:
+    names = ["a", "b", "b", "c", "d", "d", "e"]  # b and d: home of the topic and a copy
+    assert page_after(names, "", 2) == (0, 3)  # "a", "b", "b"
+    assert page_after(names, "b", 2) == (3, 6)  # "c", "d", "d"
+    assert page_after(names, "d", 2) == (6, 7)
+    assert page_after(names, "e", 2) == (7, 7)
+    assert page_after(names, "", 10) == (0, 7)
+    assert page_after(names, "bb", 1) == (3, 4)  # after a name no longer held: from the next one
+
+
 def test_status_says_what_runs_since_when_and_an_expired_certificate() -> None:
     st = {"version": "0.1.0", "resilience": 3, "started": 1_000_000.0, "certificate_expires": 1_000_000.0 + 86400}
     assert running_line(st, 1_000_000.0 + 3 * 3600 + 12 * 60) == (
@@ -284,15 +322,16 @@ def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
         1, NodeInfo("n0", (0.5, 0.5), "127.0.0.1:7000"), (), (), ("t",), {}, {}, 2, (TopicHeld("t", "primary", 9),)
     )
     wire = msgpack.unpackb(encode_message(st))
-    # `recent`, `version`, `started`, `certificate_expires` and `reload_ok`, the last fields: an array without them
-    # (what a broker before them sent) ...
-    assert wire[-5:] == [{}, "", 0.0, 0.0, True]
-    del wire[-5:]
+    # `recent`, `version`, `started`, `certificate_expires`, `reload_ok` and `held_total`, the last fields: an array
+    # without them (what a broker before them sent) ...
+    assert wire[-6:] == [{}, "", 0.0, 0.0, True, 0]
+    del wire[-6:]
     as_map = {"op": "status", **{f.name: v for f, v in zip(fields(Status), wire[1:], strict=False)}}
     for old_wire in (wire, as_map):  # ... and the map form of versions 1 and 2
         old = decode_message(msgpack.packb(old_wire))
         assert isinstance(old, Status) and old.recent == {} and old.held == st.held
         assert (old.version, old.started, old.certificate_expires, old.reload_ok) == ("", 0.0, 0.0, True)
+        assert old.held_total == 0
     # and `sedax status` then leaves out the line it cannot fill
     assert status_json(old)["version"] is None
 

@@ -56,6 +56,8 @@ EXAMPLES: list[Message] = [
     p.Suspect(10, "n7"),
     p.Witness(10, "n7", True),
     p.Status(9, A, (B,), ("b-0123",), (), {"L1": 0, "L2": 0, "L3": 0}, {"forwarded": 3}, 2),
+    p.HeldReq(11, "grid/feeder-7"),
+    p.HeldPage(11, (p.TopicHeld("grid/feeder-8", "primary", 120), p.TopicHeld("grid/feeder-8", "home", 0)), {}, True),
     p.Error(4, "coordinate_outside_space", "nope"),
 ]
 
