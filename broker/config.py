@@ -113,6 +113,9 @@ class BrokerConfig:
         tls_cert, tls_key, tls_ca: this broker's certificate and key and the cluster CA (PEM files), all
             three or none.  Brokers link only with mutual TLS against the CA (a broker certificate, OU=broker,
             whose CN is the peer's node id); clients present a certificate of the CA or a token.
+        tls_crl: a PEM file of certificate revocation lists, one for each CA of tls_ca (`sedax certs crl`):
+            brokers and clients whose certificate it revokes are refused at the handshake, and those connected
+            when a reload (SIGHUP) brings the revocation are cut off.  Needs TLS.
         insecure: plain TCP without TLS: only on a network where every host is trusted.  Without TLS files
             a broker refuses to start unless this is set.
         tokens_file: JSON {"NAME": "sha256:HEX"} of bearer tokens (`sedax certs token`); clients with a
@@ -186,6 +189,7 @@ class BrokerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    tls_crl: str | None = None
     insecure: bool = False
     tokens_file: str | None = None
     acl_file: str | None = None
@@ -298,6 +302,8 @@ class BrokerConfig:
         if given and len(given) < 3:
             missing = ", ".join(k for k in tls if k not in given)
             raise ConfigError(f"tls_cert, tls_key and tls_ca go together: {missing} missing")
+        if self.tls_crl is not None and not given:
+            raise ConfigError("tls_crl needs TLS: give tls_cert, tls_key and tls_ca too, or drop tls_crl")
         if given and self.insecure:
             raise ConfigError(
                 "insecure turns TLS off but tls_cert/tls_key/tls_ca are set: drop one or the other "
@@ -494,6 +500,7 @@ _OPT_STR_FIELDS: Final = frozenset(
         "tls_cert",
         "tls_key",
         "tls_ca",
+        "tls_crl",
         "tokens_file",
         "acl_file",
         "data_dir",
@@ -509,6 +516,7 @@ RELOADABLE: Final = frozenset(
         "tls_cert",
         "tls_key",
         "tls_ca",
+        "tls_crl",
         "tokens_file",
         "acl_file",
         "publish_rate",

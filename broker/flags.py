@@ -118,6 +118,9 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert", dest="tls_cert", metavar="FILE", help="this broker's certificate (sedax certs issue)")
     g.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="its private key")
     g.add_argument("--tls-ca", dest="tls_ca", metavar="FILE", help="the cluster CA certificate")
+    g.add_argument(
+        "--tls-crl", dest="tls_crl", metavar="FILE", help="revocation lists of the CAs (sedax certs crl); reloadable"
+    )
     g.add_argument("--insecure", action="store_true", default=None, help="plain TCP without TLS or client certificates")
     g.add_argument("--tokens", dest="tokens_file", metavar="FILE", help="bearer tokens (sedax certs token)")
     g.add_argument("--acl", dest="acl_file", metavar="FILE", help="topic ACL rules (allow|deny ACTION WHO PATTERN)")

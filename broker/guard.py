@@ -36,6 +36,7 @@ from broker.config import BrokerConfig, ConfigError, changed_settings, reload_pr
 from broker.link import NOISY_CLOSES, CloseReason, PeerLink
 from broker.tls import BrokerTls, load_broker_tls
 from net.credentials import ROLE_BROKER, PeerCert
+from net.crl import RevocationList
 from overlay.protocol import (
     MAX_LINK_FRAME_SIZE,
     MAX_TOKEN_LEN,
@@ -67,6 +68,9 @@ CLOSE_LOG_FIRST: Final = 50
 # warns from this long before (at start, at each reload, then once a day); the metrics show the date.
 EXPIRY_WARNING: Final = 30 * 86400.0
 EXPIRY_WARN_EVERY: Final = 86400.0
+# A CRL past its nextUpdate makes every new link and client fail its handshake too.  CRLs are short-lived (a CA
+# writes one every day or week), so the warning starts later: from this long before.
+CRL_WARNING: Final = 3 * 86400.0
 
 # The security and limit counters, by their one name (STATUS, the metrics log's snapshots, and the metrics
 # endpoint as sedax_<name>_total) with the help text the metrics endpoint gives them.
@@ -204,6 +208,10 @@ class Reloaded:
     subscriptions_ended: int = 0  # local subscriptions the new ACL denies (filled in by the broker)
 
 
+def _revoked(crls: Iterable[RevocationList], issuer: object, serial: int) -> bool:
+    return any(x.revokes(issuer, serial) for x in crls)
+
+
 class Guard:
     """The security and limit decisions of one broker (see the module docstring)."""
 
@@ -245,6 +253,11 @@ class Guard:
     def certificate_expires(self) -> float:
         """When the certificate or its CA expires first (notAfter, Unix time); 0.0 without TLS."""
         return self.tls.expires if self.tls is not None else 0.0
+
+    @property
+    def crl_next_update(self) -> float:
+        """When the first CRL of tls_crl is due (nextUpdate, Unix time); 0.0 without one."""
+        return self.tls.crl_next_update if self.tls is not None else 0.0
 
     # ------------------------------------------------------------------------------------- admission
 
@@ -409,8 +422,9 @@ class Guard:
         session, as a restart would not.  What the new files no longer admit is returned to be closed: client and
         admin connections whose token was withdrawn or now names someone else, and, when a CA certificate left the
         bundle, every client and admin connection made with a certificate (it may have been verified by that CA;
-        a valid one connects again at once).  Broker links are kept: closing them all would make the overlay
-        heal around a broker that is well.
+        a valid one connects again at once); and every connection, a broker link too, whose certificate tls_crl
+        now revokes.  Broker links are otherwise kept: closing them all would make the overlay heal around a
+        broker that is well.
 
         `config`, the configuration read again (or the one it runs with), may change what config.RELOADABLE
         names (the files' paths, the per-client limits, which apply from then on); anything else is refused whole.
@@ -447,7 +461,15 @@ class Guard:
             self.acl.replace(acl)
             files.append(f"{len(acl.rules)} ACL rules from {c.acl_file}")
         revoked: list[tuple[PeerLink, str]] = []
+        crls = self.tls.crls if self.tls is not None else ()
+        if c.tls_crl is not None and self.tls is not None:
+            files.append(f"{len(crls)} CRLs revoking {sum(len(x.serials) for x in crls)} certificates from {c.tls_crl}")
         for link in links:
+            cert = link.cert
+            serial = cert.serial if cert is not None else None
+            if cert is not None and serial is not None and link.established and _revoked(crls, cert.issuer, serial):
+                revoked.append((link, f"the certificate of {link.role} {cert.name!r} is revoked in {c.tls_crl}"))
+                continue
             if link.role not in ("client", "admin") or link.outbound or not link.established:
                 continue
             if link.token and (self.tokens is None or self.tokens.get(link.token) != link.identity):
@@ -458,9 +480,22 @@ class Guard:
         return Reloaded(tuple(files), tuple(revoked), settings)
 
     def check_expiry(self, wall: float) -> None:
-        """Warn, at most once per EXPIRY_WARN_EVERY, while the certificate (or its CA) expires within EXPIRY_WARNING."""
+        """Warn, at most once per EXPIRY_WARN_EVERY, while the certificate (or its CA) expires within EXPIRY_WARNING
+        or a CRL is due within CRL_WARNING."""
         if self.tls is None or wall < self._expiry_warned + EXPIRY_WARN_EVERY:
             return
+        due = self.tls.crl_next_update
+        if due and due - wall <= CRL_WARNING:
+            self._expiry_warned = wall
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(due))
+            state = (
+                f"is due in {(due - wall) / 3600:.1f} h" if due > wall else f"was due {(wall - due) / 3600:.1f} h ago"
+            )
+            self.log.warning(
+                "a CRL of %s %s (%s, its nextUpdate): past it every new link and client fails its handshake; write a "
+                "fresh one (sedax certs crl, or your CA) and send this broker SIGHUP",
+                self.config.tls_crl, state, when,
+            )  # fmt: skip
         left = self.tls.expires - wall
         if left > EXPIRY_WARNING:
             return

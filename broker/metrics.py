@@ -284,6 +284,13 @@ class BrokerCollector:
                 "time): alert well before it; renew the certificate and send the broker SIGHUP.",
                 value=g.certificate_expires,
             )
+        if g.crl_next_update:
+            yield GaugeMetricFamily(
+                "sedax_tls_crl_next_update_timestamp_seconds",
+                "When the first CRL of --tls-crl is due (its nextUpdate, Unix time): past it every new link and client"
+                " fails its handshake; write a fresh CRL and send the broker SIGHUP.",
+                value=g.crl_next_update,
+            )
 
         yield GaugeMetricFamily(
             "sedax_last_reload_successful",

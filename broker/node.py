@@ -745,6 +745,7 @@ class Broker(Membership, Routing):
             ps.config.max_memory,
             self.guard.certificate_expires,
             self.guard.last_reload_ok,
+            self.guard.crl_next_update,
         )
 
     def unhealthy(self) -> str | None:

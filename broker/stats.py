@@ -207,6 +207,7 @@ class Gauges:
     max_memory: int = 0  # --max-memory in bytes (resolved: never 0 in a running broker)
     certificate_expires: float = 0.0  # notAfter of the TLS certificate or its CA, the earlier; 0 without TLS
     last_reload_ok: bool = True  # False from a refused reload (SIGHUP) until one takes effect
+    crl_next_update: float = 0.0  # when the first CRL of --tls-crl is due (nextUpdate); 0 without one
 
 
 class Observed(Protocol):

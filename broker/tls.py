@@ -24,6 +24,7 @@ from typing import Final
 from broker.config import BrokerConfig, ConfigError
 from broker.tasks import TaskSet
 from net.credentials import ROLE_BROKER, PeerCert, peer_cert
+from net.crl import CrlError, RevocationList, check_crls
 from net.transport import StreamTransport
 
 # Pending connections the kernel queues for us; asyncio's default is 100.
@@ -47,6 +48,13 @@ class BrokerTls:
     name: str
     expires: float  # when the certificate or the CA that issued it expires first (notAfter, epoch seconds)
     expiring: str  # which of the two that is, for the log
+    crls: tuple[RevocationList, ...] = ()  # what tls_crl revokes (none without it)
+
+    @property
+    def crl_next_update(self) -> float:
+        """When the first CRL of tls_crl is due (epoch seconds): past it OpenSSL refuses every peer.  0: none due."""
+        due = [c.next_update for c in self.crls if c.next_update is not None]
+        return min(due) if due else 0.0
 
 
 def _load(ctx_for: str, purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLContext:
@@ -92,7 +100,9 @@ def _why(exc: ssl.SSLError) -> str:
     return str(getattr(exc, "verify_message", None) or exc.reason or exc)
 
 
-def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> tuple[PeerCert, float, object]:
+def _self_check(
+    server: ssl.SSLContext, cert: str, key: str, ca: str, crl: str | None
+) -> tuple[PeerCert, float, object]:
     """Handshakes with ourselves in memory: the certificate must verify against the CA as a client certificate
     (what peers we dial check) and as a server certificate (what peers dialling us check).
 
@@ -108,6 +118,11 @@ def _self_check(server: ssl.SSLContext, cert: str, key: str, ca: str) -> tuple[P
     try:
         seen = _handshake(server, as_client)
     except ssl.SSLError as exc:
+        if crl is not None and "revoked" in _why(exc):
+            raise ConfigError(
+                f"tls_cert={cert!r} is revoked in tls_crl={crl!r}: issue this broker a new certificate (sedax certs "
+                "issue --force, or your CA)"
+            ) from None
         raise ConfigError(f"tls_cert={cert!r} does not verify against tls_ca={ca!r}: {_why(exc)}") from None
     me = peer_cert(seen)
     if me is None or not isinstance(seen, dict):
@@ -147,8 +162,16 @@ def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> Broke
     server = _load("server side", ssl.Purpose.CLIENT_AUTH, cert, key, ca)
     server.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     dial = _load("dialling brokers", ssl.Purpose.SERVER_AUTH, cert, key, ca)
-    me, leaf, issuer = _self_check(server, cert, key, ca)
-    return BrokerTls(server, dial, me.name, *_expiry(server, cert, ca, leaf, issuer))
+    crl = config.tls_crl
+    crls: tuple[RevocationList, ...] = ()
+    if crl is not None:
+        try:
+            crls = check_crls(server, crl, "tls_crl", ca)
+            check_crls(dial, crl, "tls_crl", ca)
+        except CrlError as exc:
+            raise ConfigError(str(exc)) from None
+    me, leaf, issuer = _self_check(server, cert, key, ca, crl)
+    return BrokerTls(server, dial, me.name, *_expiry(server, cert, ca, leaf, issuer), crls)
 
 
 class Listener:

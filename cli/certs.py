@@ -4,6 +4,8 @@
     sedax certs issue --dir DIR --name n0 --role broker [--host H]  # DIR/n0.pem, DIR/n0.key
     sedax certs issue --dir DIR --name meter-7 --role client
     sedax certs token --dir DIR --name dashboard                  # prints a token, stores its digest
+    sedax certs crl --dir DIR                                     # DIR/crl.pem, for brokers' --tls-crl
+    sedax certs revoke --dir DIR --name meter-7                   # revokes DIR/meter-7.pem, writes DIR/crl.pem
 
 Exit codes: 0 done, 2 a usage problem or a failed openssl call (the message says which).
 """
@@ -15,7 +17,7 @@ import sys
 from typing import Any
 
 from cli.args import EXIT_USAGE, fail
-from net.certs import CA_DAYS, LEAF_DAYS
+from net.certs import CA_DAYS, CRL_DAYS, LEAF_DAYS
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -36,6 +38,20 @@ def _cmd(args: argparse.Namespace) -> int:
                 print(f"run: sedax broker --node-id {args.name} --tls-cert {cert} --tls-key {key} --tls-ca {ca} ...")
                 if args.force:
                     print(f"a broker already running with {cert} takes the new one at `kill -HUP <its pid>`")
+        elif args.action in ("crl", "revoke"):
+            days = args.days or CRL_DAYS
+            if args.action == "crl":
+                path = certs.write_crl(args.dir, days=days)
+                print(f"CRL {path}, valid for {days} days: write it again before then (sedax certs crl)")
+            else:
+                if not args.name:
+                    raise certs.CertError("revoke needs --name NAME (the certificate DIR/NAME.pem)")
+                path = certs.revoke(args.dir, args.name, days=days)
+                print(f"revoked {args.name!r}; CRL {path}, valid for {days} days")
+            print(
+                f"brokers given --tls-crl {path} read it again at `kill -HUP <pid>` and then close the connections of "
+                "the certificates it revokes"
+            )
         else:
             if not args.name:
                 raise certs.CertError("token needs --name NAME (the identity the token authenticates as)")
@@ -67,16 +83,21 @@ def register(subparsers: Any) -> None:
         "certs", help="create a development CA, broker and client certificates, or tokens (needs openssl)"
     )
     p.add_argument(
-        "action", choices=("init", "issue", "token"), help="init: a new CA; issue: a certificate; token: a client token"
+        "action",
+        choices=("init", "issue", "token", "crl", "revoke"),
+        help="init: a new CA; issue: a certificate; token: a client token; crl: the CA's revocation list; revoke: a "
+        "certificate (and write the list)",
     )
     p.add_argument("--dir", required=True, help="certificate directory (created 0700)")
-    p.add_argument("--name", help="issue/token: the identity (a broker's node id, a client's ACL name)")
+    p.add_argument("--name", help="issue/token/revoke: the identity (a broker's node id, a client's ACL name)")
     p.add_argument("--role", choices=("broker", "client"), help="issue: what the certificate may do")
     p.add_argument(
         "--host", action="append", help="issue, broker: an extra IP or DNS name the broker is reached at (repeatable)"
     )
     p.add_argument("--force", action="store_true", help="replace an existing CA or certificate")
     p.add_argument(
-        "--days", type=_days, help=f"init/issue: how long the certificate is valid (CA {CA_DAYS}, others {LEAF_DAYS})"
+        "--days",
+        type=_days,
+        help=f"how long the certificate or CRL is valid (CA {CA_DAYS}, certificates {LEAF_DAYS}, CRL {CRL_DAYS})",
     )
     p.set_defaults(func=_cmd)

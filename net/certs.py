@@ -8,6 +8,8 @@ Layout of a certificate directory:
   the subject alternative names IP:127.0.0.1, DNS:localhost and the ``--host`` values (clients verify the
   broker's address against them) and both server and client usage (brokers dial each other); client
   certificates carry client usage only, so they cannot pose as a broker.
+* ``crl.pem``: the CA's certificate revocation list (`sedax certs crl`, `sedax certs revoke`), for a broker's
+  ``--tls-crl``; ``crl-index.txt`` and ``crl-number`` are the CA's record of what it revoked (`openssl ca`).
 * ``tokens.json``: ``{"NAME": "sha256:HEX"}``, bearer tokens for clients without a certificate; only the
   SHA-256 of each token is stored, so the file does not reveal them.
 
@@ -33,6 +35,12 @@ from typing import Final
 CA_CERT: Final = "ca.pem"
 CA_KEY: Final = "ca.key"
 TOKENS_FILE: Final = "tokens.json"
+CRL_FILE: Final = "crl.pem"
+_CRL_INDEX: Final = "crl-index.txt"
+_CRL_NUMBER: Final = "crl-number"
+# How long a CRL is valid (its nextUpdate): a broker checking CRLs refuses every peer once that passes, so the CRL
+# is written again before then (`sedax certs crl`; every revoke writes one too).
+CRL_DAYS: Final = 30
 ROLES: Final = ("broker", "client")
 CA_DAYS: Final = 3650
 # The browser-era limit for leaf certificates; long enough for a development cluster.
@@ -98,6 +106,8 @@ def init_ca(directory: str | Path, *, force: bool = False, days: int = CA_DAYS) 
         ]
     )  # fmt: skip
     key.chmod(0o600)
+    for stale in (_CRL_INDEX, _CRL_NUMBER, CRL_FILE):  # the old CA's revocations and CRL mean nothing to this one
+        (d / stale).unlink(missing_ok=True)
     return cert
 
 
@@ -189,6 +199,51 @@ def ensure_issued(directory: str | Path, name: str, role: str, hosts: Sequence[s
     if cert.exists() and key.exists():
         return cert, key
     return issue(directory, name, role, hosts, force=True)
+
+
+def _ca_command(directory: Path, args: Sequence[str], days: int) -> None:
+    """`openssl ca` on the directory's CA with its revocation record (created empty if new)."""
+    ca_cert, ca_key = ca_paths(directory)
+    if not (ca_cert.exists() and ca_key.exists()):
+        raise CertError(f"no CA in {directory}: run `sedax certs init --dir {directory}` first")
+    index, number = directory / _CRL_INDEX, directory / _CRL_NUMBER
+    if not index.exists():
+        index.touch()
+    if not number.exists():
+        number.write_text("01\n")
+    with tempfile.TemporaryDirectory(prefix=".ca-", dir=directory) as tmp:
+        conf = Path(tmp) / "ca.cnf"
+        conf.write_text(
+            f"[ca]\ndefault_ca = dev\n[dev]\ndatabase = {index}\ncrlnumber = {number}\ndefault_md = sha256\n"
+            f"default_crl_days = {days}\nunique_subject = no\n"
+        )
+        _run(["ca", "-batch", "-config", str(conf), "-cert", str(ca_cert), "-keyfile", str(ca_key), *args])
+
+
+def write_crl(directory: str | Path, *, days: int = CRL_DAYS) -> Path:
+    """Write DIR/crl.pem: the CA's CRL of every certificate revoked so far (none: an empty one), valid for days.
+    Written whole before it replaces the old one, so a broker reading it (SIGHUP) never finds half of it."""
+    d = Path(directory)
+    out = d / CRL_FILE
+    staged = d / f".{CRL_FILE}.new"
+    _ca_command(d, ["-gencrl", "-out", str(staged)], days)
+    os.replace(staged, out)
+    return out
+
+
+def revoke(directory: str | Path, name: str, *, days: int = CRL_DAYS) -> Path:
+    """Revoke the certificate NAME.pem of directory and write the CRL again; returns crl.pem.  A certificate
+    revoked already is left so (the CRL is written again all the same)."""
+    check_name(name)
+    cert, _ = cert_paths(directory, name)
+    if not cert.exists():
+        raise CertError(f"{cert} does not exist: nothing to revoke (the names issued are DIR/NAME.pem)")
+    try:
+        _ca_command(Path(directory), ["-revoke", str(cert)], days)
+    except CertError as exc:
+        if "Already revoked" not in str(exc):
+            raise
+    return write_crl(directory, days=days)
 
 
 def token_digest(token: str) -> str:

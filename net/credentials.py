@@ -5,8 +5,8 @@ broker's certificate) and either a client certificate from that CA (`sedax certs
 bearer token the broker knows (`sedax certs token`).  Its identity, which topic ACLs name, is the
 certificate's common name or the token's name.
 
-Every command-line tool takes ``--ca``, ``--cert``, ``--key``, ``--token`` and ``--insecure``, each
-defaulting to ``SEDAX_CA``, ``SEDAX_CERT``, ``SEDAX_KEY``, ``SEDAX_TOKEN`` and ``SEDAX_INSECURE``;
+Every command-line tool takes ``--ca``, ``--cert``, ``--key``, ``--token``, ``--insecure`` and ``--crl``, each
+defaulting to ``SEDAX_CA``, ``SEDAX_CERT``, ``SEDAX_KEY``, ``SEDAX_TOKEN``, ``SEDAX_INSECURE`` and ``SEDAX_CRL``;
 `Client` and `AdminClient` read the same variables when no `Credentials` are given.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from net.crl import CrlError, check_crls, serial_of
 from overlay.protocol import parse_address
 
 ENV_CA: Final = "SEDAX_CA"
@@ -28,6 +29,7 @@ ENV_CERT: Final = "SEDAX_CERT"
 ENV_KEY: Final = "SEDAX_KEY"
 ENV_TOKEN: Final = "SEDAX_TOKEN"
 ENV_INSECURE: Final = "SEDAX_INSECURE"
+ENV_CRL: Final = "SEDAX_CRL"
 
 # Certificate roles, carried in the subject's OU: only a "broker" certificate may link brokers, join the
 # overlay or serve clients; a "client" certificate identifies a publisher, subscriber or admin tool.
@@ -58,10 +60,13 @@ def parse_bool(name: str, text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PeerCert:
-    """What a verified certificate says about its holder: the common name (identity) and the OU (role)."""
+    """What a verified certificate says about its holder: the common name (identity) and the OU (role); and
+    which certificate it is, its issuer and serial number, which a CRL read later may revoke (net/crl.py)."""
 
     name: str
     role: str
+    issuer: object = None  # as getpeercert() gives it
+    serial: int | None = None
 
 
 def peer_cert(info: object) -> PeerCert | None:
@@ -75,7 +80,7 @@ def peer_cert(info: object) -> PeerCert | None:
     name = found.get("commonName")
     if not name:
         return None
-    return PeerCert(name, found.get("organizationalUnitName", ""))
+    return PeerCert(name, found.get("organizationalUnitName", ""), info.get("issuer"), serial_of(info))
 
 
 def _changed(path: str | None) -> tuple[int, int] | None:
@@ -91,7 +96,7 @@ def _changed(path: str | None) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=64)
 def _client_context(
-    ca: str, cert: str | None, key: str | None, versions: tuple[tuple[int, int] | None, ...]
+    ca: str, cert: str | None, key: str | None, crl: str | None, versions: tuple[tuple[int, int] | None, ...]
 ) -> ssl.SSLContext:
     # Loading a CA bundle and a key costs about a millisecond; tools that open many connections (cluster
     # status polling) share one context per set of files.  `versions` (the files' mtimes and inodes) is part of
@@ -108,6 +113,12 @@ def _client_context(
             raise CredentialsError(
                 f"cannot load the client certificate {cert!r} with key {key!r} (--cert/--key): {exc}"
             ) from None
+    if crl is not None:
+        # As the brokers check theirs (broker/tls.py): a broker whose certificate the CA revoked is not trusted.
+        try:
+            check_crls(ctx, crl, f"--crl/{ENV_CRL}", ca)
+        except CrlError as exc:
+            raise CredentialsError(str(exc)) from None
     return ctx
 
 
@@ -120,6 +131,8 @@ class Credentials:
         cert, key: a client certificate and its key (PEM), both or neither.
         token: a bearer token, sent in HELLO (inside TLS unless insecure).
         insecure: plain TCP, for brokers started with --insecure.
+        crl: the CA's certificate revocation lists (PEM, one per CA of `ca`): a broker whose certificate they
+            revoke fails the handshake (docs/security.md, "Revoking a certificate").
     """
 
     ca: str | None = None
@@ -127,6 +140,7 @@ class Credentials:
     key: str | None = None
     token: str | None = None
     insecure: bool = False
+    crl: str | None = None
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -136,6 +150,8 @@ class Credentials:
                 "--insecure means plain TCP without TLS: drop --ca/--cert/--key, or drop --insecure "
                 f"(is {ENV_INSECURE} set in the environment?)"
             )
+        if self.crl is not None and self.ca is None:
+            raise CredentialsError(f"--crl ({ENV_CRL}) checks brokers' certificates: it needs TLS and --ca too")
         if not self.insecure and self.ca is None:
             raise CredentialsError(
                 f"TLS needs the cluster CA to verify brokers: pass --ca FILE (or set {ENV_CA}), "
@@ -144,7 +160,7 @@ class Credentials:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Credentials:
-        """Credentials from SEDAX_CA, SEDAX_CERT, SEDAX_KEY, SEDAX_TOKEN and SEDAX_INSECURE."""
+        """Credentials from SEDAX_CA, SEDAX_CERT, SEDAX_KEY, SEDAX_TOKEN, SEDAX_INSECURE and SEDAX_CRL."""
         e = os.environ if env is None else env
         return cls.merge(None, None, None, None, None, e)
 
@@ -157,6 +173,7 @@ class Credentials:
         token: str | None,
         insecure: bool | None,
         env: Mapping[str, str] | None = None,
+        crl: str | None = None,
     ) -> Credentials:
         """Explicit values (None = not given) over the environment's, setting by setting."""
         e = os.environ if env is None else env
@@ -166,20 +183,21 @@ class Credentials:
         cert = cert if cert is not None else e.get(ENV_CERT) or None
         key = key if key is not None else e.get(ENV_KEY) or None
         token = token if token is not None else e.get(ENV_TOKEN) or None
+        crl = crl if crl is not None else e.get(ENV_CRL) or None
         if not insecure and ca is None and cert is None and token is None:
             raise CredentialsError(
                 "no credentials: brokers speak TLS, so pass --ca with --cert/--key or --token "
                 f"(or set {ENV_CA}, {ENV_CERT}, {ENV_KEY}, {ENV_TOKEN}); for brokers started with --insecure "
                 f"pass --insecure (or set {ENV_INSECURE}=1)"
             )
-        return cls(ca, cert, key, token, insecure)
+        return cls(ca, cert, key, token, insecure, crl)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The client-side TLS context (None for insecure); CredentialsError if a file cannot be loaded."""
         if self.insecure or self.ca is None:
             return None
-        versions = (_changed(self.ca), _changed(self.cert), _changed(self.key))
-        return _client_context(self.ca, self.cert, self.key, versions)
+        versions = (_changed(self.ca), _changed(self.cert), _changed(self.key), _changed(self.crl))
+        return _client_context(self.ca, self.cert, self.key, self.crl, versions)
 
 
 def source_address(listen: str) -> str | None:
@@ -201,6 +219,7 @@ def add_credential_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cert", metavar="FILE", help=f"client certificate, from `sedax certs issue` (${ENV_CERT})")
     g.add_argument("--key", metavar="FILE", help=f"key of the client certificate (${ENV_KEY})")
     g.add_argument("--token", help=f"bearer token instead of a client certificate (${ENV_TOKEN})")
+    g.add_argument("--crl", metavar="FILE", help=f"the CA's revocation lists: refuse revoked brokers (${ENV_CRL})")
     g.add_argument(
         "--insecure",
         action="store_true",
@@ -218,4 +237,5 @@ def credentials_from_args(args: argparse.Namespace, env: Mapping[str, str] | Non
         getattr(args, "token", None),
         getattr(args, "insecure", None),
         env,
+        getattr(args, "crl", None),
     )
