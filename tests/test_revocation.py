@@ -218,6 +218,21 @@ async def test_a_revoked_broker_is_cut_out_of_the_overlay(crl_cluster: LocalClus
         pass  # (without the CRL a client cannot tell)
 
 
+async def test_a_crl_near_its_next_update_is_warned_of(tmp_path: Path) -> None:
+    d = tmp_path / "certs"
+    certs.init_ca(d)
+    crl = certs.write_crl(d, days=1)  # within CRL_WARNING (3 days)
+    args = (*FAST_ARGS, "--tls-crl", str(crl))
+    async with LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, tls=True, broker_args=args) as cluster:
+        bp = cluster.nodes[0]
+        await wait_for(lambda: log_has(bp, "(sedax certs crl, or your CA) and send this broker SIGHUP"), 15.0)
+        assert log_has(bp, f"a CRL of {crl} is due in 2") or log_has(bp, f"a CRL of {crl} is due in 23."), (
+            bp.stderr_tail()
+        )
+        certs.write_crl(d)  # a fresh one, 30 days: the next warning is a day away, and the reload says what it read
+        await _hup(bp, "1 CRLs revoking 0 certificates from")
+
+
 # ------------------------------------------------------------------------------------------- at start
 
 
