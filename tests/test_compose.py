@@ -50,6 +50,9 @@ BUILD_TIMEOUT = 600.0
 COMMAND_TIMEOUT = 300.0
 # Renewing broker {b}'s certificate in the `certs` volume, as docs/compose.md says (run in the certs service).
 RENEW = "sedax certs issue --dir /certs --name {b} --role broker --host {b} --force && chown -R 10001 /certs"
+# A client certificate issued, then revoked, as docs/compose.md says ("Revoking a certificate").
+ISSUE_CLIENT = "sedax certs issue --dir /certs --name {c} --role client && chown -R 10001 /certs"
+REVOKE = "sedax certs revoke --dir /certs --name {c} --days 3650 && chown -R 10001 /certs"
 HEALTHY_WITHIN = 300.0
 CONVERGED_WITHIN = 120.0
 # After a restart every broker starts Python again, and b1 (which the others wait for) may be the last.
@@ -615,6 +618,21 @@ def test_compose_cluster_failover_prometheus_analysis(project: Project, base_ima
     _wait(f"{renewed} took its renewed certificate", 60, lambda: line in p.logs(renewed) or _NotYet(p.logs(renewed)))
     assert _health({renewed: cids[renewed]})[renewed].startswith("running"), p.logs(renewed)
     phase(f"{renewed}'s certificate renewed and reloaded")
+
+    # A client certificate revoked in the `certs` volume and every broker sent SIGHUP: the `cli` service with
+    # that certificate, served before, is refused after (docs/compose.md, "Revoking a certificate").
+    meter = ("-e", "SEDAX_CERT=/certs/meter-17.pem", "-e", "SEDAX_KEY=/certs/meter-17.key")
+    p.check("run", "--rm", "-T", "certs", "sh", "-ec", ISSUE_CLIENT.format(c="meter-17"))
+    p.check("run", "--rm", "-T", *meter, "cli", "sedax", "pub", "grid/compose/revoked", "before")
+    p.check("run", "--rm", "-T", "certs", "sh", "-ec", REVOKE.format(c="meter-17"))
+    live = [b for b in BROKERS if b != primary]  # (the primary killed above stays down until the restarts)
+    p.check("kill", "-s", "HUP", *live)
+    said = "1 CRLs revoking 1 certificates from /certs/crl.pem"
+    for b in live:
+        _wait(f"{b} read the new CRL", 60, lambda b=b: said in p.logs(b) or _NotYet(p.logs(b)))
+    refused = p.run("run", "--rm", "-T", *meter, "cli", "sedax", "pub", "grid/compose/revoked", "after")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    phase("a revoked client certificate refused")
 
     # `docker compose restart` of every broker at once, as an operator would (the killed primary included):
     # each broker hands its topics off and leaves on SIGTERM, finds them again in its volume (bN-data), the
