@@ -166,8 +166,7 @@ def load_broker_tls(config: BrokerConfig, *, require_client_cert: bool) -> Broke
     crls: tuple[RevocationList, ...] = ()
     if crl is not None:
         try:
-            crls = check_crls(server, crl, "tls_crl", ca)
-            check_crls(dial, crl, "tls_crl", ca)
+            crls = check_crls(crl, "tls_crl", ca, server, dial)
         except CrlError as exc:
             raise ConfigError(str(exc)) from None
     me, leaf, issuer = _self_check(server, cert, key, ca, crl)

@@ -116,7 +116,7 @@ def _client_context(
     if crl is not None:
         # As the brokers check theirs (broker/tls.py): a broker whose certificate the CA revoked is not trusted.
         try:
-            check_crls(ctx, crl, f"--crl/{ENV_CRL}", ca)
+            check_crls(crl, f"--crl/{ENV_CRL}", ca, ctx)
         except CrlError as exc:
             raise CredentialsError(str(exc)) from None
     return ctx
