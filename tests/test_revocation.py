@@ -8,8 +8,10 @@ connections made before the revocation are cut off, broker links included; every
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import os
+import random
 import re
 import shutil
 import signal
@@ -102,11 +104,37 @@ def test_a_tool_given_a_crl_it_cannot_use_says_why_in_one_line(tmp_path: Path) -
         assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
 
 
-def test_the_crl_reader_refuses_bytes_that_are_no_crl() -> None:
+def test_the_crl_reader_refuses_bytes_that_are_no_crl(tmp_path: Path) -> None:
     for junk in (b"\x30", b"\x30\x85\x00\x00\x00\x00\x00", b"\x02\x01\x00", b"\x30\x03\x02\x01\x00"):
         with pytest.raises((ValueError, IndexError)):
             parse_crl(junk)
-    assert isinstance(RevocationList((), frozenset({1}), 0.0, None).revokes((), 1), bool)
+    assert not RevocationList((), frozenset({1}), 0.0, None).revokes("not a name", 1)
+    # A real CRL with bytes flipped, cut or grown: read, or refused with CrlError naming the file, never another
+    # exception (the broker would die at start or at a reload with a traceback).
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "meter-a", "client")
+    good = certs.revoke(tmp_path, "meter-a")
+    der = base64.b64decode(b"".join(good.read_bytes().splitlines()[1:-1]))
+    rng = random.Random(53)
+    bad = tmp_path / "bad.pem"
+    for _ in range(1500):
+        b = bytearray(der)
+        for _ in range(rng.randint(1, 4)):
+            if not b:
+                break
+            i = rng.randrange(len(b))
+            how = rng.random()
+            if how < 0.6:
+                b[i] = rng.randrange(256)
+            elif how < 0.8:
+                del b[i:]
+            else:
+                b[i:i] = rng.randbytes(rng.randint(1, 8))
+        bad.write_bytes(b"-----BEGIN X509 CRL-----\n" + base64.encodebytes(bytes(b)) + b"-----END X509 CRL-----\n")
+        try:
+            load_crls(str(bad))
+        except CrlError as exc:
+            assert str(bad) in str(exc)
 
 
 # ------------------------------------------------------------------------------------------- the brokers
