@@ -28,13 +28,21 @@ from client.crawl import crawl_any
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import RATE_WINDOW
+from overlay.topics import WILDCARD_REST, BadTopic, matches, validate_pattern
 
 # LOCATE requests in flight at once.
 LOCATE_PARALLEL = 32
 
 
-async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> list[dict[str, Any]]:  # noqa: ASYNC109
-    """One dict per topic (sorted by name): name, coord, home, holders by role, bytes, subscribers, rate.
+async def list_topics(
+    addrs: list[str],
+    creds: Credentials,
+    timeout: float,  # noqa: ASYNC109
+    pattern: str = WILDCARD_REST,
+) -> list[dict[str, Any]]:
+    """One dict per topic matching pattern (sorted by name): name, coord, home, holders by role, bytes,
+    subscribers, rate.  Only those are located: the crawl reads every broker's topics in pages of 1,000, and the
+    LOCATE per topic listed is what grows with the listing.
 
     rate is msg/s over the last RATE_WINDOW s, None if the topic's primary is a broker too old to say.
     """
@@ -44,11 +52,14 @@ async def list_topics(addrs: list[str], creds: Credentials, timeout: float) -> l
     recent: dict[str, int] = {}
     for nid, hs in sorted(found.holdings.items()):
         for h in hs.held:
+            if not matches(pattern, h.topic):
+                continue
             holders.setdefault(h.topic, {}).setdefault(h.role, []).append(nid)
             if h.role in ("primary", "delegate"):
                 sizes[h.topic] = max(sizes.get(h.topic, 0), h.size)
         for topic, n in hs.recent.items():  # two primaries for a moment during a move: the larger count
-            recent[topic] = max(recent.get(topic, 0), n)
+            if topic in holders:
+                recent[topic] = max(recent.get(topic, 0), n)
     sem = asyncio.Semaphore(LOCATE_PARALLEL)
     out: list[dict[str, Any]] = []
     async with Client(addrs, request_timeout=timeout, reconnect=False, credentials=creds) as c:
@@ -84,14 +95,18 @@ def _cmd_topics(args: argparse.Namespace) -> int:
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
     try:
-        rows = asyncio.run(list_topics(addrs, creds, args.timeout))
+        pattern = validate_pattern(args.pattern)
+    except BadTopic as exc:
+        return fail(f"{exc} (a topic pattern: grid/+/voltage, grid/feeder-7/#)", EXIT_USAGE)
+    try:
+        rows = asyncio.run(list_topics(addrs, creds, args.timeout, pattern))
     except (AdminError, ClientError, OSError, TimeoutError) as exc:
         return fail(describe(exc), EXIT_FAILED)
     if args.json:
         print(json.dumps(rows))
         return 0
     if not rows:
-        print("no topics")
+        print("no topics" if pattern == WILDCARD_REST else f"no topics match {pattern}")
         return 0
     print(f"{'TOPIC':<36} {'COORD':<17} {'PRIMARY':<10} {'SECONDARY':<10} {'BYTES':>12} {'SUBS':>5} {'MSG/S':>9}")
     for r in rows:
@@ -109,6 +124,12 @@ def register(subparsers: Any) -> None:
     """Add the `topics` subcommand."""
     p = subparsers.add_parser(
         "topics", help=f"list every topic of the cluster: holders, bytes, subscribers, msg/s over {RATE_WINDOW} s"
+    )
+    p.add_argument(
+        "pattern",
+        nargs="?",
+        default=WILDCARD_REST,
+        help="only the topics matching this pattern ('+' one level, '#' the rest: grid/feeder-7/#); all if left out",
     )
     add_broker_flag(p, what="any broker of the cluster (the overlay is crawled from the first that answers)")
     p.add_argument("--json", action="store_true", help="print one JSON list")

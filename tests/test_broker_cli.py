@@ -287,6 +287,13 @@ async def test_the_tools_see_every_topic_of_a_broker_past_the_first_status_page(
         topics = await asyncio.to_thread(_cli, "topics", "--broker", addrs, "--json", timeout=120)
         rows = json.loads(topics.stdout)
         assert [r["topic"] for r in rows] == names
+        # A pattern lists only what matches it (and locates only that).
+        one = await asyncio.to_thread(_cli, "topics", "grid/+/01042", "--broker", addrs, "--json")
+        assert [r["topic"] for r in json.loads(one.stdout)] == ["grid/paged/01042"], one.stderr
+        none = await asyncio.to_thread(_cli, "topics", "grid/other/#", "--broker", addrs)
+        assert none.returncode == 0 and none.stdout.strip() == "no topics match grid/other/#", none.stdout
+        bad = await asyncio.to_thread(_cli, "topics", "grid/#/x", "--broker", addrs)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "'#'" in bad.stderr, bad.stderr
         assert all(r["holders"].keys() == {"primary", "secondary"} for r in rows)
         # and what STATUS itself carries: the first page, and how many entries all pages hold
         async with await AdminClient.connect(cluster.nodes[1].listen, credentials=cluster.credentials()) as admin:
