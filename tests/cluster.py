@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -51,6 +53,15 @@ def log_has(bp: BrokerProcess, text: str, since: int = 0) -> bool:
             return text in f.read().decode(errors="replace")
     except OSError:
         return False
+
+
+async def hup(bp: BrokerProcess, expect: str) -> int:
+    """SIGHUP the broker and wait for its log line about it; returns where its log stood before."""
+    since = log_size(bp)
+    os.kill(bp.pid, signal.SIGHUP)
+    await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in {bp.node_id}'s log")
+    assert bp.alive, bp.stderr_tail()
+    return since
 
 
 async def raw_connect(bp: BrokerProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

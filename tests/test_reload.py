@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import log_has, log_size, wait_for
+from cluster import hup, log_has, log_size, wait_for
 from conftest import FAST_ARGS
 
 from broker.guard import COUNTERS as GUARD_COUNTERS
@@ -44,15 +44,6 @@ allow     any        operator   grid/#
 allow     publish    meter-*    grid/+/voltage
 deny      subscribe  dashboard  grid/#
 """
-
-
-async def hup(bp: BrokerProcess, expect: str) -> int:
-    """SIGHUP the broker and wait for its log line about it; returns where its log stood before."""
-    since = log_size(bp)
-    os.kill(bp.pid, signal.SIGHUP)
-    await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in the broker's log")
-    assert bp.alive, bp.stderr_tail()
-    return since
 
 
 class One:

@@ -14,7 +14,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import log_has, log_size, wait_for
+from cluster import hup, log_has, wait_for
 from conftest import FAST_ARGS
 
 from cli.cluster import BrokerProcess, LocalCluster
@@ -149,13 +148,6 @@ def _metric(bp: BrokerProcess, name: str) -> float:
     return float(found.group(1))
 
 
-async def _hup(bp: BrokerProcess, expect: str) -> None:
-    since = log_size(bp)
-    os.kill(bp.pid, signal.SIGHUP)
-    await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in {bp.node_id}'s log")
-    assert bp.alive, bp.stderr_tail()
-
-
 @pytest.fixture
 async def crl_cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
     d = tmp_path / "certs"
@@ -188,7 +180,7 @@ async def test_a_revoked_client_is_cut_off_at_the_reload_and_refused_after(crl_c
 
         certs.revoke(d, "meter-2")
         for other in cluster.nodes:  # every broker, as docs/security.md says: meter-2 reconnects to any
-            await _hup(other, "SIGHUP: read again")
+            await hup(other, "SIGHUP: read again")
         assert log_has(bp, "the certificate of client 'meter-2' is revoked in")
         assert log_has(bp, "1 connections they no longer admit closed")
 
@@ -219,7 +211,7 @@ async def test_a_revoked_broker_is_cut_out_of_the_overlay(crl_cluster: LocalClus
     gone, *kept = sorted(cluster.nodes, key=lambda bp: bp.node_id, reverse=True)
     certs.revoke(cluster.certs_dir, gone.node_id)
     for bp in kept:
-        await _hup(bp, "SIGHUP: read again")
+        await hup(bp, "SIGHUP: read again")
     names = {bp.node_id for bp in kept}
 
     async def cut_out() -> bool:
@@ -258,7 +250,7 @@ async def test_a_crl_near_its_next_update_is_warned_of(tmp_path: Path) -> None:
             bp.stderr_tail()
         )
         certs.write_crl(d)  # a fresh one, 30 days: the next warning is a day away, and the reload says what it read
-        await _hup(bp, "1 CRLs revoking 0 certificates from")
+        await hup(bp, "1 CRLs revoking 0 certificates from")
 
 
 # ------------------------------------------------------------------------------------------- at start
