@@ -467,7 +467,8 @@ class Guard:
         for link in links:
             cert = link.cert
             serial = cert.serial if cert is not None else None
-            if cert is not None and serial is not None and link.established and _revoked(crls, cert.issuer, serial):
+            # (established or not: a link still at HELLO passed its TLS handshake before this CRL too)
+            if cert is not None and serial is not None and _revoked(crls, cert.issuer, serial):
                 revoked.append((link, f"the certificate of {link.role} {cert.name!r} is revoked in {c.tls_crl}"))
                 continue
             if link.role not in ("client", "admin") or link.outbound or not link.established:
