@@ -639,6 +639,7 @@ class Broker(Membership, Routing):
             certificate_expires=self.guard.certificate_expires,  # (not gauges(): that also sums the store's memory)
             reload_ok=self.guard.last_reload_ok,
             held_total=total,
+            crl_next_update=self.guard.crl_next_update,
         )
 
     def held_page(self, after: str) -> tuple[tuple[TopicHeld, ...], dict[str, int], bool, int]:

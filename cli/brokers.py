@@ -67,7 +67,10 @@ def broker_row(st: Status, holdings: Holdings, now: float) -> dict[str, Any]:
     copies = [h for h in holdings.held if h.role in COPY_ROLES]
     whole = status_json(st)  # (its None for what an older broker does not say)
     return {
-        **{k: whole[k] for k in ("node", "listen", "coord", "version", "certificate_expires", "reload_ok")},
+        **{
+            k: whole[k]
+            for k in ("node", "listen", "coord", "version", "certificate_expires", "crl_next_update", "reload_ok")
+        },
         "uptime": round(now - st.started, 3) if st.started else None,
         "neighbours": sorted(n.id for n in st.neighbours),
         "topics": len(copies),
@@ -82,6 +85,9 @@ def _print_table(rows: list[dict[str, Any]], unreachable: dict[str, tuple[float,
         up = "?" if r["uptime"] is None else human_span(r["uptime"])
         expires = r["certificate_expires"]
         cert = "plain TCP" if expires is None else "EXPIRED" if expires <= now else human_span(expires - now)
+        due = r["crl_next_update"]
+        if due is not None:
+            cert += "; CRL DUE" if due <= now else f"; CRL {human_span(due - now)}"
         if not r["reload_ok"]:
             cert += "; last reload REFUSED"
         coord = f"{r['coord'][0]:.4f},{r['coord'][1]:.4f}"

@@ -102,8 +102,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def running_line(st: dict[str, Any], now: float) -> str:
-    """What runs, since when, and until when its certificate holds: `sedax 0.1.0, resilience 2, up 3 h 12 min
-    (since 2026-11-29 09:50 UTC); TLS certificate (or its CA) valid until 2027-02-27 00:00 UTC (90 days left)`."""
+    """What runs, since when, and until when its certificate (and CRL) holds: `sedax 0.1.0, resilience 2, up 3 h 12
+    min (since 2026-11-29 09:50 UTC); TLS certificate (or its CA) valid until 2027-02-27 00:00 UTC (90 days left);
+    CRL due 2026-12-29 09:50 UTC (30 days left)`."""
     since = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(st["started"]))
     line = (
         f"sedax {st['version']}, resilience {st['resilience']}, up {human_span(now - st['started'])} (since {since}); "
@@ -113,8 +114,17 @@ def running_line(st: dict[str, Any], now: float) -> str:
         return line + "plain TCP (--insecure)"
     until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
     if expires <= now:
-        return line + f"TLS certificate EXPIRED at {until}: renew it (docs/security.md), then `kill -HUP` the broker"
-    return line + f"TLS certificate (or its CA) valid until {until} ({human_span(expires - now)} left)"
+        line += f"TLS certificate EXPIRED at {until}: renew it (docs/security.md), then `kill -HUP` the broker"
+    else:
+        line += f"TLS certificate (or its CA) valid until {until} ({human_span(expires - now)} left)"
+    due = st.get("crl_next_update")
+    if due is not None:
+        at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(due))
+        if due <= now:
+            line += f"; its CRL was DUE at {at}: write a fresh one (sedax certs crl, or your CA), then `kill -HUP`"
+        else:
+            line += f"; CRL due {at} ({human_span(due - now)} left)"
+    return line
 
 
 def human_span(seconds: float) -> str:

@@ -279,6 +279,7 @@ def status_json(st: Status, holdings: Holdings | None = None) -> dict[str, objec
         "version": st.version or None,
         "started": st.started or None,
         "certificate_expires": st.certificate_expires or None,
+        "crl_next_update": st.crl_next_update or None,
         "reload_ok": st.reload_ok,
     }
 

@@ -942,6 +942,9 @@ class Status(Message):
     # STATUS_PAGE or so by name, HELD_REQ asks for the rest.  A STATUS of a broker that predates the field decodes
     # to 0: its `held` is then all the tools see.
     held_total: int = 0
+    # When the first CRL of the broker's --tls-crl is due (its nextUpdate, epoch seconds): past it every new link
+    # and client fails its handshake.  0: no CRL, or a broker that predates the field.
+    crl_next_update: float = 0.0
 
     def __post_init__(self) -> None:
         _check_uint(self.corr, "correlation id", MAX_CORR)

@@ -322,6 +322,12 @@ def test_status_says_what_runs_since_when_and_an_expired_certificate() -> None:
         "TLS certificate EXPIRED at 1970-01-13 13:46 UTC: renew it (docs/security.md), then `kill -HUP` the broker"
     )
     assert [human_span(s) for s in (-1, 42, 300, 7200, 200_000)] == ["0 s", "42 s", "5 min", "2 h 0 min", "2 days"]
+    # With a CRL (--tls-crl): when it is due, or that it is overdue.
+    with_crl = {**st, "crl_next_update": 1_000_000.0 + 3 * 86400}
+    assert running_line(with_crl, 1_000_000.0).endswith("; CRL due 1970-01-15 13:46 UTC (3 days left)")
+    assert running_line(with_crl, 1_000_000.0 + 4 * 86400).endswith(
+        "; its CRL was DUE at 1970-01-15 13:46 UTC: write a fresh one (sedax certs crl, or your CA), then `kill -HUP`"
+    )
 
 
 def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
@@ -329,16 +335,16 @@ def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
         1, NodeInfo("n0", (0.5, 0.5), "127.0.0.1:7000"), (), (), ("t",), {}, {}, 2, (TopicHeld("t", "primary", 9),)
     )
     wire = msgpack.unpackb(encode_message(st))
-    # `recent`, `version`, `started`, `certificate_expires`, `reload_ok` and `held_total`, the last fields: an array
-    # without them (what a broker before them sent) ...
-    assert wire[-6:] == [{}, "", 0.0, 0.0, True, 0]
-    del wire[-6:]
+    # `recent`, `version`, `started`, `certificate_expires`, `reload_ok`, `held_total` and `crl_next_update`, the
+    # last fields: an array without them (what a broker before them sent) ...
+    assert wire[-7:] == [{}, "", 0.0, 0.0, True, 0, 0.0]
+    del wire[-7:]
     as_map = {"op": "status", **{f.name: v for f, v in zip(fields(Status), wire[1:], strict=False)}}
     for old_wire in (wire, as_map):  # ... and the map form of versions 1 and 2
         old = decode_message(msgpack.packb(old_wire))
         assert isinstance(old, Status) and old.recent == {} and old.held == st.held
         assert (old.version, old.started, old.certificate_expires, old.reload_ok) == ("", 0.0, 0.0, True)
-        assert old.held_total == 0
+        assert old.held_total == 0 and old.crl_next_update == 0.0
     # and `sedax status` then leaves out the line it cannot fill
     assert status_json(old)["version"] is None
 

@@ -168,6 +168,8 @@ async def test_a_revoked_client_is_cut_off_at_the_reload_and_refused_after(crl_c
     d = cluster.certs_dir
     crl = d / certs.CRL_FILE
     assert _metric(bp, "sedax_tls_crl_next_update_timestamp_seconds") == _next_update(crl)
+    st = (await cluster.statuses())[bp.node_id]  # and STATUS, for `sedax status` and `sedax brokers`
+    assert st.crl_next_update == _next_update(crl)
     async with (
         Client(bp.listen, credentials=cluster.credentials("meter-1")) as good,
         Client(bp.listen, credentials=cluster.credentials("meter-2"), connect_timeout=3.0, request_timeout=3.0) as bad,
