@@ -240,6 +240,37 @@ async def test_a_revoked_broker_is_cut_out_of_the_overlay(crl_cluster: LocalClus
         pass  # (without the CRL a client cannot tell)
 
 
+async def test_a_crl_given_at_a_reload_takes_effect_and_dropped_again_admits(tmp_path: Path) -> None:
+    # A running cluster that never checked CRLs starts to: tls_crl added to the config file, then SIGHUP (a
+    # revoked client already connected is cut off at once); and dropped again (it connects again).
+    d = tmp_path / "certs"
+    certs.init_ca(d)
+    conf = tmp_path / "broker.toml"
+    conf.write_text("")
+    args = (*FAST_ARGS, "--config", str(conf))
+    async with LocalCluster(1, coords=[(0.5, 0.5)], state_dir=tmp_path, tls=True, broker_args=args) as cluster:
+        bp = cluster.nodes[0]
+        creds = cluster.credentials("meter-3")
+        async with Client(bp.listen, credentials=creds, connect_timeout=3.0, request_timeout=3.0) as c:
+            await c.publish("grid/crl/late", b"1")
+            conf.write_text(f'tls_crl = "{certs.revoke(d, "meter-3")}"\n')
+            await hup(bp, "1 connections they no longer admit closed")
+            assert log_has(bp, "1 CRLs revoking 1 certificates from")
+
+            async def refused() -> bool:
+                try:
+                    await c.publish("grid/crl/late", b"2")
+                except (ClientError, TimeoutError):
+                    return True
+                return False
+
+            await wait_for(refused, 20.0, "the revoked client to be refused")
+        conf.write_text("")
+        await hup(bp, "changed tls_crl")
+        async with Client(bp.listen, credentials=creds) as c:
+            await c.publish("grid/crl/late", b"3")  # no CRL checked: admitted again
+
+
 async def test_a_crl_near_its_next_update_is_warned_of(tmp_path: Path) -> None:
     d = tmp_path / "certs"
     certs.init_ca(d)
