@@ -20,7 +20,7 @@ from typing import Any, Final
 from cli.args import EXIT_FAILED, EXIT_USAGE, UsageError, add_broker_flag, fail, positive_int, seconds, target
 from cli.overlay import human_span
 from client.admin import AdminError, Holdings, status_json
-from client.crawl import COPY_ROLES, Crawl, caught_up, crawl_any, overlay_gaps
+from client.crawl import COPY_ROLES, Crawl, caught_up, crawl_any, crl_gaps, overlay_gaps
 from client.errors import describe
 from net.credentials import Credentials
 from overlay.protocol import Status
@@ -129,12 +129,16 @@ def _cmd_brokers(args: argparse.Namespace) -> int:
     now = time.time()
     found = verdict.found
     rows = [broker_row(st, found.holdings[nid], now) for nid, st in sorted(found.statuses.items())]
+    # Not part of the verdict (a revocation does not wait for a restart), but what the operator must see.
+    warnings = crl_gaps(found.statuses)
     if args.json:
         unreachable = {nid: list(c) for nid, c in sorted(found.unreachable.items())}
         out = {"brokers": rows, "unreachable": unreachable, "ready": verdict.ready, "gaps": verdict.gaps}
-        print(json.dumps({**out, "lagging": verdict.lagging}))
+        print(json.dumps({**out, "lagging": verdict.lagging, "warnings": warnings}))
     else:
         _print_table(rows, found.unreachable, now)
+        for w in warnings:
+            print(f"warning: {w}")
         print(verdict.summary())
     return 0 if verdict.ready else EXIT_FAILED
 

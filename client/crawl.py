@@ -10,6 +10,7 @@ coordinate they were reported at.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -159,6 +160,28 @@ def lagging_topics(held: Mapping[str, Iterable[TopicHeld]], level: int, topics: 
                 copies.setdefault(h.topic, []).append(h)
     want = min(level, len(held))
     return sorted(t for t, hs in copies.items() if len(hs) < want or not all(caught_up(h) for h in hs))
+
+
+def crl_gaps(statuses: Mapping[str, Status]) -> list[str]:
+    """Brokers that check an older CRL than another broker does, or none while others check one, one line each
+    (empty: all alike).  A broker that has not read the newest list still admits what it revokes; every broker
+    should be given the same file (docs/security.md, "Revoking a certificate").  Told apart by when each list is
+    due (STATUS `crl_next_update`): a CRL written later is due later."""
+    due = {nid: st.crl_next_update for nid, st in statuses.items()}
+    newest = max(due.values(), default=0.0)
+    if not newest:
+        return []
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(newest))
+    out = []
+    for nid, d in sorted(due.items()):
+        if not d:
+            out.append(f"{nid} checks no CRL (no --tls-crl, or a broker older than that report) while others do")
+        elif d < newest:
+            at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(d))
+            out.append(
+                f"{nid} checks an older CRL (due {at}) than the newest (due {when}): give it the new file and SIGHUP it"
+            )
+    return out
 
 
 def overlay_gaps(found: Crawl, expect: int | None = None) -> list[str]:

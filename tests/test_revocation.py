@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import os
 import random
 import re
@@ -205,6 +206,35 @@ async def test_a_revoked_client_is_cut_off_at_the_reload_and_refused_after(crl_c
         async with asyncio.timeout(10):
             assert (await anext(sub)).payload == b"3"
     assert "Traceback" not in bp.stderr_tail(200)
+
+
+async def test_brokers_names_a_broker_that_has_not_read_the_newest_crl(crl_cluster: LocalCluster) -> None:
+    cluster = crl_cluster
+    await cluster.wait_converged(30.0)
+    addrs = ",".join(bp.listen for bp in cluster.nodes)
+    creds = cluster.credentials("operator")
+    assert creds.ca and creds.cert and creds.key
+    tls = ["--ca", creds.ca, "--cert", creds.cert, "--key", creds.key]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEDAX_")}  # (the suite sets SEDAX_INSECURE)
+
+    def warnings() -> list[str]:
+        res = subprocess.run(
+            [sys.executable, "-m", "cli.main", "brokers", "--broker", addrs, *tls, "--json"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert res.stdout, res.stderr
+        return list(json.loads(res.stdout)["warnings"])
+
+    assert warnings() == []
+    certs.write_crl(cluster.certs_dir, days=31)  # a newer list (due a day later than the one they run with)
+    first, *rest = cluster.nodes
+    await hup(first, "SIGHUP: read again")
+    said = warnings()
+    assert [w.split()[0] for w in said] == sorted(bp.node_id for bp in rest), said
+    assert all("checks an older CRL" in w and "SIGHUP it" in w for w in said)
+    for bp in rest:
+        await hup(bp, "SIGHUP: read again")
+    assert warnings() == []
 
 
 async def test_a_revoked_broker_is_cut_out_of_the_overlay(crl_cluster: LocalCluster) -> None:
