@@ -16,6 +16,7 @@ import numpy as np
 
 from cli.cluster import BrokerProcess, LocalCluster
 from client.admin import AdminClient
+from client.client import Client, ClientError
 from net.credentials import Credentials
 from overlay.geometry import closest, geohash
 from overlay.protocol import ControlFrame, FrameDecoder, Message, encode_control, parse_address
@@ -62,6 +63,20 @@ async def hup(bp: BrokerProcess, expect: str) -> int:
     await wait_for(lambda: log_has(bp, expect, since), 15.0, f"{expect!r} in {bp.node_id}'s log")
     assert bp.alive, bp.stderr_tail()
     return since
+
+
+async def wait_refused(client: Client, topic: str, what: str, within: float = 20.0) -> None:
+    """Publish to topic until the broker refuses the client (a ClientError, or no answer in its request_timeout):
+    what a client cut off by a reload sees, once its reconnects fail too."""
+
+    async def refused() -> bool:
+        try:
+            await client.publish(topic, b"probe")
+        except (ClientError, TimeoutError):
+            return True
+        return False
+
+    await wait_for(refused, within, what)
 
 
 async def raw_connect(bp: BrokerProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

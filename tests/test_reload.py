@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import hup, log_has, log_size, wait_for
+from cluster import hup, log_has, log_size, wait_for, wait_refused
 from conftest import FAST_ARGS
 
 from broker.guard import COUNTERS as GUARD_COUNTERS
@@ -232,14 +232,7 @@ async def test_sighup_with_a_new_ca_reconnects_certificate_clients_and_refuses_t
         # but its own certificate is of the old one.
         await one.hup("1 connections they no longer admit closed")
 
-        async def cut_off() -> bool:
-            try:
-                await old.publish("grid/d/voltage", b"2")
-            except (ClientError, TimeoutError):
-                return True
-            return False
-
-        await wait_for(cut_off, 20.0, "the old CA's client to be cut off")
+        await wait_refused(old, "grid/d/voltage", "the old CA's client to be cut off")
     new_cert, new_key = certs.cert_paths(new, "operator")
     creds = Credentials(ca=str(certs.ca_paths(new)[0]), cert=str(new_cert), key=str(new_key))
     async with Client(one.bp.listen, credentials=creds) as c:

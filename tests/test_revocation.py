@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import hup, log_has, wait_for
+from cluster import hup, log_has, wait_for, wait_refused
 from conftest import FAST_ARGS
 
 from cli.cluster import BrokerProcess, LocalCluster
@@ -187,14 +187,7 @@ async def test_a_revoked_client_is_cut_off_at_the_reload_and_refused_after(crl_c
         assert log_has(bp, "the certificate of client 'meter-2' is revoked in")
         assert log_has(bp, "1 connections they no longer admit closed")
 
-        async def refused() -> bool:
-            try:
-                await bad.publish("grid/crl/voltage", b"2")
-            except (ClientError, TimeoutError):
-                return True
-            return False
-
-        await wait_for(refused, 20.0, "the revoked client to be refused")
+        await wait_refused(bad, "grid/crl/voltage", "the revoked client to be refused")
 
         async def handshakes_refused() -> bool:
             sts = await cluster.statuses()
@@ -287,14 +280,7 @@ async def test_a_crl_given_at_a_reload_takes_effect_and_dropped_again_admits(tmp
             await hup(bp, "1 connections they no longer admit closed")
             assert log_has(bp, "1 CRLs revoking 1 certificates from")
 
-            async def refused() -> bool:
-                try:
-                    await c.publish("grid/crl/late", b"2")
-                except (ClientError, TimeoutError):
-                    return True
-                return False
-
-            await wait_for(refused, 20.0, "the revoked client to be refused")
+            await wait_refused(c, "grid/crl/late", "the revoked client to be refused")
         conf.write_text("")
         await hup(bp, "changed tls_crl")
         async with Client(bp.listen, credentials=creds) as c:
