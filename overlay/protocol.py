@@ -275,6 +275,10 @@ _ARRAY_DECODERS: Final[dict[str, Callable[[list[Any]], Message]]] = {}  # the ar
 # The handshake's messages keep the map form of versions 1 and 2, so that a client or broker of any version
 # reads the REFUSE (version_mismatch) that tells it to upgrade, and an older broker the HELLO it refuses.
 MAP_FORM: Final = frozenset({"hello", "hello_ok", "refuse"})
+# Answers that only tools read and that grow a field now and then: a decoder takes an array with more fields than
+# it knows and ignores the rest, so a tool reads the STATUS of a broker one release newer (brokers themselves must
+# speak the same PROTOCOL_VERSION; everything else is refused whole, as a field it skipped could change meaning).
+TRAILING_FIELDS_IGNORED: Final = frozenset({"status", "held_page"})
 
 
 def _field_default(f: Field[Any], env: dict[str, Any], key: str) -> str | None:
@@ -334,10 +338,11 @@ def _compile(cls: type[Message], codecs: tuple[tuple[str, _FieldCodec], ...]) ->
     else:
         enc = f"def enc(m):\n    return [{', '.join([repr(cls.op), *values])}]\n"
     # Fields with defaults follow the others in a dataclass, so a shorter array lacks only defaulted ones.
+    most = 1 << 30 if cls.op in TRAILING_FIELDS_IGNORED else len(codecs) + 1
     src = (
         enc + f"def dec(w):\n    if not w.keys() <= names:\n        bad(cls, w, names)\n"
         f"    return cls({', '.join(dec_args)})\n"
-        f"def adec(w):\n    n = len(w)\n    if not {required + 1} <= n <= {len(codecs) + 1}:\n"
+        f"def adec(w):\n    n = len(w)\n    if not {required + 1} <= n <= {most}:\n"
         f"        bad_len(cls, n, {required}, {len(codecs)})\n"
         f"    return cls({', '.join(arr_args)})\n"
     )

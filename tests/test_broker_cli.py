@@ -25,7 +25,18 @@ from cli.overlay import human_span, running_line
 from client.admin import AdminClient, status_json
 from client.client import Client
 from overlay.geometry import closest
-from overlay.protocol import RATE_WINDOW, STATUS_PAGE, NodeInfo, Status, TopicHeld, decode_message, encode_message
+from overlay.protocol import (
+    RATE_WINDOW,
+    STATUS_PAGE,
+    HeldPage,
+    NodeInfo,
+    RemoteProtocolError,
+    Status,
+    StatusReq,
+    TopicHeld,
+    decode_message,
+    encode_message,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -347,6 +358,20 @@ def test_a_status_without_recent_from_an_older_broker_decodes() -> None:
         assert old.held_total == 0 and old.crl_next_update == 0.0
     # and `sedax status` then leaves out the line it cannot fill
     assert status_json(old)["version"] is None
+
+
+def test_a_status_from_a_newer_broker_decodes_without_the_fields_it_added() -> None:
+    # A tool reads the STATUS (and HELD_PAGE) of a broker one release newer: fields it does not know are ignored.
+    st = Status(
+        1, NodeInfo("n0", (0.5, 0.5), "127.0.0.1:7000"), (), (), ("t",), {}, {}, 2, (TopicHeld("t", "primary", 9),)
+    )
+    newer = [*msgpack.unpackb(encode_message(st)), "a later field", {"and": 1}]
+    assert decode_message(msgpack.packb(newer)) == st
+    page = HeldPage(3, (TopicHeld("u", "secondary", 4),), {}, False)
+    assert decode_message(msgpack.packb([*msgpack.unpackb(encode_message(page)), 7])) == page
+    # Everything else is still refused whole: a request with a field more than this broker knows.
+    with pytest.raises(RemoteProtocolError, match="fields, expected"):
+        decode_message(msgpack.packb([*msgpack.unpackb(encode_message(StatusReq(4))), 1]))
 
 
 async def _holders_of(cluster: LocalCluster, topic: str) -> list[str]:
