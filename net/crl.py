@@ -21,7 +21,7 @@ import re
 import ssl
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
@@ -150,14 +150,10 @@ def parse_crl(der: bytes) -> RevocationList:
     if pos < tbs_end:
         tag, r_start, r_end = _tlv(der, pos)
         if tag == _SEQUENCE:  # revokedCertificates: SEQUENCE OF SEQUENCE {serial, date, extensions?}
-            entry = r_start
-            while entry < r_end:
-                tag, e_start, e_end = _tlv(der, entry)
-                _expect(tag, _SEQUENCE, "revoked certificate")
+            for e_start, _ in _items(der, r_start, r_end, _SEQUENCE, "revoked certificate"):
                 tag, s_start, s_end = _tlv(der, e_start)
                 _expect(tag, _INTEGER, "revoked serial number")
                 serials.add(int.from_bytes(der[s_start:s_end], "big", signed=True))
-                entry = e_end
     return RevocationList(issuer, frozenset(serials), this_update, next_update)
 
 
@@ -249,27 +245,31 @@ def _expect(tag: int, want: int, what: str) -> None:
         raise ValueError(f"{what}: expected tag 0x{want:02x}, found 0x{tag:02x}")
 
 
-def _name(der: bytes, pos: int, end: int) -> Name:
-    rdns = []
+def _items(der: bytes, pos: int, end: int, tag: int, what: str) -> Iterator[tuple[int, int]]:
+    """Where the value of each element between pos and end starts and ends, each element expected to be a tag."""
     while pos < end:
-        tag, s_start, s_end = _tlv(der, pos)
-        _expect(tag, _SET, "relative distinguished name")
-        avas = []
-        a = s_start
-        while a < s_end:
-            tag, v_start, v_end = _tlv(der, a)
-            _expect(tag, _SEQUENCE, "attribute")
-            tag, o_start, o_end = _tlv(der, v_start)
-            _expect(tag, _OID, "attribute type")
-            oid = _oid(der[o_start:o_end])
-            tag, x_start, x_end = _tlv(der, o_end)
-            encoding = _STRINGS.get(tag)
-            value = der[x_start:x_end].decode(encoding) if encoding else der[x_start:x_end].hex()
-            avas.append((_ATTRIBUTES.get(oid, oid), value))
-            a = v_end
-        rdns.append(tuple(avas))
-        pos = s_end
-    return tuple(rdns)
+        found, start, stop = _tlv(der, pos)
+        _expect(found, tag, what)
+        yield start, stop
+        pos = stop
+
+
+def _name(der: bytes, pos: int, end: int) -> Name:
+    """A Name: a SEQUENCE of RDNs (SETs) of attributes (SEQUENCE {type, value})."""
+    return tuple(
+        tuple(_attribute(der, a) for a, _ in _items(der, start, stop, _SEQUENCE, "attribute"))
+        for start, stop in _items(der, pos, end, _SET, "relative distinguished name")
+    )
+
+
+def _attribute(der: bytes, pos: int) -> tuple[str, str]:
+    tag, o_start, o_end = _tlv(der, pos)
+    _expect(tag, _OID, "attribute type")
+    oid = _oid(der[o_start:o_end])
+    tag, x_start, x_end = _tlv(der, o_end)
+    encoding = _STRINGS.get(tag)
+    value = der[x_start:x_end].decode(encoding) if encoding else der[x_start:x_end].hex()
+    return _ATTRIBUTES.get(oid, oid), value
 
 
 def _oid(body: bytes) -> str:
