@@ -650,7 +650,7 @@ class Broker(Membership, Routing):
         rows = sorted(self.pubsub.topics())
         first, end = page_after([name for name, _, _ in rows], after, STATUS_PAGE)
         page = rows[first:end]
-        states = self.pubsub.replica_states()
+        states = self.pubsub.replica_states(name for name, _, _ in page)
         since = time.time() - RATE_WINDOW  # the clock records are stamped with (the pub/sub port's now())
         store = self.pubsub.store
         recent = {

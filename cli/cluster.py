@@ -34,7 +34,7 @@ from broker.memory import human_bytes, memory_available
 from broker.sdnotify import SERVICE_MANAGER_ENV
 from cli.signals import held
 from client.admin import AdminClient, AdminError
-from client.crawl import lagging_topics, link_gaps, report
+from client.crawl import Crawl, link_gaps, report
 from net import certs
 from net.credentials import ENV_INSECURE, Credentials, parse_bool
 from overlay.geometry import UNIT_SQUARE, Coord, Space, delaunay_neighbour_map
@@ -483,7 +483,7 @@ class LocalCluster:
             await asyncio.sleep(POLL_INTERVAL * 5)
 
     async def lagging(self, topics: Iterable[str] = (), within: float = 5.0) -> list[str]:
-        """Topics whose copies are not all caught up (client.crawl.lagging_topics) on the live brokers; empty:
+        """Topics whose copies are not all caught up (client.crawl.Crawl.lagging) on the live brokers; empty:
         the next broker may be restarted.  topics: topics known to exist, lagging also when no broker reports
         them."""
         creds = self.credentials()
@@ -492,8 +492,11 @@ class LocalCluster:
             reports = await asyncio.gather(*(report(bp.listen, timeout=within, credentials=creds) for bp in live))
         except AdminError as exc:
             return [f"(status failed: {exc})"]
-        level = max((st.resilience for st, _ in reports), default=1)
-        return lagging_topics({bp.node_id: h.held for bp, (_, h) in zip(live, reports, strict=True)}, level, topics)
+        found = Crawl()  # (what a crawl of the live brokers finds, judged the same way)
+        for bp, (st, holdings) in zip(live, reports, strict=True):
+            found.statuses[bp.node_id] = st
+            found.holdings[bp.node_id] = holdings
+        return found.lagging(topics)
 
     # -------------------------------------------------------------------------------------- state file
 

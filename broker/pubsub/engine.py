@@ -19,7 +19,7 @@ dispatches by table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from broker.pubsub.access import AccessRole
@@ -254,9 +254,9 @@ class PubSub:
         """(topic, role, stored bytes) for every topic held (loads.py)."""
         return self.accounting.topics()
 
-    def replica_states(self) -> dict[str, tuple[str, int, int]]:
-        """topic -> (state, bytes behind, pulls or offers pending) (loads.py)."""
-        return self.accounting.replica_states()
+    def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pulls or offers pending), of every replica or of topics' (loads.py)."""
+        return self.accounting.replica_states(topics)
 
     def topic_coord(self, topic: str) -> Coord | None:
         return self.accounting.topic_coord(topic)

@@ -7,6 +7,7 @@ the primaries tell it in TERTIARY_NOTEs (kept for `note_ttl`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, same
@@ -57,11 +58,14 @@ class LoadRole:
                 out.append((topic, "home", 0))
         return out
 
-    def replica_states(self) -> dict[str, tuple[str, int, int]]:
-        """topic -> (state, bytes behind, pulls or offers pending) for every replica held (TopicHeld says what
-        each means): what an operator watches while data follows a membership change."""
+    def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pulls or offers pending) for every replica held, or for those of topics
+        (TopicHeld says what each means): what an operator watches while data follows a membership change.  A
+        page of STATUS asks for its topics only: the sums below are over each primary's undelivered records."""
+        replicas = self.t.replicas
+        chosen = replicas.values() if topics is None else (replicas[t] for t in topics if t in replicas)
         out = {}
-        for r in self.t.replicas.values():
+        for r in chosen:
             state = OPERATOR_STATE[r.stage]
             if r.copy.offer is not None and r.stage in (Stage.SERVING, Stage.HOLDING):
                 state = "backfilling"  # the next holder is being given the history (replication.py `backfill`)
