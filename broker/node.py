@@ -36,7 +36,16 @@ from broker.memory import HeapTrimmer, human_bytes, memory_available
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
 from broker.stats import BrokerStats, Gauges
-from broker.storage import DataDirInUse, DiskStore, OpenFileLimit, StorageError, lock_data_dir, unlock_data_dir
+from broker.storage import (
+    DataDirInUse,
+    DiskStore,
+    FormatUnknown,
+    OpenFileLimit,
+    StorageError,
+    claim_format,
+    lock_data_dir,
+    unlock_data_dir,
+)
 from broker.store import Retention, TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
@@ -180,13 +189,19 @@ class Broker(Membership, Routing):
             data_dir = Path(config.data_dir)
             try:
                 self._data_lock = lock_data_dir(data_dir)
+                # Before anything in it is read: a directory a newer release wrote is refused untouched.
+                claim_format(data_dir, VERSION)
                 # As many topic files open as the open-file limit leaves room for (broker/storage/files.py).
                 disk = DiskStore(
                     data_dir, config.fsync_policy, open_files=self.fd_limit.topic_files(config.max_connections)
                 )
-            except DataDirInUse as exc:
-                raise ConfigError(str(exc)) from None
-            except OSError as exc:  # a file, a directory this user may not write, /proc
+            except (DataDirInUse, FormatUnknown, OSError) as exc:
+                if self._data_lock is not None:
+                    unlock_data_dir(self._data_lock)
+                    self._data_lock = None
+                if isinstance(exc, StorageError):
+                    raise ConfigError(str(exc)) from None
+                # a file, a directory this user may not write, /proc
                 why = "not a directory" if data_dir.exists() and not data_dir.is_dir() else exc.strerror or exc
                 raise ConfigError(
                     f"cannot use --data-dir {data_dir}: {why}: give a directory this user may write"

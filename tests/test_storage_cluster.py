@@ -331,6 +331,61 @@ async def test_a_data_directory_serves_one_broker_at_a_time_and_a_crash_frees_it
     assert "Traceback" not in res.stderr
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+async def test_a_data_directory_of_a_newer_storage_format_is_refused_untouched(tmp_path: Path) -> None:
+    # A broker recovering a directory it cannot read takes what it cannot parse for damage and truncates a
+    # segment's unreadable tail: a downgrade after a release that changed the layout would have cut the newer
+    # release's records off.  The directory says which format wrote it (format.json); a newer one is refused in
+    # one line before anything is read, and a directory written before releases recorded it is format 1.
+    async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=FAST_ARGS, data_dirs=True, tls=False) as c:
+        data = c.data_dir(0)
+        async with Client([c.nodes[0].listen]) as client:
+            for k in range(20):
+                await client.publish("grid/format/1", f"reading {k}")
+            me = client.publisher_id
+        marker = json.loads((data / "format.json").read_text())
+        assert marker["storage_format"] == 1 and marker["release"], marker
+        await c.stop(0)
+        before = _files(data / "topics")
+        assert any(name.endswith(".seg") for name in before), before
+        start = [
+            sys.executable, "-m", "broker", "--coord", "0.25,0.25", "--listen", "127.0.0.1:0", "--insecure",
+            "--data-dir", str(data),
+        ]  # fmt: skip
+
+        async def refused(content: str) -> str:
+            (data / "format.json").write_text(content)
+            res = await asyncio.to_thread(
+                subprocess.run, start, capture_output=True, text=True, timeout=60, check=False
+            )
+            assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+            lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+            assert len(lines) == 1, res.stderr
+            assert _files(data / "topics") == before  # nothing read into a broker, nothing truncated
+            assert (data / "format.json").read_text() == content
+            return lines[0]
+
+        line = await refused('{"storage_format": 2, "release": "9.0.0"}')
+        assert line == (
+            f"sedax broker: error: data directory {data} was written in storage format 2 by sedax 9.0.0; this "
+            f"release (sedax {marker['release']}) reads format 1 and before: run a release that reads format 2 on "
+            "it, or give this broker another --data-dir"
+        )
+        for damaged in ("{not json", '{"storage_format": "one"}', "[1]", '{"storage_format": 0}'):
+            line = await refused(damaged)
+            assert f"{data / 'format.json'}: unreadable storage format (" in line, line
+            assert 'write {"storage_format": 1} into it if the directory was written by this release' in line
+        # A directory from before the marker: taken as format 1, its history served, the marker written.
+        (data / "format.json").unlink()
+        await c.restart(0)
+        async with Client([c.nodes[0].listen]) as client:
+            assert [(r.publisher, r.seq) for r in await client.fetch("grid/format/1")] == [(me, k) for k in range(20)]
+        assert json.loads((data / "format.json").read_text()) == marker
+
+
 # Lower than every limit a broker meets in practice (1,024 is the smallest default), so that the topics below
 # are more than it: without a budget of open topic files, the broker held one descriptor per topic.
 FD_LIMIT = 256

@@ -34,9 +34,11 @@ from broker.storage.disklog import (
 from broker.storage.files import OpenFileLimit, OpenFiles, raise_open_file_limit
 
 __all__ = [
+    "STORAGE_FORMAT",
     "DataDirInUse",
     "DiskLog",
     "DiskStore",
+    "FormatUnknown",
     "FsyncMode",
     "FsyncPolicy",
     "OpenFileLimit",
@@ -47,6 +49,7 @@ __all__ = [
     "SyncFailed",
     "TopicMeta",
     "WriteFailed",
+    "claim_format",
     "lock_data_dir",
     "raise_open_file_limit",
     "unlock_data_dir",
@@ -57,6 +60,13 @@ LOCK_FILE = "LOCK"
 # The delegate lists of the topics this broker is the home (or the home's secondary) of: the lists say where a
 # moved topic lives, and a full restart must not forget them while the topic's copies come back where it moved.
 DELEGATES_FILE = "delegates.json"
+# What a data directory says of the layout it was written in (docs/storage.md, "Storage format").
+FORMAT_FILE = "format.json"
+# The storage format this release writes and reads: the layout of docs/storage.md, "On-disk format".  A release
+# that changes the frames, the files or their meaning raises it, reads the formats before it, and writes its own
+# number once it has converted a directory, so an older release refuses that directory instead of taking what
+# it cannot read for damage and cutting it off (recovery truncates a segment's unreadable tail).
+STORAGE_FORMAT = 1
 
 
 class DataDirInUse(StorageError):
@@ -68,6 +78,49 @@ class DataDirInUse(StorageError):
         super().__init__(
             f"data directory {data_dir} is in use by another broker{who}: give each broker its own --data-dir"
         )
+
+
+class FormatUnknown(StorageError):
+    """The data directory was written in a storage format this release does not read (a newer release wrote it,
+    or its format file is damaged).  Nothing in it was read or changed."""
+
+
+def claim_format(data_dir: Path, release: str) -> None:
+    """Check the storage format a data directory was written in and record ours in it.
+
+    A directory without the file is new, or was written before releases recorded a format (the format 1 layout),
+    and is taken as format 1.  Called with the directory locked (`lock_data_dir`) and before anything in it is
+    read.  Raises FormatUnknown for a newer or unreadable format, OSError if the file cannot be written.
+    """
+    path = data_dir / FORMAT_FILE
+    try:
+        obj = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        obj = None
+    except (OSError, ValueError) as exc:
+        raise FormatUnknown(_unreadable_format(path, str(exc))) from None
+    if obj is not None:
+        found = obj.get("storage_format") if isinstance(obj, dict) else None
+        if type(found) is not int or found < 1:
+            raise FormatUnknown(_unreadable_format(path, f"no storage_format number in {obj!r:.80}"))
+        if found > STORAGE_FORMAT:
+            by = obj.get("release")
+            writer = f" by sedax {by}" if isinstance(by, str) and by else ""
+            raise FormatUnknown(
+                f"data directory {data_dir} was written in storage format {found}{writer}; this release "
+                f"(sedax {release}) reads format {STORAGE_FORMAT} and before: run a release that reads format "
+                f"{found} on it, or give this broker another --data-dir"
+            )
+        if found == STORAGE_FORMAT and obj.get("release") == release:
+            return
+    write_atomic(path, json.dumps({"storage_format": STORAGE_FORMAT, "release": release}).encode())
+
+
+def _unreadable_format(path: Path, why: str) -> str:
+    return (
+        f"{path}: unreadable storage format ({why}); restore the file, or write "
+        f'{{"storage_format": {STORAGE_FORMAT}}} into it if the directory was written by this release'
+    )
 
 
 def lock_data_dir(data_dir: Path) -> int:
