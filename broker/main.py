@@ -332,6 +332,8 @@ def start(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m broker --coord X,Y [--listen H:P] [--join H:P ...]`."""
-    parser = Parser(prog="python -m broker", description="Run one SeDAX broker.")
+    # The same program as `sedax broker`, and named so: its errors, usage ones included, begin
+    # `sedax broker: error:` whichever way it was started.
+    parser = Parser(prog="sedax broker", description="Run one SeDAX broker.")
     add_broker_arguments(parser)
     return start(parser.parse_args(argv))
