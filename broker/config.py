@@ -521,6 +521,7 @@ RELOADABLE: Final = frozenset(
         "acl_file",
         "publish_rate",
         "publish_burst",
+        "max_connections",
         "max_payload",
         "max_frame_size",
         "client_send_buffer",

@@ -283,7 +283,12 @@ class Broker(Membership, Routing):
             raise
         self.guard.counters["reloads"] += 1
         self.guard.last_reload_ok = True
+        connections_changed = config.max_connections != self.config.max_connections
         self.config = config
+        if connections_changed:  # (the guard admits clients by the new number already)
+            if self.pubsub.store.disk is not None:
+                self.pubsub.store.disk.files.resize(self.fd_limit.topic_files(config.max_connections))
+            self._log_limits(files_only=True)
         if self._listener is not None and self.guard.tls is not None:
             self._listener.use(self.guard.tls.server)
         for link, why in done.revoked:
@@ -293,14 +298,15 @@ class Broker(Membership, Routing):
             self._pubsub_input = True  # their UNSUBSCRIBEs leave at the next pub/sub tick
         return replace(done, subscriptions_ended=ended)
 
-    def _log_limits(self) -> None:
-        """Say at start what memory the stored messages may take and what the open-file limit allows; warn when
-        that is short of --max-connections."""
-        self.log.info(
-            "stored messages may take %s of memory (--max-memory%s)",
-            human_bytes(self.pubsub.config.max_memory),
-            "" if self.config.max_memory else ": half of what this machine or container has",
-        )
+    def _log_limits(self, files_only: bool = False) -> None:
+        """Say at start (and again when a reload changed --max-connections: `files_only`) what memory the stored
+        messages may take and what the open-file limit allows; warn when that is short of --max-connections."""
+        if not files_only:
+            self.log.info(
+                "stored messages may take %s of memory (--max-memory%s)",
+                human_bytes(self.pubsub.config.max_memory),
+                "" if self.config.max_memory else ": half of what this machine or container has",
+            )
         lim, conns = self.fd_limit, self.config.max_connections
         if self.pubsub.store.disk is not None:
             self.log.info(

@@ -265,8 +265,8 @@ async def test_sighup_applies_the_config_files_limits_and_refuses_what_takes_a_r
                     await asyncio.gather(*acks)  # limited, re-sent, all acknowledged
             assert c.rate_limited > 0
 
-            conf.write_text("publish_burst = 5\npublish_rate = 20.0\nmax_connections = 10\nmax_hops = 9\n")
-            await hup(bp, "max_hops, max_connections changed, which takes effect only at a restart")
+            conf.write_text("publish_burst = 5\npublish_rate = 20.0\nmax_hops = 9\n")
+            await hup(bp, "max_hops changed, which takes effect only at a restart")
             conf.write_text("publish_burst = 5\npublish_rate = 20.0\nresilience = 3\n")  # a flag: it wins
             await hup(bp, "SIGHUP: the configuration is as it was")
             conf.write_text("publish_rate = [")
@@ -288,6 +288,56 @@ async def test_sighup_applies_the_config_files_limits_and_refuses_what_takes_a_r
             conf.write_text('publish_burst = 5\npublish_rate = 20.0\nlog_level = "INFO"\n')
             await hup(bp, "SIGHUP: changed log_level 'WARNING' -> 'INFO'")
         await cluster.wait_converged(5.0)  # still in the overlay, where it was
+
+
+async def test_sighup_changes_max_connections_for_new_connections_and_the_topic_files_budget(tmp_path: Path) -> None:
+    # A broker at its --max-connections refuses every new client; raising it took a restart, which at level 2 is
+    # a failover of each of its topics.  A reload raises or lowers it for the connections that come next (those
+    # open are kept, as with every limit a reload changes) and gives the topic files what the clients leave.
+    conf = tmp_path / "broker.toml"
+    conf.write_text("max_connections = 2\n")
+    args = (*FAST_ARGS, "--config", str(conf))
+    async with LocalCluster(1, state_dir=tmp_path, tls=False, broker_args=args, data_dirs=True) as cluster:
+        bp = cluster.nodes[0]
+
+        async def connect(limit: int | None) -> Client | None:
+            """A new client: connected (limit None), or refused at HELLO naming `limit`."""
+            c = Client(bp.listen, reconnect=False)
+            if limit is None:
+                await c.connect()
+                return c
+            with pytest.raises(ClientError, match=f"too_many_connections: this broker serves at most {limit} "):
+                await c.connect()
+            await c.aclose()
+            return None
+
+        first, second = await connect(None), await connect(None)
+        await connect(2)
+        conf.write_text("max_connections = 3\n")
+        since = await hup(bp, "SIGHUP: changed max_connections 2 -> 3")
+        assert log_has(bp, "topic files kept open at once", since), bp.stderr_tail()
+        third = await connect(None)
+        await connect(3)
+        conf.write_text("max_connections = 1\n")
+        await hup(bp, "SIGHUP: changed max_connections 3 -> 1")
+        await connect(1)
+        kept = [c for c in (first, second, third) if c is not None]
+        assert len(kept) == 3
+        for k, c in enumerate(kept):  # the three connected before are served on
+            assert (await c.publish("grid/conn/1", b"%d" % k)).seq == 0
+            await c.aclose()
+        await wait_for(lambda: connect_ok(bp.listen), 10.0, "a slot free again under the lowered limit")
+
+
+async def connect_ok(listen: str) -> bool:
+    c = Client(listen, reconnect=False)
+    try:
+        await c.connect()
+    except ClientError:
+        return False
+    finally:
+        await c.aclose()
+    return True
 
 
 def _not_after(cert: Path) -> float:

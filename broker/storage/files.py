@@ -94,11 +94,21 @@ class OpenFiles:
         """log opened its file: the least recently written others are closed while over the budget."""
         self._open[id(log)] = log
         self._open.move_to_end(id(log))
+        self._close_over(keep=log)
+
+    def resize(self, limit: int) -> None:
+        """A new budget (--max-connections reloaded): the least recently written files are closed while over it."""
+        if limit < 1:
+            raise ValueError(f"the open topic files budget must be at least 1, got {limit}")
+        self.limit = limit
+        self._close_over(keep=None)
+
+    def _close_over(self, keep: Closable | None) -> None:
         tries = len(self._open)
         while len(self._open) > self.limit and tries > 0:
             tries -= 1
             oldest = next(iter(self._open.values()))
-            if oldest is log or not oldest.release_file():  # (release_file calls `gone`)
+            if oldest is keep or not oldest.release_file():  # (release_file calls `gone`)
                 self._open.move_to_end(id(oldest))  # kept open for now: tried again last
                 continue
             self.closed += 1
