@@ -466,6 +466,16 @@ def test_the_open_files_budget_closes_the_least_recently_written_first() -> None
     files.used(a)
     files.opened(d)  # c is the least recently written now
     assert closed == ["b", "c"] and len(files) == 2 and files.closed == 2
+    # A smaller budget (--max-connections raised at a reload) closes the least recently written at once, past
+    # one that cannot close; a larger one closes nothing.
+    files.resize(3)
+    assert closed == ["b", "c"]
+    e = Log("e")
+    files.opened(e)
+    files.resize(1)
+    assert closed == ["b", "c", "d", "e"] and len(files) == 1 and files.closed == 4
+    with pytest.raises(ValueError, match="at least 1"):
+        files.resize(0)
 
 
 @pytest.mark.parametrize("policy", ["always", "batch", "interval:20", "never"])
