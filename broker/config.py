@@ -19,6 +19,7 @@ from typing import Any, Final
 from broker import defaults
 from broker.flags import add_broker_arguments
 from broker.storage import FsyncPolicy
+from broker.store import BadRetentionRule, Retention, RetentionPolicy, RetentionRule
 from overlay.geometry import UNIT_SQUARE, BadCoordinate, Coord, Space
 from overlay.logschema import DEFAULT_KEEP, DEFAULT_MAX_BYTES
 from overlay.protocol import MAX_FRAME_SIZE, MAX_HOP_LIMIT, parse_address
@@ -61,6 +62,8 @@ class BrokerConfig:
             level 2 also on the second-closest, level 3 copies it to the third-closest after a failure.
         retention_seconds: how long a broker keeps published messages of a topic.
         retention_bytes: how many bytes per topic it keeps at most (oldest dropped first).
+        retention_topics: `PATTERN=SECONDS[,BYTES]` entries (broker.store.RetentionRule): the retention of the
+            topics a pattern matches, the first matching entry deciding; the part left out is the two above.
         data_dir: directory of the topic store on disk (docs/storage.md); None keeps topics in memory only.
         store: "auto" (on disk when data_dir is set), "disk" (data_dir required) or "memory" (never on disk).
         fsync: when written records are forced to the disk: always, batch, interval:MS or never
@@ -150,6 +153,7 @@ class BrokerConfig:
     resilience: int = defaults.RESILIENCE
     retention_seconds: float = defaults.RETENTION_SECONDS
     retention_bytes: int = defaults.RETENTION_BYTES
+    retention_topics: tuple[str, ...] = ()
     data_dir: str | None = None
     store: str = "auto"
     fsync: str = "interval:100"
@@ -227,6 +231,7 @@ class BrokerConfig:
             raise ConfigError(f"retention_seconds must be a positive number, got {self.retention_seconds}")
         if self.retention_bytes < 1:
             raise ConfigError(f"retention_bytes must be at least 1, got {self.retention_bytes}")
+        self.retention_policy()  # (each entry parses)
         if self.store not in ("auto", "disk", "memory"):
             raise ConfigError(f"store must be auto, disk or memory, got {self.store!r}")
         if self.store == "disk" and self.data_dir is None:
@@ -295,6 +300,14 @@ class BrokerConfig:
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be {' or '.join(LOG_FORMATS)}, got {self.log_format!r}")
         self._check_security()
+
+    def retention_policy(self) -> RetentionPolicy:
+        """What this broker keeps of each topic: retention_topics' rules over retention_seconds/_bytes."""
+        try:
+            rules = tuple(RetentionRule.parse(text) for text in self.retention_topics)
+        except BadRetentionRule as exc:
+            raise ConfigError(str(exc)) from None
+        return RetentionPolicy(Retention(self.retention_seconds, self.retention_bytes), rules)
 
     def _check_security(self) -> None:
         tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
@@ -413,6 +426,15 @@ def _to_join(value: object) -> tuple[str, ...]:
     raise ConfigError(f"join must be a list of HOST:PORT addresses, got {value!r}")
 
 
+def _to_retention_topics(value: object) -> tuple[str, ...]:
+    # (Patterns hold no whitespace, so a variable separates the entries by it.)
+    if isinstance(value, str):
+        return tuple(value.split())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"retention_topics must be a list of PATTERN=SECONDS[,BYTES] entries, got {value!r}")
+
+
 def _to_int(name: str, value: object) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
@@ -522,6 +544,9 @@ RELOADABLE: Final = frozenset(
         "publish_rate",
         "publish_burst",
         "max_connections",
+        "retention_seconds",
+        "retention_bytes",
+        "retention_topics",
         "max_payload",
         "max_frame_size",
         "client_send_buffer",
@@ -580,6 +605,8 @@ def _convert_one(name: str, value: object) -> object:
         return _to_coord(value)
     if name == "join":
         return _to_join(value)
+    if name == "retention_topics":
+        return _to_retention_topics(value)
     if name in _INT_FIELDS:
         return _to_int(name, value)
     if name in _FLOAT_FIELDS:

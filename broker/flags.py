@@ -43,6 +43,14 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--retention-seconds", dest="retention_seconds", type=float, help="keep messages (3600)")
     parser.add_argument("--retention-bytes", dest="retention_bytes", type=int, help="per topic (64 MiB)")
+    parser.add_argument(
+        "--retention-topic",
+        dest="retention_topics",
+        action="append",
+        metavar="PATTERN=SECONDS[,BYTES]",
+        help="another retention for the topics PATTERN matches, e.g. 'grid/+/pmu/#=600,16777216' (repeatable; "
+        "the first match decides)",
+    )
     st = parser.add_argument_group("storage (docs/storage.md)")
     st.add_argument(
         "--data-dir",

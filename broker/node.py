@@ -46,7 +46,7 @@ from broker.storage import (
     lock_data_dir,
     unlock_data_dir,
 )
-from broker.store import Retention, TopicStore
+from broker.store import TopicStore
 from broker.tasks import TaskSet
 from broker.tls import Listener
 from broker.version import VERSION
@@ -182,7 +182,7 @@ class Broker(Membership, Routing):
         self._corrs = itertools.count(1)
         self._redial_handle: asyncio.TimerHandle | None = None
         self.port = PubSubPort(self)
-        retention = Retention(config.retention_seconds, config.retention_bytes)
+        retention = config.retention_policy()
         disk, self._data_lock = None, None
         self.fd_limit = OpenFileLimit.current()
         if config.on_disk and config.data_dir:
@@ -210,7 +210,7 @@ class Broker(Membership, Routing):
             self.port,
             PubSubConfig(
                 resilience=config.resilience,
-                retention=retention,
+                retention=retention.base,
                 move_cooldown=config.move_cooldown,
                 space=config.space,
                 note_ttl=3 * config.load_report_interval + 1.0,
@@ -284,7 +284,13 @@ class Broker(Membership, Routing):
         self.guard.counters["reloads"] += 1
         self.guard.last_reload_ok = True
         connections_changed = config.max_connections != self.config.max_connections
+        retention_changed = config.retention_policy() != self.config.retention_policy()
         self.config = config
+        if retention_changed:  # (what a topic no longer keeps goes at the next expiry, within a beat)
+            changed = self.pubsub.store.retain(config.retention_policy())
+            self.log.info(
+                "retention: %s (%d topics held keep by another retention now)", self.pubsub.store.policy, changed
+            )
         if connections_changed:  # (the guard admits clients by the new number already)
             if self.pubsub.store.disk is not None:
                 self.pubsub.store.disk.files.resize(self.fd_limit.topic_files(config.max_connections))
@@ -307,6 +313,7 @@ class Broker(Membership, Routing):
                 human_bytes(self.pubsub.config.max_memory),
                 "" if self.config.max_memory else ": half of what this machine or container has",
             )
+            self.log.info("retention: %s", self.pubsub.store.policy)
         lim, conns = self.fd_limit, self.config.max_connections
         if self.pubsub.store.disk is not None:
             self.log.info(

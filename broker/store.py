@@ -30,6 +30,7 @@ from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, Storag
 from broker.storage.disklog import sync_error
 from overlay.pubsub import Delegation, Record, record_size
 from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks, ranges_minus
+from overlay.topics import BadTopic, matches, validate_pattern
 
 _log = logging.getLogger("sedax.store")
 
@@ -77,6 +78,82 @@ class Retention:
             raise ValueError(f"retention max_age must be positive seconds, got {self.max_age}")
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ValueError(f"retention max_bytes must be at least 1, got {self.max_bytes}")
+
+
+class BadRetentionRule(ValueError):
+    """A --retention-topic entry that does not parse; the message shows the form."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionRule:
+    """The retention of the topics a pattern matches, where it differs from the broker's (`--retention-topic`).
+
+    Written `PATTERN=SECONDS[,BYTES]` (or `PATTERN=,BYTES`): the part left out is the broker's
+    --retention-seconds / --retention-bytes.  Every broker of an overlay should be given the same rules, as
+    the same ACL: each holder of a topic (primary, copies, delegates) applies it to what it keeps.
+    """
+
+    pattern: str
+    max_age: float | None = None  # None: the broker's
+    max_bytes: int | None = None  # None: the broker's
+
+    @classmethod
+    def parse(cls, text: str) -> RetentionRule:
+        form = "give PATTERN=SECONDS[,BYTES], e.g. 'grid/+/pmu/#=600,16777216' or 'grid/events/#=604800'"
+        pattern, eq, value = text.strip().rpartition("=")
+        if not eq or not pattern:
+            raise BadRetentionRule(f"retention rule {text!r} has no PATTERN=: {form}")
+        try:
+            validate_pattern(pattern)
+        except BadTopic as exc:
+            raise BadRetentionRule(f"retention rule {text!r}: {exc}") from None
+        age_text, _, bytes_text = value.partition(",")
+        try:
+            age = float(age_text) if age_text.strip() else None
+            size = int(bytes_text) if bytes_text.strip() else None
+        except ValueError:
+            raise BadRetentionRule(f"retention rule {text!r}: SECONDS and BYTES must be numbers: {form}") from None
+        if age is None and size is None:
+            raise BadRetentionRule(f"retention rule {text!r} sets neither SECONDS nor BYTES: {form}")
+        if age is not None and not (math.isfinite(age) and age > 0):
+            raise BadRetentionRule(f"retention rule {text!r}: SECONDS must be a positive number, got {age_text}")
+        if size is not None and size < 1:
+            raise BadRetentionRule(f"retention rule {text!r}: BYTES must be at least 1, got {bytes_text}")
+        return cls(pattern, age, size)
+
+    def __str__(self) -> str:
+        age = "" if self.max_age is None else f"{self.max_age:g}"
+        return f"{self.pattern}={age}" + ("" if self.max_bytes is None else f",{self.max_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """What a broker keeps of each topic: the first rule whose pattern matches the topic's name, else `base`."""
+
+    base: Retention = field(default_factory=Retention)
+    rules: tuple[RetentionRule, ...] = ()
+
+    def __str__(self) -> str:
+        """For the log: `3600 s, 67108864 bytes per topic; grid/+/pmu/#: 600 s, the broker's bytes`."""
+        base = _limits(self.base.max_age, self.base.max_bytes, "no age limit", "no byte limit")
+        inherit = ("the broker's age", "the broker's bytes")
+        ruled = [f"{r.pattern}: {_limits(r.max_age, r.max_bytes, *inherit)}" for r in self.rules]
+        return "; ".join([f"{base} per topic", *ruled])
+
+    def of(self, topic: str) -> Retention:
+        for rule in self.rules:
+            if matches(rule.pattern, topic):
+                return Retention(
+                    self.base.max_age if rule.max_age is None else rule.max_age,
+                    self.base.max_bytes if rule.max_bytes is None else rule.max_bytes,
+                )
+        return self.base
+
+
+def _limits(max_age: float | None, max_bytes: int | None, no_age: str, no_bytes: str) -> str:
+    return (
+        f"{no_age if max_age is None else f'{max_age:g} s'}, {no_bytes if max_bytes is None else f'{max_bytes} bytes'}"
+    )
 
 
 # A stored message is the wire's Record.
@@ -738,8 +815,8 @@ class _TsView:
 class TopicStore:
     """All topics a broker holds, whatever its role for each (with `disk`, each with its disk journal)."""
 
-    def __init__(self, retention: Retention | None = None, disk: DiskStore | None = None) -> None:
-        self.retention = retention or Retention()
+    def __init__(self, retention: Retention | RetentionPolicy | None = None, disk: DiskStore | None = None) -> None:
+        self.policy = retention if isinstance(retention, RetentionPolicy) else RetentionPolicy(retention or Retention())
         self.disk = disk
         self._topics: dict[str, TopicLog] = {}
         # Records re-stamped by the merges of every topic held (TopicLog.on_restamp), dropped topics' too.
@@ -747,6 +824,17 @@ class TopicStore:
 
     def _restamped(self, n: int) -> None:
         self.restamped += n
+
+    def retain(self, policy: RetentionPolicy) -> int:
+        """A new retention policy (a reload): every topic held keeps by it from now on, the next `expire`
+        dropping what it no longer keeps.  Returns how many topics' retention changed."""
+        self.policy = policy
+        changed = 0
+        for log in self._topics.values():
+            if (r := policy.of(log.name)) != log.retention:
+                log.retention = r
+                changed += 1
+        return changed
 
     def __contains__(self, name: object) -> bool:
         return name in self._topics
@@ -778,7 +866,7 @@ class TopicStore:
         log = self._topics.get(name)
         if log is None:
             journal = None if self.disk is None else self.disk.open_log(TopicMeta(name, coord, home, delegates))
-            log = self._topics[name] = TopicLog(name, self.retention, journal=journal, on_restamp=self._restamped)
+            log = self._topics[name] = TopicLog(name, self.policy.of(name), journal=journal, on_restamp=self._restamped)
         return log
 
     def drop(self, name: str) -> TopicLog | None:
@@ -800,7 +888,10 @@ class TopicStore:
         metas = []
         for rec in found:
             log = TopicLog(
-                rec.meta.name, self.retention, journal=self.disk.open_log(rec.meta), on_restamp=self._restamped
+                rec.meta.name,
+                self.policy.of(rec.meta.name),
+                journal=self.disk.open_log(rec.meta),
+                on_restamp=self._restamped,
             )
             log.rows = deque(rec.rows)
             log.size = sum(record_size(r[1], r[3]) for r in rec.rows)

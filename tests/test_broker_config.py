@@ -51,6 +51,23 @@ def test_repeated_and_comma_join_flags() -> None:
     assert cfg.join == ("a:1", "b:2", "c:3")
 
 
+def test_retention_rules_from_flags_the_environment_and_a_file(tmp_path: Path) -> None:
+    rules = ("grid/+/pmu/#=600,16777216", "grid/events/#=604800")
+    cfg = config_from_args(_args("--coord", "0.5,0.5", *(a for r in rules for a in ("--retention-topic", r))), env={})
+    assert cfg.retention_topics == rules
+    assert build_config({"coord": "0.5,0.5"}, env={"SEDAX_RETENTION_TOPICS": " ".join(rules)}).retention_topics == rules
+    toml = tmp_path / "b.toml"
+    toml.write_text('coord = [0.5, 0.5]\nretention_seconds = 60\nretention_topics = ["grid/+/pmu/#=,1000"]\n')
+    policy = build_config({}, env={}, config_file=toml).retention_policy()
+    assert policy.of("grid/f1/pmu/a").max_age == 60.0 and policy.of("grid/f1/pmu/a").max_bytes == 1000
+    assert policy.of("grid/f1/voltage") == policy.base
+    toml.write_text('coord = [0.5, 0.5]\nretention_topics = "grid/#=5"\n')  # (a string, as the variable)
+    assert build_config({}, env={}, config_file=toml).retention_topics == ("grid/#=5",)
+    toml.write_text("coord = [0.5, 0.5]\nretention_topics = [5]\n")
+    with pytest.raises(ConfigError, match="retention_topics must be a list of PATTERN=SECONDS"):
+        build_config({}, env={}, config_file=toml)
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "match"),
     [
@@ -75,6 +92,9 @@ def test_repeated_and_comma_join_flags() -> None:
         # Not every number is a duration (it said "publish_rate must be a number of seconds").
         ({"coord": "0.5,0.5"}, {"SEDAX_PUBLISH_RATE": "fast"}, "publish_rate must be a number of publishes per second"),
         ({"coord": "0.5,0.5"}, {"SEDAX_MIN_GAIN": "x"}, r"min_gain must be a number \(a fraction of the load"),
+        ({"coord": "0.5,0.5", "retention_topics": ("grid/+/pmu",)}, {}, "has no PATTERN=: give PATTERN=SECONDS"),
+        ({"coord": "0.5,0.5"}, {"SEDAX_RETENTION_TOPICS": "grid/#=-1"}, "SECONDS must be a positive number, got -1"),
+        ({"coord": "0.5,0.5", "retention_topics": ("grid/a#=5",)}, {}, "a wildcard must be a whole level"),
     ],
 )
 def test_errors_name_the_setting(flags: dict[str, object], env: dict[str, str], match: str) -> None:

@@ -31,6 +31,7 @@ from client.client import Client, ClientError, RequestFailed
 from net import certs
 from net.credentials import Credentials
 from overlay.protocol import parse_address
+from overlay.pubsub import record_size
 
 pytestmark = pytest.mark.slow
 
@@ -338,6 +339,43 @@ async def connect_ok(listen: str) -> bool:
     finally:
         await c.aclose()
     return True
+
+
+async def test_a_retention_rule_applies_at_every_holder_and_a_reload_changes_it(tmp_path: Path) -> None:
+    # One retention for every topic made a utility choose between keeping hours of a 60 Hz phasor stream and
+    # days of its events.  A rule keeps the topics its pattern matches by their own limits, at the primary and
+    # at the copy alike (each applies the same configuration), and SIGHUP changes the rules of a running broker.
+    conf = tmp_path / "broker.toml"
+    conf.write_text('retention_topics = ["grid/short/#=,20000"]\n')
+    args = (*FAST_ARGS, "--config", str(conf))
+    async with LocalCluster(3, state_dir=tmp_path, tls=False, broker_args=args) as cluster:
+        await cluster.wait_converged(20.0)
+        payload = b"x" * 1000
+        async with Client([bp.listen for bp in cluster.nodes], credentials=Credentials(insecure=True)) as c:
+            for _ in range(40):
+                await c.publish("grid/short/1", payload)
+                await c.publish("grid/long/1", payload)
+            one = record_size(c.publisher_id, payload)
+
+            async def sizes(topic: str) -> list[int]:
+                """The bytes of the topic at its primary and its secondary."""
+                held = [h for st in (await cluster.statuses()).values() for h in st.held if h.topic == topic]
+                return sorted(h.size for h in held if h.role in ("primary", "secondary"))
+
+            async def kept(topic: str, n: int) -> bool:
+                return await sizes(topic) == [n * one, n * one]
+
+            await wait_for(functools.partial(kept, "grid/short/1", 20000 // one), 10.0, "the rule at both holders")
+            assert await sizes("grid/long/1") == [40 * one, 40 * one]  # the broker's 64 MiB
+            assert [r.seq for r in await c.fetch("grid/short/1")] == list(range(40 - 20000 // one, 40))
+
+            conf.write_text('retention_topics = ["grid/short/#=,20000", "grid/#=,10000"]\n')
+            for bp in cluster.nodes:
+                await hup(bp, "SIGHUP: changed retention_topics")
+                assert log_has(bp, "grid/#: the broker's age, 10000 bytes ("), bp.stderr_tail()
+            await wait_for(functools.partial(kept, "grid/long/1", 10000 // one), 10.0, "the new rule at both holders")
+            assert [r.seq for r in await c.fetch("grid/long/1")] == list(range(40 - 10000 // one, 40))
+            assert len(await c.fetch("grid/short/1")) == 20000 // one  # the first rule that matches decides
 
 
 def _not_after(cert: Path) -> float:

@@ -8,7 +8,16 @@ from collections.abc import Iterable
 
 import pytest
 
-from broker.store import PUBLISHER_IDLE_FORGET, Retention, StoredMessage, TopicNotFound, TopicStore
+from broker.store import (
+    PUBLISHER_IDLE_FORGET,
+    BadRetentionRule,
+    Retention,
+    RetentionPolicy,
+    RetentionRule,
+    StoredMessage,
+    TopicNotFound,
+    TopicStore,
+)
 from overlay.pubsub import MESSAGE_OVERHEAD, record_size
 from overlay.seqset import SeqRanges, count_outside, lacks, ranges_minus
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
@@ -96,6 +105,48 @@ def test_retention_by_age_and_bytes() -> None:
     assert log2.size == 3 * one
     with pytest.raises(ValueError):
         Retention(max_age=0)
+
+
+def test_a_topics_retention_is_the_first_rule_its_name_matches_and_a_new_policy_applies_to_topics_held() -> None:
+    one = 100 + 1 + MESSAGE_OVERHEAD
+    rules = (RetentionRule.parse(f"grid/+/pmu/#=,{2 * one}"), RetentionRule.parse("grid/#=10"))
+    assert str(rules[0]) == f"grid/+/pmu/#=,{2 * one}" and str(rules[1]) == "grid/#=10"
+    store = TopicStore(RetentionPolicy(Retention(max_age=1000.0, max_bytes=None), rules))
+    pmu, grid, other = (store.ensure(n) for n in ("grid/f1/pmu/a", "grid/f1/voltage", "meters/7"))
+    assert pmu.retention == Retention(max_age=1000.0, max_bytes=2 * one)  # the age left out: the broker's
+    assert grid.retention == Retention(max_age=10.0, max_bytes=None)  # the first rule does not match
+    assert other.retention == Retention(max_age=1000.0, max_bytes=None)
+    for log in (pmu, grid, other):
+        for i in range(5):
+            log.append(msg(float(i), i, size=100), now=float(i))
+    store.expire(now=12.5)
+    assert [[m.seq for m in log.records()] for log in (pmu, grid, other)] == [[3, 4], [3, 4], [0, 1, 2, 3, 4]]
+    # A reload's policy: each topic held keeps by it from the next expiry on (what went stays gone).
+    assert store.retain(RetentionPolicy(Retention(max_age=1000.0, max_bytes=one))) == 3
+    assert store.retain(RetentionPolicy(Retention(max_age=1000.0, max_bytes=one))) == 0
+    store.expire(now=13.0)
+    assert [[m.seq for m in log.records()] for log in (pmu, grid, other)] == [[4], [4], [4]]
+    assert store.ensure("grid/new").retention == Retention(max_age=1000.0, max_bytes=one)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("grid/#", "has no PATTERN="),
+        ("=600", "has no PATTERN="),
+        ("grid/#=", "sets neither SECONDS nor BYTES"),
+        ("grid/#=,", "sets neither SECONDS nor BYTES"),
+        ("grid/#=ten", "must be numbers"),
+        ("grid/#=1,2.5", "must be numbers"),
+        ("grid/#=0", "SECONDS must be a positive number"),
+        ("grid/#=inf", "SECONDS must be a positive number"),
+        ("grid/#=5,0", "BYTES must be at least 1"),
+        ("grid/#/x=5", "'#' may only be the last level"),
+    ],
+)
+def test_a_retention_rule_that_does_not_parse_says_the_form(text: str, match: str) -> None:
+    with pytest.raises(BadRetentionRule, match=match):
+        RetentionRule.parse(text)
 
 
 def test_since_and_merge() -> None:
