@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -329,6 +330,73 @@ async def test_a_data_directory_serves_one_broker_at_a_time_and_a_crash_frees_it
     )
     assert res.returncode == 2 and f"cannot use --data-dir {not_a_dir}: " in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def _copy_running(src: Path, dst: Path) -> None:
+    """`cp -a` of a data directory whose broker runs: a file retention deleted or a write renamed away meanwhile
+    is reported ("No such file or directory"), the rest copied, as rsync's "vanished" files."""
+    res = subprocess.run(["cp", "-a", str(src), str(dst)], capture_output=True, text=True, timeout=120, check=False)
+    problems = [ln for ln in res.stderr.splitlines() if "No such file or directory" not in ln]
+    assert res.returncode in (0, 1) and not problems, res.stderr
+
+
+async def test_copies_of_running_brokers_data_directories_restore_every_acknowledged_message_elsewhere(
+    tmp_path: Path,
+) -> None:
+    # Nothing said how to back a cluster up.  A data directory copied while its broker runs holds every message
+    # that broker acknowledged or confirmed before the copy began: records are written with write(2) before
+    # either, segments are only appended to, and every other file is replaced by a rename.  Restored into a
+    # broker that joins another running overlay, at any coordinate, it gives each topic to that topic's holders
+    # there (a broker that holds a topic it is not ranked for retires it): a site rebuilt from backups.
+    topics = [f"grid/backup/{i}" for i in range(6)]
+    args = (*FAST_ARGS, "--fsync", "interval:50")
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    site_a = tmp_path / "site-a"
+    async with LocalCluster(3, seed=11, state_dir=site_a, broker_args=args, data_dirs=True, tls=False) as a:
+        await a.wait_converged(20.0)
+        async with Client([bp.listen for bp in a.nodes]) as c:
+            for k in range(20):
+                for t in topics:
+                    await c.publish(t, f"{t} reading {k}")
+            before = {(c.publisher_id, k) for k in range(20)}
+
+            async def keep_publishing() -> None:  # the copies are taken from brokers at work
+                for k in range(20, 10_000):
+                    await c.publish(topics[k % len(topics)], b"during the copy")
+
+            busy = asyncio.create_task(keep_publishing())
+            try:
+                for i in range(3):
+                    await asyncio.to_thread(_copy_running, a.data_dir(i), backup / f"n{i}")
+            finally:
+                busy.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await busy
+    shutil.rmtree(site_a)  # the site is lost
+
+    async with LocalCluster(
+        3, seed=12, state_dir=tmp_path / "site-b", broker_args=args, data_dirs=True, tls=False
+    ) as b:
+        await b.wait_converged(20.0)
+        for i in range(3):
+            index = len(b.nodes)
+            b.data_dir(index).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(backup / f"n{i}", b.data_dir(index))
+            await b.add()  # a broker of its own on the restored directory, at a new coordinate
+            await b.wait_converged(20.0)
+
+            async def settled() -> bool:
+                return await b.lagging(topics) == []
+
+            await wait_for(settled, 30.0, f"the topics of backup n{i} caught up at their holders")
+            assert await b.stop(index) == 0  # a graceful leave hands on whatever it still holds
+            await b.wait_converged(20.0)
+            await wait_for(settled, 30.0, f"the topics caught up after the restoring broker {index} left")
+        async with Client([bp.listen for bp in b.live()]) as c:
+            for t in topics:
+                history = {(r.publisher, r.seq) for r in await c.fetch(t)}
+                assert before <= history, f"{t}: acknowledged before the backup, not restored: {before - history}"
 
 
 def _files(root: Path) -> dict[str, bytes]:
