@@ -22,7 +22,8 @@ from broker.guard import Guard
 from broker.membership import JoinFailed, JoinRefused
 from broker.node import Broker, StartFailed
 from broker.sdnotify import Notifier
-from broker.storage import raise_open_file_limit
+from broker.storage import FormatUnknown, raise_open_file_limit, read_format
+from broker.version import VERSION
 
 # Exit codes: 2 = bad configuration (also: metrics endpoint or log cannot be opened), 3 = the overlay refused
 # us, 4 = no join address answered.
@@ -289,6 +290,8 @@ def check(config: BrokerConfig) -> int:
         parts.append(f"{len(guard.tokens)} tokens")
     if guard.acl is not None:
         parts.append(f"{len(guard.acl.rules)} ACL rules")
+    if config.retention_topics:
+        parts.append(f"{len(config.retention_topics)} retention rules")
     parts.append(data)
     print(f"sedax broker: configuration OK: {'; '.join(parts)}", flush=True)
     return 0
@@ -309,6 +312,11 @@ def _writable_data_dir(config: BrokerConfig) -> str:
             f"data_dir {d}: {probe} cannot be written by this user (uid {os.getuid()}); give it write access "
             "(chown) or choose another --data-dir"
         )
+    if d.is_dir():  # (one a newer release wrote would be refused at start)
+        try:
+            read_format(d, VERSION)
+        except FormatUnknown as exc:
+            raise ConfigError(str(exc)) from None
     return f"topics in {d} (fsync {config.fsync})"
 
 

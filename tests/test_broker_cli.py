@@ -410,12 +410,12 @@ def test_broker_check_reads_what_a_start_reads_and_starts_nothing(tmp_path: Path
     acl = tmp_path / "broker.acl"
     acl.write_text("allow any operator grid/#\n")
     ok = _cli("broker", "--coord", "0.5,0.5", "--insecure", "--acl", str(acl), "--data-dir", str(tmp_path / "d"),
-              "--join", "127.0.0.1:7000", "--check")  # fmt: skip
+              "--join", "127.0.0.1:7000", "--retention-topic", "grid/+/pmu/#=600", "--check")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == (
         "sedax broker: configuration OK: a generated node id at (0.5, 0.5) on 127.0.0.1:0; resilience 2; joins "
-        f"through 127.0.0.1:7000; plain TCP (--insecure); 1 ACL rules; topics in {tmp_path / 'd'} (fsync "
-        "interval:100)"
+        f"through 127.0.0.1:7000; plain TCP (--insecure); 1 ACL rules; 1 retention rules; topics in {tmp_path / 'd'} "
+        "(fsync interval:100)"
     )
     assert not (tmp_path / "d").exists()
     acl.write_text("allow anything operator grid/#\n")
@@ -425,6 +425,7 @@ def test_broker_check_reads_what_a_start_reads_and_starts_nothing(tmp_path: Path
             (("--acl", str(acl)), "broker.acl"),
             (("--data-dir", str(tmp_path / "file" / "d")), "is not a directory; choose another --data-dir"),
             (("--resilience", "4"), "invalid choice: 4 (choose from 1, 2, 3); `sedax broker --help` lists the options"),
+            (("--retention-topic", "grid/#"), "retention rule 'grid/#' has no PATTERN=: give PATTERN=SECONDS[,BYTES]"),
         ):
             argv = [sys.executable, "-m", entry, *(["broker"] if entry == "cli.main" else []), "--coord", "0.5,0.5"]
             bad = subprocess.run([*argv, "--insecure", *extra, "--check"], capture_output=True, text=True, timeout=60)

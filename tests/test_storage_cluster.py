@@ -442,6 +442,12 @@ async def test_a_data_directory_of_a_newer_storage_format_is_refused_untouched(t
             f"release (sedax {marker['release']}) reads format 1 and before: run a release that reads format 2 on "
             "it, or give this broker another --data-dir"
         )
+        # `--check` (a unit's ExecReload=, an upgrade's dry run) says the same, and writes nothing either.
+        check = await asyncio.to_thread(
+            subprocess.run, [*start, "--check"], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert (check.returncode, check.stderr.strip()) == (2, line), check.stderr
+        assert "9.0.0" in (data / "format.json").read_text()
         for damaged in ("{not json", '{"storage_format": "one"}', "[1]", '{"storage_format": 0}'):
             line = await refused(damaged)
             assert f"{data / 'format.json'}: unreadable storage format (" in line, line

@@ -52,6 +52,7 @@ __all__ = [
     "claim_format",
     "lock_data_dir",
     "raise_open_file_limit",
+    "read_format",
     "unlock_data_dir",
 ]
 
@@ -85,35 +86,41 @@ class FormatUnknown(StorageError):
     or its format file is damaged).  Nothing in it was read or changed."""
 
 
-def claim_format(data_dir: Path, release: str) -> None:
-    """Check the storage format a data directory was written in and record ours in it.
-
-    A directory without the file is new, or was written before releases recorded a format (the format 1 layout),
-    and is taken as format 1.  Called with the directory locked (`lock_data_dir`) and before anything in it is
-    read.  Raises FormatUnknown for a newer or unreadable format, OSError if the file cannot be written.
-    """
+def read_format(data_dir: Path, release: str) -> tuple[int, str] | None:
+    """The storage format a data directory was written in and the release that last started on it, or None for a
+    directory without the file: new, or written before releases recorded a format (the format 1 layout).
+    Reads only (`sedax broker --check` uses it beside a running broker).  Raises FormatUnknown for a format newer
+    than this release reads, or an unreadable file."""
     path = data_dir / FORMAT_FILE
     try:
         obj = json.loads(path.read_bytes())
     except FileNotFoundError:
-        obj = None
+        return None
     except (OSError, ValueError) as exc:
         raise FormatUnknown(_unreadable_format(path, str(exc))) from None
-    if obj is not None:
-        found = obj.get("storage_format") if isinstance(obj, dict) else None
-        if type(found) is not int or found < 1:
-            raise FormatUnknown(_unreadable_format(path, f"no storage_format number in {obj!r:.80}"))
-        if found > STORAGE_FORMAT:
-            by = obj.get("release")
-            writer = f" by sedax {by}" if isinstance(by, str) and by else ""
-            raise FormatUnknown(
-                f"data directory {data_dir} was written in storage format {found}{writer}; this release "
-                f"(sedax {release}) reads format {STORAGE_FORMAT} and before: run a release that reads format "
-                f"{found} on it, or give this broker another --data-dir"
-            )
-        if found == STORAGE_FORMAT and obj.get("release") == release:
-            return
-    write_atomic(path, json.dumps({"storage_format": STORAGE_FORMAT, "release": release}).encode())
+    found = obj.get("storage_format") if isinstance(obj, dict) else None
+    if type(found) is not int or found < 1:
+        raise FormatUnknown(_unreadable_format(path, f"no storage_format number in {obj!r:.80}"))
+    by = obj.get("release")
+    writer = by if isinstance(by, str) else ""
+    if found > STORAGE_FORMAT:
+        by_whom = f" by sedax {writer}" if writer else ""
+        raise FormatUnknown(
+            f"data directory {data_dir} was written in storage format {found}{by_whom}; "
+            f"this release (sedax {release}) reads format {STORAGE_FORMAT} and before: run a release that reads "
+            f"format {found} on it, or give this broker another --data-dir"
+        )
+    return found, writer
+
+
+def claim_format(data_dir: Path, release: str) -> None:
+    """Check the storage format a data directory was written in (`read_format`) and record ours in it.  Called with
+    the directory locked (`lock_data_dir`) and before anything in it is read.  Raises FormatUnknown for a newer or
+    unreadable format, OSError if the file cannot be written."""
+    if read_format(data_dir, release) != (STORAGE_FORMAT, release):
+        write_atomic(
+            data_dir / FORMAT_FILE, json.dumps({"storage_format": STORAGE_FORMAT, "release": release}).encode()
+        )
 
 
 def _unreadable_format(path: Path, why: str) -> str:
