@@ -113,15 +113,28 @@ def _stored_after(store: TopicStore, topic: str, ts: float) -> int:
     return len(rows) - bisect.bisect_right(rows, ts, key=itemgetter(0))
 
 
-def page_after(names: Sequence[str], after: str, size: int) -> tuple[int, int]:
-    """The slice [first, end) of the sorted `names` that is the page after the name `after` ("": the first page):
-    size entries, more where the last name goes on (a topic held as home and as a copy has an entry for each), so
-    that the next page, after that name, misses none."""
+HeldRow: TypeAlias = tuple[str, str, int]  # (topic, role, stored bytes): PubSub.topics()
+
+
+def page_of(
+    names: Sequence[str], after: str, size: int, rows_of: Callable[[Sequence[str]], list[HeldRow]]
+) -> tuple[list[HeldRow], bool]:
+    """The page after the name `after` ("": the first page) of the sorted, distinct `names`: the rows of the next
+    names, in order, `size` at most but for the last name's other entries (a topic held as home and as a copy has
+    one for each), so that the next page, after that name, misses none and a page stays within MAX_LIST_LEN; and
+    whether more names follow.  `rows_of` gives the rows of some names now: a name with none (dropped since, or
+    a delegate list this broker is not the home of) takes no room, and a page is empty only at the end."""
     first = bisect.bisect_right(names, after) if after else 0
-    end = min(first + size, len(names))
-    while first < end < len(names) and names[end] == names[end - 1]:
-        end += 1
-    return first, end
+    page: list[HeldRow] = []
+    while not page and first < len(names):
+        chunk = names[first : first + size]
+        page = sorted(rows_of(chunk))
+        first += len(chunk)
+        if len(page) > size:
+            last = page[size - 1][0]
+            page = [row for row in page if row[0] <= last]
+            first += bisect.bisect_right(chunk, last) - len(chunk)
+    return page, first < len(names)
 
 
 # The messages of a client's pub/sub session, and Broker.on_message's first test (isinstance takes the union at
@@ -228,6 +241,8 @@ class Broker(Membership, Routing):
         self.balancer = Balancer(self.port, self.pubsub, config, self.tasks, self.log)
         self.routes = DispatchTable()
         self._hops = 0  # hops of the routed message being handled (a ROUTE_REPLY reports them)
+        # The names held, sorted, and the pubsub.held_version they were sorted at (held_page).
+        self._held_index: tuple[int, list[str]] | None = None
         self._local_depth = 0
         self._held = []  # routed messages held until a link leads closer (routing.HOLD_FOR)
         self._held_bytes = 0
@@ -671,13 +686,20 @@ class Broker(Membership, Routing):
         )
 
     def held_page(self, after: str) -> tuple[tuple[TopicHeld, ...], dict[str, int], bool, int]:
-        """The topics held after the name `after` (all: ""), STATUS_PAGE at most, in name order; for those it is
-        primary or delegate of, the messages stored in the last RATE_WINDOW s; whether more follow; how many
-        entries all pages hold.  A page never ends between two roles of one name (home and a copy): the next
-        starts after that name."""
-        rows = sorted(self.pubsub.topics())
-        first, end = page_after([name for name, _, _ in rows], after, STATUS_PAGE)
-        page = rows[first:end]
+        """The topics held after the name `after` (all: ""), STATUS_PAGE names at most, in name order; for those it
+        is primary or delegate of, the messages stored in the last RATE_WINDOW s; whether more follow; how many
+        entries all pages hold.  A name's roles (home and a copy) are on one page.
+
+        The names are sorted once per change of which topics are held (`_held_index`, pubsub.held_version), and
+        a page looks up its names' roles, sizes and states now.  Sorting every topic for every page stalled the
+        event loop ~0.2 s per page at 100,000 topics, a hundred times per listing (benchmarks/bench_listing.py).
+        A topic dropped while a listing is read is left out of its page; one made then is in the pages read
+        after it."""
+        version = self.pubsub.held_version
+        if self._held_index is None or self._held_index[0] != version:
+            self._held_index = (version, self.pubsub.held_names())
+        names = self._held_index[1]
+        page, more = page_of(names, after, STATUS_PAGE, self.pubsub.topics)
         states = self.pubsub.replica_states(name for name, _, _ in page)
         since = time.time() - RATE_WINDOW  # the clock records are stamped with (the pub/sub port's now())
         store = self.pubsub.store
@@ -687,7 +709,7 @@ class Broker(Membership, Routing):
             if role in ("primary", "delegate") and name in store
         }
         held = tuple(TopicHeld(name, role, size, *states.get(name, ("caught_up", 0, 0))) for name, role, size in page)
-        return held, recent, end < len(rows), len(rows)
+        return held, recent, more, self.pubsub.held_count()
 
     # ------------------------------------------------------------------------------------ observability
 

@@ -28,6 +28,7 @@ from typing import Any, Final, TypeAlias
 from broker import defaults
 from broker.storage import DiskLog, DiskStore, FsyncMode, RecoveryReport, StorageError, TopicMeta
 from broker.storage.disklog import sync_error
+from broker.sweep import Sweep
 from overlay.pubsub import Delegation, Record, record_size
 from overlay.seqset import Digest, SeqRanges, count_outside, digest_of, lacks, ranges_minus
 from overlay.topics import BadTopic, matches, validate_pattern
@@ -819,6 +820,7 @@ class TopicStore:
         self.policy = retention if isinstance(retention, RetentionPolicy) else RetentionPolicy(retention or Retention())
         self.disk = disk
         self._topics: dict[str, TopicLog] = {}
+        self._expiry: Sweep[str] = Sweep()
         # Records re-stamped by the merges of every topic held (TopicLog.on_restamp), dropped topics' too.
         self.restamped = 0
 
@@ -938,6 +940,12 @@ class TopicStore:
     def expire(self, now: float) -> int:
         """Apply retention to every topic; returns the bytes freed."""
         return sum(log.expire(now) for log in self._topics.values())
+
+    def expire_due(self, now: float) -> int:
+        """Apply retention to the next slice of topics (broker/sweep.py): each within SWEEP_PERIOD, while the
+        timers run that often.  (Bytes are applied as each record is appended; this is for age.)"""
+        topics = self._topics
+        return sum(log.expire(now) for name in self._expiry.take(topics, now) if (log := topics.get(name)) is not None)
 
     def memory(self) -> int:
         """Bytes the topics held and their stored messages take in memory, estimated (RECORD_MEMORY,

@@ -18,6 +18,7 @@ from typing import Final, Protocol, TypeVar
 from broker.pubsub.replica import Replica, Stage, Transition
 from broker.pubsub.settings import SAME_COORD, PubSubConfig
 from broker.store import TopicStore
+from broker.sweep import Sweep
 from overlay.geometry import Coord, NearestNodes, distance, geohash
 from overlay.protocol import (
     CORR_SPAN,
@@ -141,6 +142,14 @@ class TopicTable:
         self.config = config
         self.store = store
         self.replicas: dict[str, Replica] = {}
+        # Replicas with a precise time-out under way (an unconfirmed batch, an offer, a pull, a back-fill): every
+        # tick looks at them (`due`); the others a slice per tick, each within SWEEP_PERIOD (broker/sweep.py).
+        # Added where that work starts (`wake`), dropped by the tick that finds it done.
+        self.active: dict[str, Replica] = {}
+        # Counts the changes of which topics are held (a replica made or dropped, a delegate list kept or
+        # dropped): STATUS sorts the names again only after one (the broker's `held_page`).
+        self.held_version = 0
+        self._sweep: Sweep[str] = Sweep()
         self._corr = count(1 + secrets.randbelow(CORR_SPAN))  # (CORR_SPAN says why)
         self._homes: dict[str, Coord] = {}
         # ranked() per coordinate for the current view (`_ranked_nodes`), and that view's nodes by distance.
@@ -194,6 +203,22 @@ class TopicTable:
         }
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event
+
+    def wake(self, r: Replica) -> None:
+        """r has work with a precise time-out under way: the next ticks look at it until it is done."""
+        self.active[r.name] = r
+
+    def due(self, now: float) -> list[Replica]:
+        """The replicas the timers look at in this tick: the active ones, and the sweep's next slice."""
+        replicas = self.replicas
+        gone = [name for name, r in self.active.items() if replicas.get(name) is not r]
+        for name in gone:  # dropped (or made again) since it was woken
+            del self.active[name]
+        out = dict(self.active)
+        for name in self._sweep.take(replicas, now):
+            if (r := replicas.get(name)) is not None:
+                out[name] = r
+        return list(out.values())
 
     def next_corr(self) -> int:
         return next(self._corr)
@@ -318,6 +343,7 @@ class TopicTable:
         """Forget r and its data (no longer this broker's to hold)."""
         if self.replicas.get(r.name) is r:
             del self.replicas[r.name]
+            self.held_version += 1
             self.store.drop(r.name)
         if r.stage is not Stage.GONE:
             r.enter(Transition.DROP)

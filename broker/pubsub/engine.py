@@ -226,12 +226,13 @@ class PubSub:
         """Timers: replication, pull and move time-outs, registrations made again, delegate-list re-sends, notes,
         retention, empty topics."""
         now = self.table.ov.now()
-        self.replication.tick(now)
+        due = self.table.due(now)
+        self.replication.tick(now, due)
         self.access.tick(now)
-        self.moves.tick(now)
+        self.moves.tick(now, due)
         self.home.tick(now)
         self.accounting.tick(now)
-        self.store.expire(now)
+        self.store.expire_due(now)
         self.holder.sweep_empty(now)
         self.holder.check_memory(now)
         self.store.sync_due(now)
@@ -250,9 +251,20 @@ class PubSub:
         self.moves.release_arrived(m)
 
     # ---- status and loads --------------------------------------------------------------------------------
-    def topics(self) -> list[tuple[str, str, int]]:
-        """(topic, role, stored bytes) for every topic held (loads.py)."""
-        return self.accounting.topics()
+    def topics(self, names: Iterable[str] | None = None) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) for every topic held, or for those of names (loads.py)."""
+        return self.accounting.topics(names)
+
+    @property
+    def held_version(self) -> int:
+        """Changes when the set of topics held does (core.TopicTable.held_version)."""
+        return self.table.held_version
+
+    def held_names(self) -> list[str]:
+        return self.accounting.held_names()
+
+    def held_count(self) -> int:
+        return self.accounting.held_count()
 
     def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
         """topic -> (state, bytes behind, pulls or offers pending), of every replica or of topics' (loads.py)."""

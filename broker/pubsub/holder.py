@@ -100,6 +100,7 @@ class HolderRole:
             r.rank = self.t.rank_of_me(r.coord)
             r.settle()
             self.t.replicas[topic] = r
+            self.t.held_version += 1
         return r
 
     def topic_request_arrived(self, msg: TopicRequest) -> None:
@@ -577,6 +578,7 @@ class HolderRole:
             if (newest := r.log.last_ts) is not None:
                 r.last_ts = newest
             self.t.replicas[meta.name] = r
+            self.t.held_version += 1
 
     def resume(self) -> None:
         """The broker joined: each recovered topic syncs (primary), holds (copy) or goes (neither)."""

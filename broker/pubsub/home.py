@@ -127,11 +127,13 @@ class HomeRole:
         and after a full restart its copies come back there.  In memory only, a home started again made the
         topic afresh at its home coordinate, beside the copies serving at the delegate coordinate: publishes
         went to one, subscriptions to the other (benchmarks/chaos.py)."""
+        self.t.held_version += 1  # (a list kept or dropped)
         self.t.store.save_delegates(self.delegate_lists)
 
     def recovered(self, lists: dict[str, list[Delegation]]) -> None:
         """The lists `_keep` wrote before a restart (whether this broker is still the home is up to the view)."""
         self.delegate_lists.update(lists)
+        self.t.held_version += 1
 
     def delegate_update_arrived(self, m: DelegateUpdate) -> None:
         """DELEGATE_UPDATE: a new list from the topic's primary, the home's copy for its secondary (or the other

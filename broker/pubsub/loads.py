@@ -11,11 +11,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, same
-from broker.pubsub.replica import OPERATOR_STATE, Stage
+from broker.pubsub.replica import OPERATOR_STATE, Replica, Stage
 from overlay.delegation import NodeLoad, TertiaryNote
 from overlay.geometry import Coord
 from overlay.load import failure_sums, l3_additional
 from overlay.protocol import NodeInfo
+from overlay.pubsub import Delegation
 
 if TYPE_CHECKING:
     from broker.pubsub.home import HomeRole
@@ -38,25 +39,45 @@ class LoadRole:
     def forget_note(self, topic: str) -> None:
         self._t3notes.pop(topic, None)
 
-    def topics(self) -> list[tuple[str, str, int]]:
-        """(topic, role, stored bytes) for every topic held, and the delegated topics this broker is home of.
+    def topics(self, names: Iterable[str] | None = None) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) for every topic held, and the delegated topics this broker is home of; or
+        for those of `names` (a page of STATUS; a name held in no role has no entry).
 
         Roles: primary (at the topic's home coordinate), delegate (primary at a delegate coordinate),
         secondary, tertiary, home (keeps the delegate list of a topic that lives elsewhere).
         """
+        replicas, lists = self.t.replicas, self.home.delegate_lists
+        chosen: Iterable[Replica]
+        listed: Iterable[tuple[str, list[Delegation]]]
+        if names is None:
+            chosen, listed = replicas.values(), lists.items()
+        else:
+            wanted = list(names)
+            chosen = [replicas[n] for n in wanted if n in replicas]
+            listed = [(n, lists[n]) for n in wanted if n in lists]
         out = []
-        for r in self.t.replicas.values():
+        for r in chosen:
             if r.rank == 1:
                 role = "primary" if same(r.coord, r.home) else "delegate"
             else:
                 role = {2: "secondary", 3: "tertiary"}.get(r.rank, "none")
             out.append((r.name, role, r.log.size))
-        me = self.t.ov.me.id
-        for topic, dl in self.home.delegate_lists.items():
-            home = self.t.home(topic)
-            if not same(dl[-1].coord, home) and self.t.closest_id(home) == me:
-                out.append((topic, "home", 0))
+        out.extend((topic, "home", 0) for topic, dl in listed if self._home_of(topic, dl))
         return out
+
+    def _home_of(self, topic: str, dl: list[Delegation]) -> bool:
+        """This broker keeps the delegate list of a topic that lives elsewhere (the "home" role)."""
+        home = self.t.home(topic)
+        return not same(dl[-1].coord, home) and self.t.closest_id(home) == self.t.ov.me.id
+
+    def held_names(self) -> list[str]:
+        """The names `topics` may list, sorted: every replica's, and every delegate list's (whether this broker
+        is the home of it now is up to the view)."""
+        return sorted(self.t.replicas.keys() | self.home.delegate_lists.keys())
+
+    def held_count(self) -> int:
+        """How many entries `topics()` has, without making them (the delegate lists are the moved topics)."""
+        return len(self.t.replicas) + sum(self._home_of(t, dl) for t, dl in self.home.delegate_lists.items())
 
     def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
         """topic -> (state, bytes behind, pulls or offers pending) for every replica held, or for those of topics

@@ -11,6 +11,7 @@ docs/protocol.md "Moving a topic").
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
@@ -326,10 +327,11 @@ class MoveRole:
         r.forget_primary_work()
         r.copy.alone()  # a copy at the new coordinate now: a next holder it has there is new to it
 
-    def tick(self, now: float) -> None:
-        """Moves and hand-overs that took too long; forwards that expired."""
+    def tick(self, now: float, due: Iterable[Replica]) -> None:
+        """Moves and hand-overs that took too long (of the replicas `due` this tick, TopicTable.due: a move's
+        time-out is seconds, a sweep's slices see each replica within a second); forwards that expired."""
         timeout = self.t.config.move_timeout
-        for r in list(self.t.replicas.values()):
+        for r in due:
             if r.move is not None and now - r.move.started > timeout:
                 self._abort_move(r, f"no confirmation from the new coordinate within {timeout:.1f} s")
             if r.staged is not None and now - r.staged.since > 2 * timeout + 1.0:

@@ -485,6 +485,8 @@ class Replica:
     unchecked: bool = False
     # At a primary: publishers last seen up to here were named in a HEADS already (replication `_tell_heads`).
     heads_at: float = 0.0
+    # When its last anti-entropy round was (replication `tick`): each replica has its own, a sweep apart.
+    checked_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.copy = Copy(self.name)

@@ -23,6 +23,7 @@ overlay changes is ranks.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,6 @@ class ReplicationRole:
 
     def __init__(self, table: TopicTable) -> None:
         self.t = table
-        self._last_anti_entropy = 0.0
         # Level 3, at the secondary: corr of a batch passed on to the tertiary -> what to confirm to the primary
         # once the tertiary and this broker's disk hold it (`_chain`).
         self._chained: dict[int, _Chained] = {}
@@ -145,6 +145,7 @@ class ReplicationRole:
         if whole and len(r.window) > MAX_SUPERSEDED:
             r.window.clear()  # re-sends that stayed unconfirmed: this batch carries everything they did
         r.window.append(Batch(corr, sec.id, self.t.ov.now(), upto, whole, meta_version=r.meta_version if meta else -1))
+        self.t.wake(r)  # (its re-send time-out)
         r.outbox.clear()
         r.meta_dirty = False
         self.t.counters["replicated_batches"] += 1
@@ -163,6 +164,7 @@ class ReplicationRole:
         not acknowledged for ~1 s when a new secondary got 300,000 records as one batch."""
         corr = self.t.next_corr()
         r.copy.offered(Backfill(corr, sec.id, self.t.ov.now()))
+        self.t.wake(r)
         self.t.counters["offers"] += 1
         have = r.log.offerable()
         self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, have, False, tuple(r.delegates)))
@@ -506,14 +508,18 @@ class ReplicationRole:
             self.t.counters["heads"] += 1
             self.t.tell_subscribers(r.subscribers.values(), Heads(r.name, dict(quiet[i : i + SUBSCRIBED_TABLE_MAX])))
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, due: Iterable[Replica]) -> None:
         """Re-send unconfirmed batches, back-fills and anti-entropy (with the copies, and HEADS to the
-        subscribers); the sync role repeats offers and slow pulls, the ranking role retires a copy ranked out."""
-        anti_entropy = now - self._last_anti_entropy >= self.t.config.anti_entropy_interval
-        if anti_entropy:
-            self._last_anti_entropy = now
+        subscribers); the sync role repeats offers and slow pulls, the ranking role retires a copy ranked out.
+        `due`: the replicas this tick looks at (TopicTable.due): those with such work under way, and a slice of
+        the others, each of which so has its anti-entropy round every anti_entropy_interval or up to a
+        SWEEP_PERIOD later."""
         self.sync.drop_quiet_answers(now)
-        for r in list(self.t.replicas.values()):
+        interval = self.t.config.anti_entropy_interval
+        for r in due:
+            anti_entropy = now - r.checked_at >= interval
+            if anti_entropy:
+                r.checked_at = now
             self.sync.repeat_offers(r, now)
             if anti_entropy and self.ranks.ranked_out(r):
                 continue
@@ -541,3 +547,5 @@ class ReplicationRole:
                 r.meta_dirty = True
                 self.flush(r)
             self.sync.retry_pull(r, now)
+            if not (r.window or r.offers or r.copy.offer is not None or (r.pull is not None and r.pull.asked)):
+                self.t.active.pop(r.name, None)  # nothing left that times out: the sweep's slices see it

@@ -101,6 +101,7 @@ class SyncRole:
         assert pull is not None  # made by enter: SYNCING or TAKING_OVER now
         pull.started = pull.heard = self.t.ov.now()
         pull.retried = False
+        self.t.wake(r)  # (the pull's time-out)
         have = r.log.digest()  # the answers carry only what this broker lacks (a restart fetches its gap)
         asked = set()
         if offered is not None:
@@ -229,6 +230,7 @@ class SyncRole:
         if track:
             r.offers.clear()
             r.offered_at = self.t.ov.now()
+            self.t.wake(r)  # (the offer's time-out)
         have = r.log.offerable()
         me = self.t.ov.me
         # A copy's subscribers go along: a demoted primary may hold some the new primary never heard of (a

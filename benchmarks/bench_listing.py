@@ -1,0 +1,110 @@
+"""What listing a broker's topics costs it (not a test): the pages of STATUS and HELD_REQ at 10^4-10^5 topics.
+
+    .venv/bin/python benchmarks/bench_listing.py                     # 20,000 and 100,000 topics
+    .venv/bin/python benchmarks/bench_listing.py --topics 50000 --listings 3
+
+`sedax brokers`, `sedax topics`, `sedax status` and `sedax cluster restart`'s wait read every topic of a broker,
+STATUS_PAGE (1,000) names at a time.  A page is answered on the broker's event loop, so what it costs is a stall
+of everything else the broker does: heartbeats (0.6 s of silence is a failure), publishes, deliveries.
+
+One broker (level 1, memory only, plain TCP) is given N topics (one message each, published in batches), then
+read whole `--listings` times by an admin connection (`AdminClient.status` + `holdings`, as the tools do) while a
+second client publishes one message at a time and times each acknowledgement.  Printed per N: the time of a
+listing, the longest page answer as the tool saw it, and the publisher's ACK latency p50 / max during the
+listings against the same publisher's while nothing lists (the stall the listing put on the broker's loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_ROOT))
+
+from harness import code_state, uptime  # noqa: E402
+
+from cli.cluster import LocalCluster  # noqa: E402
+from client.admin import AdminClient  # noqa: E402
+from client.client import Client  # noqa: E402
+from net.credentials import Credentials  # noqa: E402
+
+PLAIN = Credentials(insecure=True)
+
+
+async def _fill(addr: str, n: int) -> None:
+    async with Client(addr, credentials=PLAIN) as c:
+        batch = 2000
+        for start in range(0, n, batch):
+            acks = [await c.publish_nowait(f"grid/list/{i:07d}", b"v") for i in range(start, min(n, start + batch))]
+            await asyncio.gather(*acks)
+
+
+async def _acks(addr: str, stop: asyncio.Event, out: list[float]) -> None:
+    async with Client(addr, credentials=PLAIN) as c:
+        while not stop.is_set():
+            t = time.perf_counter()
+            await c.publish("grid/probe", b"p")
+            out.append((time.perf_counter() - t) * 1000)
+            await asyncio.sleep(0.002)
+
+
+async def one(n: int, listings: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="sedax-bench-listing-") as d:
+        async with LocalCluster(1, state_dir=Path(d), tls=False, resilience=1) as cluster:
+            addr = cluster.nodes[0].listen
+            await _fill(addr, n)
+            quiet: list[float] = []
+            stop = asyncio.Event()
+            probe = asyncio.create_task(_acks(addr, stop, quiet))
+            await asyncio.sleep(2.0)
+            stop.set()
+            await probe
+            busy: list[float] = []
+            stop = asyncio.Event()
+            probe = asyncio.create_task(_acks(addr, stop, busy))
+            took, longest = [], 0.0
+            async with await AdminClient.connect(addr, credentials=PLAIN) as admin:
+                for _ in range(listings):
+                    t0 = time.perf_counter()
+                    st = await admin.status()
+                    held = await admin.holdings(st)
+                    took.append(time.perf_counter() - t0)
+                    assert len(held.held) == n + 1, len(held.held)  # (the probe's topic too)
+                    longest = max(longest, took[-1] / max(1, (n + 999) // 1000))
+            stop.set()
+            await probe
+            return {
+                "listing_s": statistics.median(took),
+                "page_ms_mean": longest * 1000,
+                "quiet_p50": statistics.median(quiet),
+                "quiet_max": max(quiet),
+                "busy_p50": statistics.median(busy),
+                "busy_max": max(busy),
+            }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--topics", default="20000,100000", help="topic counts (default 20000,100000)")
+    p.add_argument("--listings", type=int, default=3, help="whole listings per count (default 3)")
+    args = p.parse_args()
+    print(f"{uptime()}  {code_state()}")
+    print("| topics | a listing, s | per page, ms | ACK p50 / max ms, nothing listing | ACK p50 / max ms, listing |")
+    print("|---:|---:|---:|---:|---:|")
+    for n in (int(x) for x in args.topics.split(",")):
+        r = asyncio.run(one(n, args.listings))
+        print(
+            f"| {n:,} | {r['listing_s']:.2f} | {r['page_ms_mean']:.1f} | {r['quiet_p50']:.2f} / {r['quiet_max']:.1f} "
+            f"| {r['busy_p50']:.2f} / {r['busy_max']:.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
