@@ -43,7 +43,7 @@ class Sweep(Generic[K]):
             return list(mapping)
         share = min(MAX_SHARE, max(0.0, now - self._last) / self.period)
         self._last = now
-        want = math.ceil(len(mapping) * share)
+        want = math.ceil(len(mapping) * share - 1e-9)  # (not one more for a clock's rounding)
         if self._at >= len(self._keys):
             self._keys, self._at = list(mapping), 0
         out = self._keys[self._at : self._at + want]

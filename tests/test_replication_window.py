@@ -144,6 +144,39 @@ def test_a_lost_batch_holds_the_acknowledgements_back_until_it_is_resent(level: 
             assert sorted(r[2] for r in net.nodes[nid].ps.store.get(TOPIC).rows) == list(range(6))
 
 
+def test_a_lost_batch_is_resent_on_time_at_a_primary_of_many_idle_topics() -> None:
+    # The timers look at a slice of the replicas per tick (broker/sweep.py), each within a second, and at every
+    # replica with a batch in flight at each tick: a lost batch must be re-sent at its time-out, not whenever its
+    # topic's slice comes round (here: in the last quarter of a primary holding hundreds of idle topics).
+    net, primary, _, pub = _setup(2)
+    ps = net.nodes[primary].ps
+    for i in range(2000):  # idle topics, ~a fifth of them held at the primary, all made before TOPIC
+        net.nodes[pub].request("p", Publish(f"grid/idle/{i}", "P", 0, b"x", 0))
+    net.nodes[pub].request("p", Publish(TOPIC, "Q", 0, b"m0", 0))
+    assert len(ps.table.replicas) > 200 and list(ps.table.replicas)[-1] == TOPIC
+    net.tick(0.05)  # (the first tick looks at all of them, and finds nothing under way; the next ones at slices)
+    assert not ps.table.active
+    lost: list[Message] = []
+
+    def lose_the_first_batch(to: str, m: Message) -> bool:
+        if not lost and isinstance(m, Replicate) and m.topic == TOPIC and m.origin.id == primary:
+            lost.append(m)
+            return True
+        return False
+
+    net.hold = lose_the_first_batch
+    net.nodes[pub].request("p", Publish(TOPIC, "Q", 1, b"m1", 0))
+
+    def acked() -> bool:
+        return any(isinstance(m, Ack) and m.topic == TOPIC and m.seq == 1 for m in net.nodes[pub].inbox["p"])
+
+    assert lost and not acked()
+    net.hold = lambda to, m: False
+    net.held.clear()
+    net.tick(0.6)  # past REPLICATION_TIMEOUT; a quarter of the replicas' slice, TOPIC not in it
+    assert ps.counters["replication_resends"] == 1 and acked()
+
+
 def _meta_of(batches: list[Replicate]) -> list[tuple[bool, int, int]]:
     """Per REPLICATE: whether it carried the meta, and how many subscribers and publisher-table entries."""
     return [(m.meta, len(m.subscribers), len(m.last_seq)) for m in batches]

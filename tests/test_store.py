@@ -18,6 +18,7 @@ from broker.store import (
     TopicNotFound,
     TopicStore,
 )
+from broker.sweep import Sweep
 from overlay.pubsub import MESSAGE_OVERHEAD, record_size
 from overlay.seqset import SeqRanges, count_outside, lacks, ranges_minus
 from overlay.topics import BadTopic, matches, validate_pattern, validate_topic
@@ -147,6 +148,27 @@ def test_a_topics_retention_is_the_first_rule_its_name_matches_and_a_new_policy_
 def test_a_retention_rule_that_does_not_parse_says_the_form(text: str, match: str) -> None:
     with pytest.raises(BadRetentionRule, match=match):
         RetentionRule.parse(text)
+
+
+def test_a_sweep_visits_every_key_once_per_period_in_slices_as_the_keys_change() -> None:
+    keys = {k: None for k in range(100)}
+    sweep: Sweep[int] = Sweep(period=1.0)
+    assert sweep.take(keys, 0.0) == list(range(100))  # the first call: a whole round
+    seen: list[int] = []
+    for i in range(1, 21):  # ticks 0.05 s apart: five keys each, every key once in the second
+        got = sweep.take(keys, i * 0.05)
+        assert len(got) <= 5
+        seen += got
+    assert sorted(seen) == list(range(100))
+    assert sweep.take(keys, 60.0) == list(range(25))  # a long pause: a quarter at most (MAX_SHARE), not all
+    keys[100] = None
+    del keys[50]
+    rest: list[int] = []
+    while len(rest) < 75:  # the round goes on with the keys it started with, the one dropped since included ...
+        rest += sweep.take(keys, 60.0 + 0.25 * (len(rest) // 25 + 1))
+    assert rest == list(range(25, 100))
+    nxt = [k for i in range(4) for k in sweep.take(keys, 62.0 + 0.25 * i)]
+    assert sorted(nxt) == sorted(keys)  # ... and the next round has the new one, not the one gone
 
 
 def test_since_and_merge() -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import Replica, Stage, Transition
+from broker.sweep import Sweep
 from overlay.delegation import DelegateUpdate, DelegateUpdated, Lease, Leased
 from overlay.geometry import Coord
 from overlay.protocol import NodeInfo
@@ -32,6 +33,7 @@ class HomeRole:
         self.ranks: RankRole
         # Delegate lists of topics whose home this broker is (or the home's secondary).
         self.delegate_lists: dict[str, list[Delegation]] = {}
+        self._list_sweep: Sweep[str] = Sweep()
         self._last_move: dict[str, float] = {}  # when each topic last moved (cool-down)
         self._leases: dict[str, tuple[float, str]] = {}  # topic -> (expiry, leaseholder id)
         self._unconfirmed: dict[int, tuple[str, tuple[Delegation, ...], float]] = {}  # corr -> (topic, list, sent)
@@ -210,9 +212,10 @@ class HomeRole:
         """Re-send delegate lists the home has not confirmed: a list must not be lost.  A replica here whose own
         list is earlier than the one this broker keeps follows it (a copy made or read back before the list
         was known here; nothing else would tell it)."""
-        for topic, kept in list(self.delegate_lists.items()):
+        lists = self.delegate_lists
+        for topic in self._list_sweep.take(lists, now):  # (a slice per tick: there is one per moved topic)
             r = self.t.replicas.get(topic)
-            if r is not None and later(kept, r.delegates):
+            if r is not None and (kept := lists.get(topic)) is not None and later(kept, r.delegates):
                 self.ranks.follow(topic, kept)
         for corr, (topic, dl, sent) in list(self._unconfirmed.items()):
             if now - sent > 1.0:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import OPERATOR_STATE, Replica, Stage
+from broker.sweep import Sweep
 from overlay.delegation import NodeLoad, TertiaryNote
 from overlay.geometry import Coord
 from overlay.load import failure_sums, l3_additional
@@ -29,6 +30,7 @@ class LoadRole:
         self.t = table
         self.home = home
         self._t3notes: dict[str, tuple[str, str, float, float]] = {}  # topic -> (N1, N2, size, until)
+        self._note_sweep: Sweep[str] = Sweep()
 
     def tertiary_note_arrived(self, m: TertiaryNote) -> None:
         """TERTIARY_NOTE: the topics this broker would take over if both their N1 and N2 failed."""
@@ -155,5 +157,8 @@ class LoadRole:
         return out
 
     def tick(self, now: float) -> None:
-        for topic in [t for t, v in self._t3notes.items() if v[3] < now]:
-            del self._t3notes[topic]
+        """Forget expired notes: a slice of them per tick (broker/sweep.py), as many as the topics held at level 3."""
+        notes = self._t3notes
+        for topic in self._note_sweep.take(notes, now):
+            if (note := notes.get(topic)) is not None and note[3] < now:
+                del notes[topic]
