@@ -65,6 +65,18 @@ async def hup(bp: BrokerProcess, expect: str) -> int:
     return since
 
 
+async def connects(listen: str) -> bool:
+    """Whether a new client connection to the broker at listen is admitted (not refused, not failed)."""
+    c = Client(listen, reconnect=False)
+    try:
+        await c.connect()
+    except ClientError:
+        return False
+    finally:
+        await c.aclose()
+    return True
+
+
 async def wait_refused(client: Client, topic: str, what: str, within: float = 20.0) -> None:
     """Publish to topic until the broker refuses the client (a ClientError, or no answer in its request_timeout):
     what a client cut off by a reload sees, once its reconnects fail too."""

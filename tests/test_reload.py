@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cluster import hup, log_has, log_size, wait_for, wait_refused
+from cluster import connects, hup, log_has, log_size, wait_for, wait_refused
 from conftest import FAST_ARGS
 
 from broker.guard import COUNTERS as GUARD_COUNTERS
@@ -327,18 +327,7 @@ async def test_sighup_changes_max_connections_for_new_connections_and_the_topic_
         for k, c in enumerate(kept):  # the three connected before are served on
             assert (await c.publish("grid/conn/1", b"%d" % k)).seq == 0
             await c.aclose()
-        await wait_for(lambda: connect_ok(bp.listen), 10.0, "a slot free again under the lowered limit")
-
-
-async def connect_ok(listen: str) -> bool:
-    c = Client(listen, reconnect=False)
-    try:
-        await c.connect()
-    except ClientError:
-        return False
-    finally:
-        await c.aclose()
-    return True
+        await wait_for(lambda: connects(bp.listen), 10.0, "a slot free again under the lowered limit")
 
 
 async def test_a_retention_rule_applies_at_every_holder_and_a_reload_changes_it(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import log_has, log_size, raw_connect, read_until_eof, wait_for
+from cluster import connects, log_has, log_size, raw_connect, read_until_eof, wait_for
 from conftest import FAST_ARGS
 
 from cli.cluster import BrokerProcess, LocalCluster
@@ -184,18 +184,7 @@ async def test_max_connections_refused_with_a_reason(tmp_path: Path) -> None:
                     await third.connect()
                 await third.aclose()
             assert c1.address == addr
-
-            async def connects() -> bool:
-                c = Client(addr, reconnect=False)
-                try:
-                    await c.connect()
-                except ConnectError:
-                    return False
-                finally:
-                    await c.aclose()
-                return True
-
-            await wait_for(connects, 10.0, "a slot freed by the closed client")
+            await wait_for(lambda: connects(addr), 10.0, "a slot freed by the closed client")
 
 
 # ------------------------------------------------------------------------------------ slow subscribers
