@@ -301,7 +301,7 @@ class Broker(Membership, Routing):
         connections_changed = config.max_connections != self.config.max_connections
         retention_changed = config.retention_policy() != self.config.retention_policy()
         self.config = config
-        if retention_changed:  # (what a topic no longer keeps goes at the next expiry, within a beat)
+        if retention_changed:  # (what a topic no longer keeps goes at its next age check: broker/sweep.py)
             changed = self.pubsub.store.retain(config.retention_policy())
             self.log.info(
                 "retention: %s (%d topics held keep by another retention now)", self.pubsub.store.policy, changed
