@@ -83,7 +83,8 @@ class BrokerConfig:
             the brokers' heartbeat window because a client's liveness decides no failover and a busy client
             (a burst of publishes) may not answer PINGs at once.
         connect_timeout: seconds to open a TCP connection to a peer.
-        join_timeout: seconds to wait for the overlay's answer to JOIN.
+        join_timeout: seconds to keep trying the join addresses (a JOIN not answered within 2 s, the wait
+            doubling each round, is sent again: membership.JOIN_ANSWER_FIRST).
         drain_timeout: seconds a graceful shutdown waits for links to flush.
         tombstone_ttl: seconds a failed or departed node stays excluded from the view.
         max_hops: hop limit stamped on routed frames this broker originates (<= 255).

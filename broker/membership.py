@@ -58,6 +58,12 @@ JOIN_RETRY_MAX: Final = 2.0
 # join together (a full restart): waiting the whole join time-out for it kept the broker's recovered topics
 # RECOVERING (requests waiting) for up to SEDAX_JOIN_TIMEOUT.
 JOIN_ANSWER_GRACE: Final = 1.0
+# And when no neighbour links either, the answer was lost on its way back (a reply routed while the brokers
+# around the answering one still formed the overlay: "no linked neighbour leads back"), or the machine is slow:
+# the JOIN is sent again after this long, the wait doubling each time, until --join-timeout.  Waiting the whole
+# join time-out for one lost answer made a broker of a cluster started together exit 4 (CI, 2026-11-29); a
+# broker that asks again is accepted again (`_answer_join`).
+JOIN_ANSWER_FIRST: Final = 2.0
 # A neighbour that *failed* (not one that left) may be alive on the other side of a partition.  Once its
 # tombstone lapses it is dialled again now and then, the pause doubling from REDIAL_FIRST to REDIAL_MAX, for
 # REDIAL_FOR seconds: when the partition heals, the two overlays find each other and merge into one Delaunay
@@ -148,12 +154,13 @@ class Membership:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.join_timeout
         pause = JOIN_RETRY_FIRST
+        answer_within = JOIN_ANSWER_FIRST
         while True:
             errors: list[str] = []
             no_overlay = True  # every address is down or still joining itself: no overlay to join
             for addr in self.config.join:
                 try:
-                    accept = await self._join_via(addr)
+                    accept = await self._join_via(addr, min(answer_within, max(0.1, deadline - loop.time())))
                 except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
                     if self._peer_up.is_set():
                         # The answer was late (a loaded machine), but the overlay accepted us meanwhile:
@@ -184,6 +191,7 @@ class Membership:
             self.log.info("no join address answered; trying again in %.1f s", pause)
             await asyncio.sleep(pause)
             pause = min(pause * 2, JOIN_RETRY_MAX)
+            answer_within *= 2
 
     async def _joined(self, addr: str, accept: JoinAccept) -> None:
         self.joined = True
@@ -198,7 +206,7 @@ class Membership:
             raise JoinFailed(f"accepted via {addr} but no neighbour link came up") from None
         self.pubsub.resume()
 
-    async def _join_via(self, addr: str) -> JoinAccept:
+    async def _join_via(self, addr: str, answer_within: float) -> JoinAccept:
         host, port = parse_address(addr)
         async with asyncio.timeout(self.config.connect_timeout):
             transport = await connect_broker(
@@ -211,7 +219,7 @@ class Membership:
         )  # fmt: skip
         try:
             await link.open(hello)
-            reply = await self._join_answer(link)
+            reply = await self._join_answer(link, answer_within)
         except HandshakeRefused as exc:
             if exc.code == "shutting_down":
                 raise LinkClosed(CloseReason.REFUSED, exc.text) from exc
@@ -230,13 +238,13 @@ class Membership:
             case _:
                 raise LinkClosed(CloseReason.PROTOCOL_ERROR, f"unexpected answer to JOIN: {reply.op}")
 
-    async def _join_answer(self, link: PeerLink) -> Message:
-        """JOIN's answer on link; TimeoutError after join_timeout, or JOIN_ANSWER_GRACE after a neighbour linked
-        to this broker without it (join() then counts the broker as accepted)."""
+    async def _join_answer(self, link: PeerLink, within: float) -> Message:
+        """JOIN's answer on link; TimeoutError after `within` (join() asks again), or JOIN_ANSWER_GRACE after a
+        neighbour linked to this broker without it (join() then counts the broker as accepted)."""
         answer = asyncio.ensure_future(link.request(Join(1, self.info)))
         linked = asyncio.ensure_future(self._peer_up.wait())
         try:
-            async with asyncio.timeout(self.config.join_timeout):
+            async with asyncio.timeout(within):
                 await asyncio.wait((answer, linked), return_when=asyncio.FIRST_COMPLETED)
                 if not answer.done():
                     await asyncio.wait((answer,), timeout=JOIN_ANSWER_GRACE)

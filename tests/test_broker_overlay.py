@@ -189,6 +189,30 @@ async def test_a_newcomer_whose_join_answer_is_lost_goes_on_once_a_neighbour_lin
         assert "answered late" in newcomer.err_path.read_text()
 
 
+async def test_a_join_that_gets_no_answer_and_no_neighbour_is_sent_again(tmp_path: Path) -> None:
+    # A 10-broker cluster started together in CI (2026-11-29): the broker that answered a JOIN was joining
+    # itself, the route back ended at it ("no linked neighbour leads back"), and it dropped the newcomer again as
+    # the overlay around it formed.  No answer and no neighbour: the newcomer waited its whole join time-out and
+    # exited 4.  Here a relay of ours drops the first JOIN on its way (nobody accepts it, nobody dials the
+    # newcomer); the newcomer sends it again after JOIN_ANSWER_FIRST instead of waiting 600 s.
+    async with LocalCluster(3, seed=7, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
+        await cluster.wait_converged(20.0)
+        dropped: list[str] = []
+
+        def drop(m: Message, up: bool) -> bool:
+            if up and isinstance(m, Join) and not dropped:
+                dropped.append(m.node.id)
+                return True
+            return False
+
+        async with Relay(cluster.nodes[0].listen, drop) as relay:
+            newcomer = cluster.spawn((0.5, 0.5), [relay.address], "--join-timeout", "600")
+            await cluster.wait_ready(newcomer)
+            await cluster.wait_converged(20.0)
+        assert dropped == [newcomer.node_id]
+        assert f"joined via {relay.address}" in newcomer.err_path.read_text()
+
+
 async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tmp_path: Path) -> None:
     # A crashed broker started again at once (systemd's Restart=always) at its address and coordinate.  Its
     # former neighbours redial a lost neighbour's address once its tombstone lapses (2 s): the new life
