@@ -299,10 +299,11 @@ class Broker(Membership, Routing):
         self.guard.counters["reloads"] += 1
         self.guard.last_reload_ok = True
         connections_changed = config.max_connections != self.config.max_connections
-        retention_changed = config.retention_policy() != self.config.retention_policy()
+        policy = config.retention_policy()
+        retention_changed = policy != self.pubsub.store.policy
         self.config = config
         if retention_changed:  # (what a topic no longer keeps goes at its next age check: broker/sweep.py)
-            changed = self.pubsub.store.retain(config.retention_policy())
+            changed = self.pubsub.store.retain(policy)
             self.log.info(
                 "retention: %s (%d topics held keep by another retention now)", self.pubsub.store.policy, changed
             )

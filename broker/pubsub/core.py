@@ -204,6 +204,11 @@ class TopicTable:
         # Observability: events for the metrics log (the broker sets PubSub.event; docs/logs.md).
         self.event: Callable[..., None] = no_event
 
+    def hold(self, r: Replica) -> None:
+        """r is this broker's replica of its topic from now on (made, or read back from disk)."""
+        self.replicas[r.name] = r
+        self.held_version += 1
+
     def wake(self, r: Replica) -> None:
         """r has work with a precise time-out under way: the next ticks look at it until it is done."""
         self.active[r.name] = r

@@ -99,8 +99,7 @@ class HolderRole:
             r = Replica(topic, log_, at, home, own)
             r.rank = self.t.rank_of_me(r.coord)
             r.settle()
-            self.t.replicas[topic] = r
-            self.t.held_version += 1
+            self.t.hold(r)
         return r
 
     def topic_request_arrived(self, msg: TopicRequest) -> None:
@@ -577,8 +576,7 @@ class HolderRole:
             r.place(coord, dl)
             if (newest := r.log.last_ts) is not None:
                 r.last_ts = newest
-            self.t.replicas[meta.name] = r
-            self.t.held_version += 1
+            self.t.hold(r)
 
     def resume(self) -> None:
         """The broker joined: each recovered topic syncs (primary), holds (copy) or goes (neither)."""

@@ -491,6 +491,13 @@ class Replica:
     def __post_init__(self) -> None:
         self.copy = Copy(self.name)
 
+    def timing_out(self) -> bool:
+        """Work with a precise time-out is under way: an unconfirmed batch, an offer, a pull, a back-fill (the
+        timers look at it every tick while so: core.TopicTable.wake)."""
+        return bool(
+            self.window or self.offers or self.copy.offer is not None or (self.pull is not None and self.pull.asked)
+        )
+
     def enter(self, transition: Transition) -> Stage:
         """Take a transition of the table; the stage-bound data of the stage left is dropped.  The pull
         bookkeeping is made on entering a pulling stage and kept from one to the other (a failure while syncing

@@ -547,5 +547,5 @@ class ReplicationRole:
                 r.meta_dirty = True
                 self.flush(r)
             self.sync.retry_pull(r, now)
-            if not (r.window or r.offers or r.copy.offer is not None or (r.pull is not None and r.pull.asked)):
+            if not r.timing_out():
                 self.t.active.pop(r.name, None)  # nothing left that times out: the sweep's slices see it
