@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -165,28 +166,36 @@ async def test_a_bootstrap_broker_starts_the_overlay_alone_or_rejoins_it(tmp_pat
         await cluster.wait_converged(20.0)
 
 
+async def _join_through_a_relay(tmp_path: Path, drop: Callable[[Message, bool], bool]) -> tuple[str, str]:
+    """A newcomer (n3, --join-timeout 600: far beyond wait_ready's deadline) joins a settled 3-broker cluster through
+    a relay of ours in front of n0 that drops the frames `drop` picks; once the overlay is whole with it, its log
+    and the relay's address."""
+    async with LocalCluster(3, seed=7, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
+        await cluster.wait_converged(20.0)
+        async with Relay(cluster.nodes[0].listen, drop) as relay:
+            newcomer = cluster.spawn((0.5, 0.5), [relay.address], "--join-timeout", "600")
+            await cluster.wait_ready(newcomer)
+            await cluster.wait_converged(20.0)
+        return newcomer.err_path.read_text(), relay.address
+
+
 async def test_a_newcomer_whose_join_answer_is_lost_goes_on_once_a_neighbour_linked(tmp_path: Path) -> None:
     # The newcomer joins through a relay of ours in front of the bootstrap broker that passes every frame but
     # JOIN_ACCEPT: the answer is lost, as one routed back through a broker whose links are not up yet is, while
     # the join connection itself stays alive (PINGs and PONGs pass).  The closest broker accepted and dials the
     # newcomer all the same; once it has, the newcomer waits at most JOIN_ANSWER_GRACE for the answer instead
     # of its join time-out (600 s here, far beyond wait_ready's deadline).
-    async with LocalCluster(3, seed=7, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
-        await cluster.wait_converged(20.0)
-        swallowed: list[str] = []
+    swallowed: list[str] = []
 
-        def drop(m: Message, up: bool) -> bool:
-            if not up and isinstance(m, JoinAccept):
-                swallowed.append(m.node.id)
-                return True
-            return False
+    def drop(m: Message, up: bool) -> bool:
+        if not up and isinstance(m, JoinAccept):
+            swallowed.append(m.node.id)
+            return True
+        return False
 
-        async with Relay(cluster.nodes[0].listen, drop) as relay:
-            newcomer = cluster.spawn((0.5, 0.5), [relay.address], "--join-timeout", "600")
-            await cluster.wait_ready(newcomer)
-            await cluster.wait_converged(20.0)
-        assert swallowed, "the relay passed the JOIN's answer"
-        assert "answered late" in newcomer.err_path.read_text()
+    log, _ = await _join_through_a_relay(tmp_path, drop)
+    assert swallowed, "the relay passed the JOIN's answer"
+    assert "answered late" in log
 
 
 async def test_a_join_that_gets_no_answer_and_no_neighbour_is_sent_again(tmp_path: Path) -> None:
@@ -195,22 +204,17 @@ async def test_a_join_that_gets_no_answer_and_no_neighbour_is_sent_again(tmp_pat
     # the overlay around it formed.  No answer and no neighbour: the newcomer waited its whole join time-out and
     # exited 4.  Here a relay of ours drops the first JOIN on its way (nobody accepts it, nobody dials the
     # newcomer); the newcomer sends it again after JOIN_ANSWER_FIRST instead of waiting 600 s.
-    async with LocalCluster(3, seed=7, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
-        await cluster.wait_converged(20.0)
-        dropped: list[str] = []
+    dropped: list[str] = []
 
-        def drop(m: Message, up: bool) -> bool:
-            if up and isinstance(m, Join) and not dropped:
-                dropped.append(m.node.id)
-                return True
-            return False
+    def drop(m: Message, up: bool) -> bool:
+        if up and isinstance(m, Join) and not dropped:
+            dropped.append(m.node.id)
+            return True
+        return False
 
-        async with Relay(cluster.nodes[0].listen, drop) as relay:
-            newcomer = cluster.spawn((0.5, 0.5), [relay.address], "--join-timeout", "600")
-            await cluster.wait_ready(newcomer)
-            await cluster.wait_converged(20.0)
-        assert dropped == [newcomer.node_id]
-        assert f"joined via {relay.address}" in newcomer.err_path.read_text()
+    log, relay = await _join_through_a_relay(tmp_path, drop)
+    assert dropped == ["n3"]  # (the newcomer)
+    assert f"joined via {relay}" in log
 
 
 async def test_a_broker_restarted_before_its_neighbours_redial_it_joins_again(tmp_path: Path) -> None:
