@@ -14,6 +14,8 @@ read whole `--listings` times by an admin connection (`AdminClient.status` + `ho
 second client publishes one message at a time and times each acknowledgement.  Printed per N: the time of a
 listing, the longest page answer as the tool saw it, and the publisher's ACK latency p50 / max during the
 listings against the same publisher's while nothing lists (the stall the listing put on the broker's loop).
+Then `--scrapes` GETs of the broker's Prometheus endpoint (`--metrics`), as Prometheus makes them, the same
+way: the time of a scrape and the ACK latency meanwhile.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -56,9 +59,20 @@ async def _acks(addr: str, stop: asyncio.Event, out: list[float]) -> None:
             await asyncio.sleep(0.002)
 
 
-async def one(n: int, listings: int, brokers: int, resilience: int) -> dict[str, float]:
+def _scrape(endpoint: str) -> float:
+    """One GET /metrics, as Prometheus makes it; seconds."""
+    t = time.perf_counter()
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30) as r:
+        r.read()
+    return time.perf_counter() - t
+
+
+async def one(n: int, listings: int, brokers: int, resilience: int, scrapes: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="sedax-bench-listing-") as d:
-        async with LocalCluster(brokers, seed=3, state_dir=Path(d), tls=False, resilience=resilience) as cluster:
+        args = ("--metrics", "127.0.0.1:0")
+        async with LocalCluster(
+            brokers, seed=3, state_dir=Path(d), tls=False, resilience=resilience, broker_args=args
+        ) as cluster:
             await cluster.wait_converged(30.0)
             addr = cluster.nodes[0].listen
             await _fill(addr, n)
@@ -83,7 +97,19 @@ async def one(n: int, listings: int, brokers: int, resilience: int) -> dict[str,
                     longest = max(longest, took[-1] / max(1, (n + 999) // 1000))
             stop.set()
             await probe
+            scraping: list[float] = []
+            stop = asyncio.Event()
+            probe = asyncio.create_task(_acks(addr, stop, scraping))
+            scraped = []
+            for _ in range(scrapes):
+                scraped.append(await asyncio.to_thread(_scrape, cluster.nodes[0].metrics))
+                await asyncio.sleep(0.2)
+            stop.set()
+            await probe
             return {
+                "scrape_s": statistics.median(scraped) if scraped else float("nan"),
+                "scrape_p50": statistics.median(scraping),
+                "scrape_max": max(scraping),
                 "listing_s": statistics.median(took),
                 "page_ms_mean": longest * 1000,
                 "quiet_p50": statistics.median(quiet),
@@ -99,15 +125,20 @@ def main() -> None:
     p.add_argument("--listings", type=int, default=3, help="whole listings per count (default 3)")
     p.add_argument("--brokers", type=int, default=1, help="brokers (default 1); the first is measured")
     p.add_argument("--resilience", type=int, default=1, choices=(1, 2, 3), help="resilience level (default 1)")
+    p.add_argument("--scrapes", type=int, default=5, help="GETs of the broker's /metrics per count (default 5)")
     args = p.parse_args()
     print(f"{uptime()}  {code_state()}  {args.brokers} broker(s), resilience {args.resilience}")
-    print("| topics | a listing, s | per page, ms | ACK p50 / max ms, nothing listing | ACK p50 / max ms, listing |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| topics | a listing, s | per page, ms | ACK p50 / max ms, nothing listing | ACK p50 / max ms, listing "
+        "| a scrape, s | ACK p50 / max ms, scraping |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.topics.split(",")):
-        r = asyncio.run(one(n, args.listings, args.brokers, args.resilience))
+        r = asyncio.run(one(n, args.listings, args.brokers, args.resilience, args.scrapes))
         print(
             f"| {n:,} | {r['listing_s']:.2f} | {r['page_ms_mean']:.1f} | {r['quiet_p50']:.2f} / {r['quiet_max']:.1f} "
-            f"| {r['busy_p50']:.2f} / {r['busy_max']:.1f} |",
+            f"| {r['busy_p50']:.2f} / {r['busy_max']:.1f} | {r['scrape_s']:.3f} "
+            f"| {r['scrape_p50']:.2f} / {r['scrape_max']:.1f} |",
             flush=True,
         )
 

@@ -35,7 +35,7 @@ from broker.membership import Membership
 from broker.memory import HeapTrimmer, human_bytes, memory_available
 from broker.pubsub import PubSub, PubSubConfig
 from broker.routing import DispatchTable, Routing
-from broker.stats import BrokerStats, Gauges
+from broker.stats import BrokerStats, Gauges, TopicCensus
 from broker.storage import (
     DataDirInUse,
     DiskStore,
@@ -781,9 +781,12 @@ class Broker(Membership, Routing):
         """(topic, role, stored bytes) of every topic held (stats.Observed)."""
         return self.pubsub.topics()
 
-    def replica_states(self) -> dict[str, tuple[str, int, int]]:
-        """topic -> (state, bytes behind, pending) of every replica held (stats.Observed)."""
-        return self.pubsub.replica_states()
+    async def topic_census(self) -> TopicCensus:
+        """The topics held, counted by role and state, a slice per turn of the event loop (stats.Observed)."""
+        census = TopicCensus()
+        for _ in self.pubsub.census(census):
+            await asyncio.sleep(0)
+        return census
 
     def gauges(self) -> Gauges:
         """Neighbours, links and sessions right now (stats.Observed)."""

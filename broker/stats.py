@@ -15,7 +15,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
 import msgpack
@@ -196,6 +196,19 @@ class BrokerStats:
         }
 
 
+@dataclass(slots=True)
+class TopicCensus:
+    """The topics held, counted for a scrape of the metrics: by this broker's role for each (and their stored
+    bytes by role), by the state of each replica with the other holders, and the bytes behind and the pulls or
+    offers pending, summed (LoadRole.census: a slice at a time, the event loop free in between)."""
+
+    roles: dict[str, int] = field(default_factory=dict)
+    stored: dict[str, int] = field(default_factory=dict)
+    states: dict[str, int] = field(default_factory=dict)
+    behind: int = 0
+    pending: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Gauges:
     """What a broker holds right now (read at scrape or snapshot time)."""
@@ -237,8 +250,8 @@ class Observed(Protocol):
         """(topic, role, stored bytes) of every topic held."""
         ...
 
-    def replica_states(self) -> dict[str, tuple[str, int, int]]:
-        """topic -> (state with the other holders, bytes behind, pulls or offers pending)."""
+    async def topic_census(self) -> TopicCensus:
+        """The topics held, counted by role and by state (a slice of them per turn of the event loop)."""
         ...
 
     def gauges(self) -> Gauges: ...

@@ -167,6 +167,21 @@ _as_record = Record._make
 
 
 @dataclass(slots=True)
+class Tally:
+    """What a group of the topics held weighs, kept as each log changes (TopicStore.tallies: one per rank of this
+    broker for them), so a memory check, a load report or a STATUS sums four of these, not every topic: at
+    100,000 topics each walk of them stalled the event loop for 5-6 ms, twice a second."""
+
+    size: int = 0  # their L_T(t) summed, in bytes (record_size)
+    records: int = 0  # their stored messages
+    names: set[str] = field(default_factory=set)
+
+
+# What a log made outside a TopicStore (a unit test, a tool reading a directory) counts into: nobody reads it.
+_LOOSE: Final = Tally()
+
+
+@dataclass(slots=True)
 class _Unsynced:
     """Records written to a journal and not yet synced, under always/batch."""
 
@@ -225,6 +240,8 @@ class TopicLog:
     # Told how many stored records a merge re-stamped (`_reorder_merge`), set by the store: counted in
     # sedax_restamped_records_total.
     on_restamp: Callable[[int], None] | None = None
+    # The tally this log's size and records count into (TopicStore: by this broker's rank for the topic).
+    tally: Tally = field(default_factory=lambda: _LOOSE)
 
     def __post_init__(self) -> None:
         if self.journal is not None:
@@ -344,7 +361,8 @@ class TopicLog:
             if (x := self.expired.get(pub)) is not None:
                 x.discard(seq)  # expired before its sync failed: it leaves held, so it leaves expired too
         kept = deque(r for r in self.rows if (r[1], r[2]) not in lost)
-        self.size -= sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
+        freed = sum(record_size(r[1], r[3]) for r in self.rows if (r[1], r[2]) in lost)
+        self._counted(-freed, len(kept) - len(self.rows))
         self.rows = kept
         for pub, prev in prev_seq.items():
             if prev < 0:
@@ -381,7 +399,11 @@ class TopicLog:
         if self.journal is not None:
             self._stage(row)
         self.rows.append(row)
-        self.size += record_size(msg.publisher, msg.payload)
+        n = record_size(msg.publisher, msg.payload)
+        self.size += n
+        tally = self.tally  # (`_counted`, inlined: once per message)
+        tally.size += n
+        tally.records += 1
         self.last_seq[msg.publisher] = msg.seq
         self._held(msg.publisher).add(msg.seq)
         self.last_seen[msg.publisher] = now
@@ -400,7 +422,7 @@ class TopicLog:
             for row in rows:
                 self._stage(row)
         self.rows.extend(rows)
-        self.size += sum([len(r.payload) for r in recs]) + len(recs) * record_size(publisher, b"")
+        self._counted(sum([len(r.payload) for r in recs]) + len(recs) * record_size(publisher, b""), len(recs))
         self.last_seq[publisher] = recs[-1].seq
         self._held(publisher).add_range(recs[0].seq, recs[-1].seq)
         self.last_seen[publisher] = now
@@ -408,7 +430,7 @@ class TopicLog:
 
     def expire(self, now: float) -> int:
         """Drop messages older than max_age and the oldest beyond max_bytes; returns the bytes freed."""
-        freed = 0
+        freed = dropped = 0
         r = self.retention
         expired = self.expired
         while self.rows and (
@@ -419,10 +441,15 @@ class TopicLog:
             n = record_size(pub, payload)
             self.size -= n
             freed += n
+            dropped += 1
             x = expired.get(pub)
             if x is None:
                 x = expired[pub] = SeqRanges()
             x.add(seq)  # oldest first, so almost always the next of the last range
+        if dropped:
+            tally = self.tally
+            tally.size -= freed
+            tally.records -= dropped
         if len(self.last_seen) > 64 and now >= self._forget_at:
             self._forget_idle(now)
         if freed and self.journal is not None:
@@ -538,6 +565,8 @@ class TopicLog:
 
     def clear(self) -> None:
         """Forget the stored messages; the publishers' sequence numbers (dedup state) stay."""
+        self.tally.size -= self.size
+        self.tally.records -= len(self.rows)
         self.rows.clear()
         self.size = 0
         self.held.clear()
@@ -599,6 +628,13 @@ class TopicLog:
         self._merged(new, now)
         return new
 
+    def _counted(self, size: int, records: int) -> None:
+        """size bytes and that many records more (or fewer) are stored: this log's size and its tally's."""
+        self.size += size
+        tally = self.tally
+        tally.size += size
+        tally.records += records
+
     def _stage_all(self, rows: list[_Row]) -> None:
         if self.journal is not None:
             for row in rows:
@@ -607,7 +643,7 @@ class TopicLog:
     def _merged(self, new: list[StoredMessage], now: float) -> None:
         """What follows the rows of a merge taking their places: size, each publisher's last seq, the journal's
         write under `always`, retention."""
-        self.size += sum(record_size(m.publisher, m.payload) for m in new)
+        self._counted(sum(record_size(m.publisher, m.payload) for m in new), len(new))
         for m in new:
             if m.seq > self.last_seq.get(m.publisher, -1):
                 self.last_seq[m.publisher] = m.seq
@@ -820,6 +856,8 @@ class TopicStore:
         self.policy = retention if isinstance(retention, RetentionPolicy) else RetentionPolicy(retention or Retention())
         self.disk = disk
         self._topics: dict[str, TopicLog] = {}
+        # The topics held by this broker's rank for each (0 none, 1 primary, 2 secondary, 3 tertiary): `ranked`.
+        self.tallies: tuple[Tally, ...] = tuple(Tally() for _ in range(4))
         self._expiry: Sweep[str] = Sweep()
         # Records re-stamped by the merges of every topic held (TopicLog.on_restamp), dropped topics' too.
         self.restamped = 0
@@ -869,13 +907,39 @@ class TopicStore:
         if log is None:
             journal = None if self.disk is None else self.disk.open_log(TopicMeta(name, coord, home, delegates))
             log = self._topics[name] = TopicLog(name, self.policy.of(name), journal=journal, on_restamp=self._restamped)
+            self._count_in(log, self.tallies[0])
         return log
+
+    def _count_in(self, log: TopicLog, tally: Tally | None) -> None:
+        """log's size and records count into tally from now on (None: no longer into any of this store's)."""
+        if (old := log.tally) is not _LOOSE:
+            old.size -= log.size
+            old.records -= len(log.rows)
+            old.names.discard(log.name)
+        if tally is None:
+            log.tally = _LOOSE
+            return
+        tally.size += log.size
+        tally.records += len(log.rows)
+        tally.names.add(log.name)
+        log.tally = tally
+
+    def ranked(self, log: TopicLog, rank: int) -> None:
+        """This broker's rank for log's topic is rank now (TopicTable.rerank): it counts by that in `held`."""
+        if self._topics.get(log.name) is log and log.tally is not (tally := self.tallies[rank]):
+            self._count_in(log, tally)
+
+    def held(self, rank: int) -> int:
+        """L_T summed over the topics this broker holds at rank (1 primary, 2 secondary, 3 tertiary), in bytes."""
+        return self.tallies[rank].size
 
     def drop(self, name: str) -> TopicLog | None:
         """Forget a topic (handed over, or no longer ours), its journal too; returns what was dropped."""
         log = self._topics.pop(name, None)
-        if log is not None and self.disk is not None:
-            self.disk.forget(name)
+        if log is not None:
+            self._count_in(log, None)
+            if self.disk is not None:
+                self.disk.forget(name)
         return log
 
     def recover(self, now: float) -> tuple[list[TopicMeta], RecoveryReport]:
@@ -901,6 +965,7 @@ class TopicStore:
             log.last_seen = dict(rec.last_seen)
             for _, pub, seq, _ in rec.rows:
                 log._held(pub).add(seq)
+            self._count_in(log, self.tallies[0])
             log.expire(now)
             self._topics[rec.meta.name] = log
             metas.append(rec.meta)
@@ -950,7 +1015,7 @@ class TopicStore:
     def memory(self) -> int:
         """Bytes the topics held and their stored messages take in memory, estimated (RECORD_MEMORY,
         TOPIC_MEMORY)."""
-        stored = sum([log.size + len(log.rows) * RECORD_MEMORY for log in self._topics.values()])
+        stored = sum(t.size + t.records * RECORD_MEMORY for t in self.tallies)
         return stored + len(self._topics) * TOPIC_MEMORY
 
     def sizes(self) -> dict[str, int]:

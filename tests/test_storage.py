@@ -426,6 +426,7 @@ async def test_a_failed_sync_takes_the_records_back_and_says_why(tmp_path: Path)
     assert isinstance(exc, SyncFailed) and "check the disk" in str(exc)
     assert exc.lost == {("pub-1", i) for i in range(5, 9)}
     assert [m.seq for m in log.records()] == list(range(5)) and log.last_seq == {"pub-1": 4}
+    assert (store.tallies[0].size, store.tallies[0].records) == (log.size, 5)  # what memory checks count
     assert not log.is_duplicate("pub-1", 5)  # the publisher's re-send is stored, not taken for a duplicate
     assert log.append(Record(200.0, "pub-1", 5, b"re-sent"), 200.0)
     log.persist()

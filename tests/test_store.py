@@ -171,6 +171,58 @@ def test_a_sweep_visits_every_key_once_per_period_in_slices_as_the_keys_change()
     assert sorted(nxt) == sorted(keys)  # ... and the next round has the new one, not the one gone
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tallies_are_what_a_walk_of_every_topic_would_sum(seed: int) -> None:
+    # The memory check, the load report and STATUS read four running tallies (one per rank) instead of walking
+    # every topic: whatever is stored, expired, merged out of order, cleared, dropped or ranked anew, each tally
+    # must be exactly the sum over the topics counted in it.
+    rng = random.Random(seed)
+    store = TopicStore(Retention(max_age=50.0, max_bytes=rng.choice([None, 2000])))
+    rank: dict[str, int] = {}
+    seq: dict[tuple[str, str], int] = {}
+    now = 0.0
+    for _ in range(4000):
+        now += rng.random()
+        name, pub = f"t{rng.randrange(12)}", f"p{rng.randrange(3)}"
+        log = store.ensure(name)
+        rank.setdefault(name, 0)
+        op = rng.random()
+        n = seq.get((name, pub), 0)
+        if op < 0.4:
+            log.append(msg(now, n, size=rng.randrange(1, 60), pub=pub), now)
+            seq[(name, pub)] = n + 1
+        elif op < 0.55:
+            k = rng.randrange(1, 6)
+            if log.last_seq.get(pub, -1) == n - 1:
+                log.append_run([msg(now + i / 1000, n + i, size=20, pub=pub) for i in range(k)], now)
+                seq[(name, pub)] = n + k
+        elif op < 0.7:  # another holder's records: some new, some held, some older than the newest
+            recs = [msg(now - rng.random() * 40, rng.randrange(n + 5), size=15, pub=pub) for _ in range(4)]
+            log.merge(recs, now)
+            seq[(name, pub)] = max([n, *(r.seq + 1 for r in recs)])
+        elif op < 0.8:
+            store.expire_due(now)
+        elif op < 0.85:
+            log.clear()
+        elif op < 0.9:
+            store.drop(name)
+            rank.pop(name)
+            seq = {k: v for k, v in seq.items() if k[0] != name}
+        else:
+            rank[name] = rng.randrange(4)
+            store.ranked(log, rank[name])
+        for r in range(4):
+            mine = [store.get(t) for t, x in rank.items() if x == r]
+            t = store.tallies[r]
+            assert (t.size, t.records, t.names) == (
+                sum(x.size for x in mine),
+                sum(len(x.rows) for x in mine),
+                {x.name for x in mine},
+            )
+        assert all(x.size == sum(record_size(p, b) for _, p, _, b in x.rows) for x in store)
+    assert store.held(1) == sum(store.get(t).size for t, x in rank.items() if x == 1)
+
+
 def test_since_and_merge() -> None:
     log = TopicStore(Retention(max_age=None, max_bytes=None)).ensure("t")
     for i in range(6):

@@ -274,6 +274,12 @@ class TopicTable:
             self._nearest = NearestNodes({nid: n.coord for nid, n in view.items()})
         return view, self._nearest
 
+    def rerank(self, r: Replica, rank: int | None = None) -> None:
+        """r's rank is this broker's for its coordinate now (or `rank`, already worked out); its bytes count by
+        that rank in the store's tallies (what the loads sum).  The one place a replica's rank is set."""
+        r.rank = self.rank_of_me(r.coord) if rank is None else rank
+        self.store.ranked(r.log, r.rank)
+
     def rank_of_me(self, coord: Coord) -> int:
         """1, 2 or 3 if this broker is N1, N2 or N3 of coord, else 0."""
         me = self.ov.me.id

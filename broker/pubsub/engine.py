@@ -19,7 +19,7 @@ dispatches by table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from broker.pubsub.access import AccessRole
@@ -32,6 +32,7 @@ from broker.pubsub.ranks import RankRole
 from broker.pubsub.replication import ReplicationRole
 from broker.pubsub.settings import PubSubConfig
 from broker.pubsub.sync import SyncRole
+from broker.stats import TopicCensus
 from broker.storage import RecoveryReport
 from broker.store import TopicStore
 from overlay.delegation import (
@@ -269,6 +270,10 @@ class PubSub:
     def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
         """topic -> (state, bytes behind, pulls or offers pending), of every replica or of topics' (loads.py)."""
         return self.accounting.replica_states(topics)
+
+    def census(self, into: TopicCensus) -> Iterator[None]:
+        """Count the topics held into `into`, a slice per step (loads.py)."""
+        return self.accounting.census(into)
 
     def topic_coord(self, topic: str) -> Coord | None:
         return self.accounting.topic_coord(topic)

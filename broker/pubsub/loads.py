@@ -7,11 +7,12 @@ the primaries tell it in TERTIARY_NOTEs (kept for `note_ttl`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Final
 
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import OPERATOR_STATE, Replica, Stage
+from broker.stats import TopicCensus
 from broker.sweep import Sweep
 from overlay.delegation import NodeLoad, TertiaryNote
 from overlay.geometry import Coord
@@ -21,6 +22,34 @@ from overlay.pubsub import Delegation
 
 if TYPE_CHECKING:
     from broker.pubsub.home import HomeRole
+
+
+# Replicas a scrape's census counts per step (`LoadRole.census`): ~1-2 ms of the event loop each.
+CENSUS_SLICE: Final = 2000
+_RANK_ROLE: Final = {2: "secondary", 3: "tertiary"}
+
+
+def _role(r: Replica) -> str:
+    """This broker's role for r's topic: primary (at the topic's home coordinate), delegate (primary at a
+    delegate coordinate), secondary, tertiary, none."""
+    if r.rank == 1:
+        return "primary" if same(r.coord, r.home) else "delegate"
+    return _RANK_ROLE.get(r.rank, "none")
+
+
+def _state(r: Replica) -> tuple[str, int, int]:
+    """(state with the other holders, bytes behind, pulls or offers pending) of r (TopicHeld says what each means)."""
+    state = OPERATOR_STATE[r.stage]
+    if r.copy.offer is not None and r.stage in (Stage.SERVING, Stage.HOLDING):
+        state = "backfilling"  # the next holder is being given the history (replication.py `backfill`)
+    if r.stage is Stage.RETIRING:
+        behind = r.log.size
+    elif r.rank == 1:
+        behind = sum(len(x.payload) for x in r.undelivered)
+    else:
+        behind = 0
+    pending = (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers) + (r.copy.offer is not None)
+    return state, behind, pending
 
 
 class LoadRole:
@@ -57,13 +86,7 @@ class LoadRole:
             wanted = list(names)
             chosen = [replicas[n] for n in wanted if n in replicas]
             listed = [(n, lists[n]) for n in wanted if n in lists]
-        out = []
-        for r in chosen:
-            if r.rank == 1:
-                role = "primary" if same(r.coord, r.home) else "delegate"
-            else:
-                role = {2: "secondary", 3: "tertiary"}.get(r.rank, "none")
-            out.append((r.name, role, r.log.size))
+        out = [(r.name, _role(r), r.log.size) for r in chosen]
         out.extend((topic, "home", 0) for topic, dl in listed if self._home_of(topic, dl))
         return out
 
@@ -87,20 +110,30 @@ class LoadRole:
         page of STATUS asks for its topics only: the sums below are over each primary's undelivered records."""
         replicas = self.t.replicas
         chosen = replicas.values() if topics is None else (replicas[t] for t in topics if t in replicas)
-        out = {}
-        for r in chosen:
-            state = OPERATOR_STATE[r.stage]
-            if r.copy.offer is not None and r.stage in (Stage.SERVING, Stage.HOLDING):
-                state = "backfilling"  # the next holder is being given the history (replication.py `backfill`)
-            if r.stage is Stage.RETIRING:
-                behind = r.log.size
-            elif r.rank == 1:
-                behind = sum(len(x.payload) for x in r.undelivered)
-            else:
-                behind = 0
-            pending = (len(r.pull.asked) if r.pull is not None else 0) + len(r.offers) + (r.copy.offer is not None)
-            out[r.name] = (state, behind, pending)
-        return out
+        return {r.name: _state(r) for r in chosen}
+
+    def census(self, into: TopicCensus) -> Iterator[None]:
+        """Count the topics held into `into` (what `topics` and `replica_states` list, summed), CENSUS_SLICE
+        replicas per step: the caller lets the event loop run between steps.  A scrape of the metrics that
+        listed every topic at once held the loop for ~0.2 s at 100,000 topics."""
+        replicas = self.t.replicas
+        held = list(replicas.values())
+        roles, stored, states = into.roles, into.stored, into.states
+        for start in range(0, len(held), CENSUS_SLICE):
+            if start:
+                yield
+            for r in held[start : start + CENSUS_SLICE]:
+                if replicas.get(r.name) is not r:
+                    continue  # dropped meanwhile
+                role = _role(r)
+                roles[role] = roles.get(role, 0) + 1
+                stored[role] = stored.get(role, 0) + r.log.size
+                state, behind, pending = _state(r)
+                states[state] = states.get(state, 0) + 1
+                into.behind += behind
+                into.pending += pending
+        homes = sum(self._home_of(t, dl) for t, dl in list(self.home.delegate_lists.items()))
+        roles["home"] = roles.get("home", 0) + homes
 
     def topic_coord(self, topic: str) -> Coord | None:
         """C(t) of a topic this broker holds, or None."""
@@ -109,7 +142,7 @@ class LoadRole:
 
     def primary_topics(self) -> dict[str, int]:
         """Topics this broker is responsible for and free to move (Alg. 2's candidates): name -> bytes."""
-        return {r.name: r.log.size for r in self.t.replicas.values() if r.rank == 1 and r.stage is Stage.SERVING}
+        return {r.name: r.log.size for r in self._of_rank(1) if r.stage is Stage.SERVING}
 
     def topic_triple(self, topic: str) -> tuple[str, str, str]:
         """N1, N2, N3 node ids of a topic's coordinate ('' where there is none)."""
@@ -122,22 +155,25 @@ class LoadRole:
         items: dict[str, tuple[str, str, float]] = {}
         for topic, (n1, n2, size, _) in self._t3notes.items():
             items[topic] = (n1, n2, size)
-        for r in self.t.replicas.values():
-            if r.rank == 3:
-                ranked = self.t.ranked(r.coord)
-                items[r.name] = (ranked[0].id, ranked[1].id, float(r.log.size))
+        for r in self._of_rank(3):
+            ranked = self.t.ranked(r.coord)
+            items[r.name] = (ranked[0].id, ranked[1].id, float(r.log.size))
         return list(items.values())
+
+    def _of_rank(self, rank: int) -> list[Replica]:
+        """The replicas this broker holds at rank (the store's tally of them knows which: no walk of all)."""
+        replicas = self.t.replicas
+        return [r for name in self.t.store.tallies[rank].names if (r := replicas.get(name)) is not None]
 
     def load_record(self) -> NodeLoad:
         """This broker's load record for LOAD_REPORT: t1, t2 and the eq. (3) failure sums, in bytes."""
-        t1 = float(sum(r.log.size for r in self.t.replicas.values() if r.rank == 1))
-        t2 = float(sum(r.log.size for r in self.t.replicas.values() if r.rank == 2))
+        t1, t2 = float(self.t.store.held(1)), float(self.t.store.held(2))
         return NodeLoad(self.t.ov.me, t1, t2, failure_sums(self._t3_items()), self.t.ov.now())
 
     def loads(self) -> dict[str, int]:
         """L1_N, L2_N, L3_N of this broker in bytes (eqs. 1, 2, 4) from the topics it holds."""
-        l1 = sum(r.log.size for r in self.t.replicas.values() if r.rank == 1)
-        l2 = l1 + sum(r.log.size for r in self.t.replicas.values() if r.rank == 2)
+        l1 = self.t.store.held(1)
+        l2 = l1 + self.t.store.held(2)
         return {"L1": l1, "L2": l2, "L3": l2 + int(l3_additional(failure_sums(self._t3_items())))}
 
     def tertiary_notes(self) -> dict[str, tuple[NodeInfo, list[tuple[str, str, str]], list[float]]]:
@@ -145,9 +181,7 @@ class LoadRole:
         out: dict[str, tuple[NodeInfo, list[tuple[str, str, str]], list[float]]] = {}
         if self.t.config.resilience < 3:
             return out
-        for r in self.t.replicas.values():
-            if r.rank != 1:
-                continue
+        for r in self._of_rank(1):
             ranked = self.t.ranked(r.coord)
             if len(ranked) < 3:
                 continue

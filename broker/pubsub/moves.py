@@ -161,7 +161,7 @@ class MoveRole:
             r.last_ts = max(r.last_ts, newest)
         r.subscribers = {(s.access.id, s.session): s for s in m.subscribers}
         r.place(m.coord, list(m.delegates))
-        r.rank = self.t.rank_of_me(r.coord)
+        self.t.rerank(r)
         if not m.corr:
             r.settle()
             return  # a leading chunk; the final one carries the corr, the waiters and the delivery mark
@@ -235,7 +235,7 @@ class MoveRole:
         self._clear_primary_state(r)
         r.place(mv.to, dl)
         r.moved_at = now
-        r.rank = self.t.rank_of_me(r.coord)
+        self.t.rerank(r)
         r.enter(Transition.HANDED_OVER)
         if r.rank not in (2, 3) or (r.rank == 3 and self.t.config.resilience < 3):
             self.t.drop(r)

@@ -48,7 +48,7 @@ class RankRole:
         self.t.rank_many(r.coord for r in self.t.replicas.values())  # (at once: then rank_of_me reads the cache)
         for r in list(self.t.replicas.values()):
             old = r.rank
-            r.rank = self.t.rank_of_me(r.coord)
+            self.t.rerank(r)
             self._rerank(r, old)
 
     def _rerank(self, r: Replica, old: int, *, offer: bool = False) -> None:
@@ -181,7 +181,7 @@ class RankRole:
         # Publishers of what waits for an acknowledgement here re-send it where the topic lives; the offer takes
         # the records there, so subscribers get what was stored once the holders there merged it.
         r.forget_primary_work()
-        r.rank = self.t.rank_of_me(to)
+        self.t.rerank(r, self.t.rank_of_me(to))
         self._rerank(r, 0, offer=True)
 
     # ---- time ------------------------------------------------------------------------------------------------
@@ -195,6 +195,6 @@ class RankRole:
             return False
         if self.keeps(rank := self.t.rank_of_me(r.coord)):
             return False
-        r.rank = rank
+        self.t.rerank(r, rank)
         self.sync.retire(r)
         return True

@@ -487,6 +487,10 @@ class Replica:
     heads_at: float = 0.0
     # When its last anti-entropy round was (replication `tick`): each replica has its own, a sweep apart.
     checked_at: float = 0.0
+    # When a look of holder `sweep_empty` first found it empty (-1: the last look did not), and when home's
+    # `_check_location` last compared its delegate list (0: not yet looked at).  Both looks go by slices.
+    empty_since: float = -1.0
+    located_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.copy = Copy(self.name)

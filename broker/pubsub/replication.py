@@ -322,7 +322,7 @@ class ReplicationRole:
                 dl = list(m.delegates)
             r.meta_known = True
         r.place(m.coord, dl)
-        r.rank = self.t.rank_of_me(r.coord)
+        self.t.rerank(r)
         if r.rank == 1:
             r.meta_dirty = True  # what a pull or an offer added here goes to the secondary with the next batch
         r.settle()

@@ -78,7 +78,7 @@ MAX_CHAINED: Final = 4096
 # (with the links' drain time it stays within the 10 s a supervisor such as Docker grants before SIGKILL).
 HANDOFF_TIMEOUT: Final = 2.5
 # A topic with nothing in it (no message kept, no publisher remembered, no subscriber, nothing under way) is
-# forgotten by each of its holders once a sweep found it so twice, EMPTY_TOPIC_SWEEP apart: a subscription
+# forgotten by each of its holders once two looks found it so, EMPTY_TOPIC_SWEEP apart: a subscription
 # taken and dropped, or a FETCH of a name nobody used, must not leave a replica (and a file in the data
 # directory) on two or three brokers for ever.
 EMPTY_TOPIC_SWEEP: Final = 60.0
