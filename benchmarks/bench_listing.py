@@ -14,14 +14,17 @@ read whole `--listings` times by an admin connection (`AdminClient.status` + `ho
 second client publishes one message at a time and times each acknowledgement.  Printed per N: the time of a
 listing, the longest page answer as the tool saw it, and the publisher's ACK latency p50 / max during the
 listings against the same publisher's while nothing lists (the stall the listing put on the broker's loop).
-Then `--scrapes` GETs of the broker's Prometheus endpoint (`--metrics`), as Prometheus makes them, the same
-way: the time of a scrape and the ACK latency meanwhile.
+Before the listings the broker's CPU is measured for `--window` seconds idle and as long with the publisher's
+probes: what holding N topics costs it with nothing and with little going on.  Then `--scrapes` GETs of the
+broker's Prometheus endpoint (`--metrics`), as Prometheus makes them, the same way: the time of a scrape and the
+ACK latency meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -59,6 +62,19 @@ async def _acks(addr: str, stop: asyncio.Event, out: list[float]) -> None:
             await asyncio.sleep(0.002)
 
 
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _cpu_share(pid: int, seconds: float) -> float:
+    """The share of a core pid used over the next `seconds`, in %."""
+    c0, t0 = _cpu(pid), time.monotonic()
+    await asyncio.sleep(seconds)
+    return (_cpu(pid) - c0) / (time.monotonic() - t0) * 100
+
+
 def _scrape(endpoint: str) -> float:
     """One GET /metrics, as Prometheus makes it; seconds."""
     t = time.perf_counter()
@@ -67,7 +83,7 @@ def _scrape(endpoint: str) -> float:
     return time.perf_counter() - t
 
 
-async def one(n: int, listings: int, brokers: int, resilience: int, scrapes: int) -> dict[str, float]:
+async def one(n: int, listings: int, brokers: int, resilience: int, scrapes: int, window: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="sedax-bench-listing-") as d:
         args = ("--metrics", "127.0.0.1:0")
         async with LocalCluster(
@@ -76,10 +92,13 @@ async def one(n: int, listings: int, brokers: int, resilience: int, scrapes: int
             await cluster.wait_converged(30.0)
             addr = cluster.nodes[0].listen
             await _fill(addr, n)
+            pid = cluster.nodes[0].proc.pid
+            await asyncio.sleep(2.0)  # (the fill's batches confirmed and its connection gone)
+            idle_cpu = await _cpu_share(pid, window)
             quiet: list[float] = []
             stop = asyncio.Event()
             probe = asyncio.create_task(_acks(addr, stop, quiet))
-            await asyncio.sleep(2.0)
+            probed_cpu = await _cpu_share(pid, window)
             stop.set()
             await probe
             busy: list[float] = []
@@ -107,6 +126,8 @@ async def one(n: int, listings: int, brokers: int, resilience: int, scrapes: int
             stop.set()
             await probe
             return {
+                "idle_cpu": idle_cpu,
+                "probed_cpu": probed_cpu,
                 "scrape_s": statistics.median(scraped) if scraped else float("nan"),
                 "scrape_p50": statistics.median(scraping),
                 "scrape_max": max(scraping),
@@ -125,20 +146,21 @@ def main() -> None:
     p.add_argument("--listings", type=int, default=3, help="whole listings per count (default 3)")
     p.add_argument("--brokers", type=int, default=1, help="brokers (default 1); the first is measured")
     p.add_argument("--resilience", type=int, default=1, choices=(1, 2, 3), help="resilience level (default 1)")
+    p.add_argument("--window", type=float, default=5.0, help="seconds of each CPU measurement (default 5)")
     p.add_argument("--scrapes", type=int, default=5, help="GETs of the broker's /metrics per count (default 5)")
     args = p.parse_args()
     print(f"{uptime()}  {code_state()}  {args.brokers} broker(s), resilience {args.resilience}")
     print(
         "| topics | a listing, s | per page, ms | ACK p50 / max ms, nothing listing | ACK p50 / max ms, listing "
-        "| a scrape, s | ACK p50 / max ms, scraping |"
+        "| a scrape, s | ACK p50 / max ms, scraping | broker CPU %, idle / probed |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.topics.split(",")):
-        r = asyncio.run(one(n, args.listings, args.brokers, args.resilience, args.scrapes))
+        r = asyncio.run(one(n, args.listings, args.brokers, args.resilience, args.scrapes, args.window))
         print(
             f"| {n:,} | {r['listing_s']:.2f} | {r['page_ms_mean']:.1f} | {r['quiet_p50']:.2f} / {r['quiet_max']:.1f} "
             f"| {r['busy_p50']:.2f} / {r['busy_max']:.1f} | {r['scrape_s']:.3f} "
-            f"| {r['scrape_p50']:.2f} / {r['scrape_max']:.1f} |",
+            f"| {r['scrape_p50']:.2f} / {r['scrape_max']:.1f} | {r['idle_cpu']:.1f} / {r['probed_cpu']:.1f} |",
             flush=True,
         )
 

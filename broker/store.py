@@ -40,6 +40,8 @@ _log = logging.getLogger("sedax.store")
 PUBLISHER_IDLE_FORGET: Final = 24 * 3600.0
 # How soon a silent publisher whose records are still kept is looked at again (TopicLog._forget_idle).
 PUBLISHER_FORGET_RECHECK: Final = 60.0
+# A topic looks for idle publishers to forget (TopicLog._forget_idle) only once it remembers more than this many.
+_FORGET_LOOK: Final = 64
 # Publishers a topic remembers having forgotten or refused (TopicLog.forgotten), the oldest dropped beyond.
 FORGOTTEN_KEEP: Final = 4096
 # How many of the rows newer than a merge's oldest record `TopicLog._fits` looks at one by one for each merged
@@ -450,7 +452,7 @@ class TopicLog:
             tally = self.tally
             tally.size -= freed
             tally.records -= dropped
-        if len(self.last_seen) > 64 and now >= self._forget_at:
+        if len(self.last_seen) > _FORGET_LOOK and now >= self._forget_at:
             self._forget_idle(now)
         if freed and self.journal is not None:
             self.journal.expire(self.rows[0][0] if self.rows else None, self.dedup_state())
@@ -1007,10 +1009,24 @@ class TopicStore:
         return sum(log.expire(now) for log in self._topics.values())
 
     def expire_due(self, now: float) -> int:
-        """Apply retention to the next slice of topics (broker/sweep.py): each within SWEEP_PERIOD, while the
-        timers run that often.  (Bytes are applied as each record is appended; this is for age.)"""
+        """Apply retention to the next slice of topics (broker/sweep.py): each within SWEEP_PERIOD.  (Bytes are
+        applied as each record is appended; this is for age, and for a byte limit a reload lowered.)"""
         topics = self._topics
-        return sum(log.expire(now) for name in self._expiry.take(topics, now) if (log := topics.get(name)) is not None)
+        freed = 0
+        for name in self._expiry.take(topics, now):
+            if (log := topics.get(name)) is None:
+                continue
+            # (what `expire` would find to do, looked at first: most topics of a slice have nothing due)
+            rows, r = log.rows, log.retention
+            if (
+                rows
+                and (
+                    (r.max_age is not None and rows[0][0] < now - r.max_age)
+                    or (r.max_bytes is not None and log.size > r.max_bytes)  # (after a reload lowered it)
+                )
+            ) or (len(log.last_seen) > _FORGET_LOOK and now >= log._forget_at):
+                freed += log.expire(now)
+        return freed
 
     def memory(self) -> int:
         """Bytes the topics held and their stored messages take in memory, estimated (RECORD_MEMORY,

@@ -16,12 +16,13 @@ from typing import Generic, TypeVar
 
 K = TypeVar("K")
 
-# Every key is visited at least this often, while the timers run at least four times as often (pub/sub's do
-# while the broker has work) ...
-SWEEP_PERIOD = 1.0
-# ... and a slice is at most this share of the keys: an idle broker's timers run once a second, and a whole
-# round in one run at 100,000 topics held up whatever came in meanwhile for ~0.1 s.  Idle, a round so takes
-# four runs.
+# Every key is visited at least this often, busy or idle: what the slices see is coarse (anti-entropy every 5 s,
+# retention's age, a copy ranked out), and each look costs ~1-2 us a topic, so at 100,000 topics a round a second
+# took ~15 % of a core while the broker had work (docs/benchmarks-scale.md).  Precise time-outs are not swept.
+SWEEP_PERIOD = 4.0
+# A slice is at most this share of the keys: an idle broker's timers run once a second, and a whole round in one
+# run at 100,000 topics held up whatever came in meanwhile for ~0.1 s.  Idle, a round so takes four runs: the
+# same SWEEP_PERIOD as while the timers run every 0.05 s.
 MAX_SHARE = 0.25
 
 

@@ -71,6 +71,7 @@ class MoveRole:
         me = self.t.ov.me
         r.enter(Transition.HAND_OVER)
         r.move = Move(corr, to, self.t.ov.now(), reply, force=force)
+        self.t.wake(r)  # (the move's time-out)
         if self.t.closest_id(r.home) == me.id:
             ok, reason = self.home.grant(topic, r.coord, to, me.id, force)
             self._lease_result(r, ok, reason)
@@ -168,6 +169,7 @@ class MoveRole:
         if r.stage is not Stage.RECEIVING:
             r.enter(Transition.RECEIVE)
         r.staged = Staged(m.origin, m.corr, now, m.waiters)
+        self.t.wake(r)  # (the hand-over's time-out)
         r.undelivered = list(r.log.since(m.delivered_upto))
         r.copy.want(new_holder=True)
         r.window.clear()
@@ -328,8 +330,8 @@ class MoveRole:
         r.copy.alone()  # a copy at the new coordinate now: a next holder it has there is new to it
 
     def tick(self, now: float, due: Iterable[Replica]) -> None:
-        """Moves and hand-overs that took too long (of the replicas `due` this tick, TopicTable.due: a move's
-        time-out is seconds, a sweep's slices see each replica within a second); forwards that expired."""
+        """Moves and hand-overs that took too long (of the replicas `due` this tick, TopicTable.due: a replica
+        with either under way is woken, so every tick sees it); forwards that expired."""
         timeout = self.t.config.move_timeout
         for r in due:
             if r.move is not None and now - r.move.started > timeout:

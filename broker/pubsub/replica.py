@@ -496,10 +496,15 @@ class Replica:
         self.copy = Copy(self.name)
 
     def timing_out(self) -> bool:
-        """Work with a precise time-out is under way: an unconfirmed batch, an offer, a pull, a back-fill (the
-        timers look at it every tick while so: core.TopicTable.wake)."""
+        """Work with a precise time-out is under way: an unconfirmed batch, an offer, a pull, a back-fill, a move
+        or a hand-over (the timers look at it every tick while so: core.TopicTable.wake)."""
         return bool(
-            self.window or self.offers or self.copy.offer is not None or (self.pull is not None and self.pull.asked)
+            self.window
+            or self.offers
+            or self.copy.offer is not None
+            or (self.pull is not None and self.pull.asked)
+            or self.move is not None
+            or self.staged is not None
         )
 
     def enter(self, transition: Transition) -> Stage:

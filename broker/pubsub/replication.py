@@ -516,8 +516,14 @@ class ReplicationRole:
         SWEEP_PERIOD later."""
         self.sync.drop_quiet_answers(now)
         interval = self.t.config.anti_entropy_interval
+        active, level3 = self.t.active, self.t.config.resilience >= 3
         for r in due:
             anti_entropy = now - r.checked_at >= interval
+            if not anti_entropy and not r.timing_out() and (not level3 or r.copy.stage is not CopyStage.WANTED):
+                # Nothing for this look (below: each step finds nothing to do), the common case of a sweep's
+                # slice: the steps one by one cost ~2 us a replica, ~15 % of a core at 100,000 topics held.
+                active.pop(r.name, None)
+                continue
             if anti_entropy:
                 r.checked_at = now
             self.sync.repeat_offers(r, now)
