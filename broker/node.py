@@ -777,9 +777,12 @@ class Broker(Membership, Routing):
         """L1_N, L2_N, L3_N in bytes (stats.Observed)."""
         return self.pubsub.loads()
 
-    def held_topics(self) -> list[tuple[str, str, int]]:
-        """(topic, role, stored bytes) of every topic held (stats.Observed)."""
-        return self.pubsub.topics()
+    async def topic_rows(self) -> list[HeldRow]:
+        """(topic, role, stored bytes) of every topic held, a slice per turn of the event loop (stats.Observed)."""
+        rows: list[HeldRow] = []
+        for _ in self.pubsub.rows(rows):
+            await asyncio.sleep(0)
+        return rows
 
     async def topic_census(self) -> TopicCensus:
         """The topics held, counted by role and state, a slice per turn of the event loop (stats.Observed)."""

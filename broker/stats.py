@@ -246,8 +246,8 @@ class Observed(Protocol):
         """L1_N, L2_N, L3_N in bytes."""
         ...
 
-    def held_topics(self) -> list[tuple[str, str, int]]:
-        """(topic, role, stored bytes) of every topic held."""
+    async def topic_rows(self) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) of every topic held (a slice of them per turn of the event loop)."""
         ...
 
     async def topic_census(self) -> TopicCensus:

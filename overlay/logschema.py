@@ -59,6 +59,11 @@ def event_record(
     return rec
 
 
+def encode_record(rec: Record) -> str:
+    """One record as the JSON of one line (without its newline)."""
+    return json.dumps(rec, separators=(",", ":"), allow_nan=False)
+
+
 class JsonlWriter:
     """Appends records to `<dir>/<name>.jsonl`, rotating to `.1.jsonl`, `.2.jsonl`, .. past max_bytes."""
 
@@ -78,7 +83,10 @@ class JsonlWriter:
 
     def write(self, rec: Record) -> None:
         """Write one record as one line; rotate first if the line would pass the size limit."""
-        line = json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n"
+        self.write_line(encode_record(rec) + "\n")
+
+    def write_line(self, line: str) -> None:
+        """Write one record already encoded (`encode_record`, and its newline)."""
         data = line.encode("utf-8")
         if self._size > 0 and self._size + len(data) > self.max_bytes:
             self._rotate()

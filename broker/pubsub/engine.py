@@ -271,6 +271,10 @@ class PubSub:
         """topic -> (state, bytes behind, pulls or offers pending), of every replica or of topics' (loads.py)."""
         return self.accounting.replica_states(topics)
 
+    def rows(self, into: list[tuple[str, str, int]]) -> Iterator[None]:
+        """Every row of `topics()` into `into`, a slice per step (loads.py)."""
+        return self.accounting.rows(into)
+
     def census(self, into: TopicCensus) -> Iterator[None]:
         """Count the topics held into `into`, a slice per step (loads.py)."""
         return self.accounting.census(into)
