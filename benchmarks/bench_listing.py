@@ -17,7 +17,8 @@ listings against the same publisher's while nothing lists (the stall the listing
 Before the listings the broker's CPU is measured for `--window` seconds idle and as long with the publisher's
 probes: what holding N topics costs it with nothing and with little going on.  Then `--scrapes` GETs of the
 broker's Prometheus endpoint (`--metrics`), as Prometheus makes them, the same way: the time of a scrape and the
-ACK latency meanwhile.
+ACK latency meanwhile.  With `--log-interval S` the brokers also write the metrics log (`--log-dir`, a snapshot
+every S seconds listing every topic held), as compose's brokers do every 5 s.
 """
 
 from __future__ import annotations
@@ -83,9 +84,13 @@ def _scrape(endpoint: str) -> float:
     return time.perf_counter() - t
 
 
-async def one(n: int, listings: int, brokers: int, resilience: int, scrapes: int, window: float) -> dict[str, float]:
+async def one(
+    n: int, listings: int, brokers: int, resilience: int, scrapes: int, window: float, log_interval: float | None
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="sedax-bench-listing-") as d:
-        args = ("--metrics", "127.0.0.1:0")
+        args: tuple[str, ...] = ("--metrics", "127.0.0.1:0")
+        if log_interval is not None:
+            args += ("--log-dir", str(Path(d) / "logs"), "--log-interval", str(log_interval))
         async with LocalCluster(
             brokers, seed=3, state_dir=Path(d), tls=False, resilience=resilience, broker_args=args
         ) as cluster:
@@ -146,17 +151,21 @@ def main() -> None:
     p.add_argument("--listings", type=int, default=3, help="whole listings per count (default 3)")
     p.add_argument("--brokers", type=int, default=1, help="brokers (default 1); the first is measured")
     p.add_argument("--resilience", type=int, default=1, choices=(1, 2, 3), help="resilience level (default 1)")
+    p.add_argument("--log-interval", type=float, help="write the metrics log, a snapshot every this many seconds")
     p.add_argument("--window", type=float, default=5.0, help="seconds of each CPU measurement (default 5)")
     p.add_argument("--scrapes", type=int, default=5, help="GETs of the broker's /metrics per count (default 5)")
     args = p.parse_args()
-    print(f"{uptime()}  {code_state()}  {args.brokers} broker(s), resilience {args.resilience}")
+    log = f", metrics log every {args.log_interval} s" if args.log_interval is not None else ""
+    print(f"{uptime()}  {code_state()}  {args.brokers} broker(s), resilience {args.resilience}{log}")
     print(
         "| topics | a listing, s | per page, ms | ACK p50 / max ms, nothing listing | ACK p50 / max ms, listing "
         "| a scrape, s | ACK p50 / max ms, scraping | broker CPU %, idle / probed |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.topics.split(",")):
-        r = asyncio.run(one(n, args.listings, args.brokers, args.resilience, args.scrapes, args.window))
+        r = asyncio.run(
+            one(n, args.listings, args.brokers, args.resilience, args.scrapes, args.window, args.log_interval)
+        )
         print(
             f"| {n:,} | {r['listing_s']:.2f} | {r['page_ms_mean']:.1f} | {r['quiet_p50']:.2f} / {r['quiet_max']:.1f} "
             f"| {r['busy_p50']:.2f} / {r['busy_max']:.1f} | {r['scrape_s']:.3f} "
