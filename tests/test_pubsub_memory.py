@@ -682,6 +682,32 @@ def test_move_to_a_dead_coordinate_is_abandoned_and_the_topic_stays() -> None:
     assert locate(net, topic).coord == old.coord
 
 
+def test_a_move_that_gets_no_answer_is_abandoned_on_time_at_a_primary_of_many_idle_topics() -> None:
+    # The timers look at a slice of the replicas per tick (broker/sweep.py), each within SWEEP_PERIOD, and at
+    # every replica with a time-out under way at each tick: a move's time-out must fire when it is due, not
+    # whenever its topic's slice comes round (here: the last of a primary holding hundreds of idle topics).
+    from overlay.delegation import MoveTopic
+
+    net = Net(grid(10, seed=8), resilience=2)
+    topic = "grid/stuck/power"
+    to = far_from(net, topic)
+    target = closest({k: v.coord for k, v in net.live().items()}, to)[0]
+    pub = next(net.nodes[nid] for nid in sorted(net.nodes) if nid != target)
+    primary = net.nodes[locate(net, topic).primary.id].ps
+    for i in range(2000):  # idle topics, some hundreds of them held at the primary, all made before `topic`
+        pub.request("p", Publish(f"grid/idle/{i}", "P", 0, b"x", 0))
+    pub.request("p", Publish(topic, "P", 0, b"a", 0))
+    assert len(primary.table.replicas) > 100 and list(primary.table.replicas)[-1] == topic
+    net.tick(0.05)  # (the first tick looks at all of them; the next ones at slices)
+    net.blackhole.add(to)  # the target died and nobody noticed yet
+    pub.ps.client_message("adm", MoveTopic(7, topic, to))
+    pub.inbox["adm"] = []
+    net.run()
+    net.tick(6.0)  # past MOVE_TIMEOUT; a quarter of the replicas' slice, `topic` not in it
+    assert any(isinstance(m, Failed) and m.corr == 7 for m in pub.inbox["adm"])
+    assert primary.table.replicas[topic].move is None
+
+
 def test_alg1_places_a_new_topic_where_the_placer_says() -> None:
     net = Net(grid(8, seed=9), resilience=2)
     topic = "grid/new/topic"

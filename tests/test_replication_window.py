@@ -145,7 +145,7 @@ def test_a_lost_batch_holds_the_acknowledgements_back_until_it_is_resent(level: 
 
 
 def test_a_lost_batch_is_resent_on_time_at_a_primary_of_many_idle_topics() -> None:
-    # The timers look at a slice of the replicas per tick (broker/sweep.py), each within a second, and at every
+    # The timers look at a slice of the replicas per tick (broker/sweep.py), each within SWEEP_PERIOD, and at every
     # replica with a batch in flight at each tick: a lost batch must be re-sent at its time-out, not whenever its
     # topic's slice comes round (here: in the last quarter of a primary holding hundreds of idle topics).
     net, primary, _, pub = _setup(2)
