@@ -144,6 +144,36 @@ def test_a_lost_batch_holds_the_acknowledgements_back_until_it_is_resent(level: 
             assert sorted(r[2] for r in net.nodes[nid].ps.store.get(TOPIC).rows) == list(range(6))
 
 
+def test_a_slow_copys_confirmations_raise_its_resend_timeout_instead_of_causing_resends() -> None:
+    # A copy that confirms late is busy, not losing batches: a fixed 0.5 s time-out re-sent every topic's batch
+    # to a secondary that took longer (100,000 topics in flight: millions of re-sends, doubling its work).  The
+    # time-out follows the copy's measured round trip (RoundTrip, as TCP's), and a lost batch still goes again.
+    net, primary, _, pub = _setup(2)
+    ps = net.nodes[primary].ps
+    net.hold = _confirmations_to(primary)
+    for i in range(8):
+        net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"m", 0))
+        net.clock += 1.5  # the copy's confirmation comes 1.5 s later
+        for item in list(net.held):
+            net.release(item)
+    assert _acked(net, pub) == 7 and ps.counters["replication_resends"] == 0
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 8, b"m", 0))
+    net.tick(1.0)  # past REPLICATION_TIMEOUT, within the copy's round trip
+    assert ps.counters["replication_resends"] == 0
+    for item in list(net.held):
+        net.release(item)
+    assert _acked(net, pub) == 8
+    net.nodes[pub].request("p", Publish(TOPIC, "P", 9, b"m", 0))
+    net.held.clear()  # this one is lost on the way back
+    net.tick(1.0)
+    assert ps.counters["replication_resends"] == 0
+    net.tick(2.0)  # past the round trip's time-out (SRTT + 4 RTTVAR)
+    assert ps.counters["replication_resends"] == 1
+    for item in list(net.held):
+        net.release(item)
+    assert _acked(net, pub) == 9
+
+
 def test_a_lost_batch_is_resent_on_time_at_a_primary_of_many_idle_topics() -> None:
     # The timers look at a slice of the replicas per tick (broker/sweep.py), each within SWEEP_PERIOD, and at every
     # replica with a batch in flight at each tick: a lost batch must be re-sent at its time-out, not whenever its
