@@ -309,6 +309,11 @@ class StreamTransport(asyncio.Protocol):
         tr = self._tr
         if tr is None:
             raise ConnectionResetError("not connected")
+        if tr.is_closing():
+            # As a closed socket (and MemoryTransport): the bytes go nowhere, and the read side learns of the
+            # close.  uvloop raises RuntimeError for a write once the handle is closed: an UNLINK a link sent
+            # after its connection broke, before its read side had closed it, failed the dial task that retired it.
+            return
         tr.write(data)
 
     def write_buffered(self) -> int:

@@ -360,6 +360,39 @@ async def test_a_stream_transport_pushes_in_order_pauses_and_ends_once() -> None
         await server.wait_closed()
 
 
+def test_a_write_to_a_closed_stream_transport_goes_nowhere_under_uvloop() -> None:
+    # uvloop raised RuntimeError ("unable to perform operation on <TCPTransport closed=True ...>; the handler is
+    # closed") for a write after the close: a link that retired itself (UNLINK) once its connection had broken
+    # failed its dial task with it.  A closed socket takes such bytes silently; the read side sees the close.
+    import uvloop
+
+    async def run() -> None:
+        accepted: list[StreamTransport] = []
+
+        def made() -> StreamTransport:
+            accepted.append(StreamTransport())
+            return accepted[-1]
+
+        server = await asyncio.get_running_loop().create_server(made, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            client = await connect_broker("127.0.0.1", port, None, 5.0)
+            await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
+            client.close()
+            accepted[0].close()
+            async with asyncio.timeout(5):
+                await client.wait_closed()
+                await accepted[0].wait_closed()
+            assert client.is_closing()
+            client.write(b"an UNLINK after the close")
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
+
+
 class _Congested(_Handler):
     """A broker-like handler whose next hops are congested after every read until `drained` is set."""
 
