@@ -4,6 +4,7 @@ links, the client and the admin client over the in-memory transport (over loopba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -338,7 +339,9 @@ async def test_memory_pair_pushes_in_order_pauses_and_ends_once() -> None:
     assert len(got.ends) == 1 and isinstance(got.ends[0], ConnectionResetError)
 
 
-async def test_a_stream_transport_pushes_in_order_pauses_and_ends_once() -> None:
+@contextlib.asynccontextmanager
+async def _stream_pair() -> AsyncIterator[tuple[StreamTransport, StreamTransport]]:
+    """A client's StreamTransport connected over TCP on 127.0.0.1 to a server's, and that server's (closed after)."""
     accepted: list[StreamTransport] = []
 
     def made() -> StreamTransport:
@@ -350,14 +353,27 @@ async def test_a_stream_transport_pushes_in_order_pauses_and_ends_once() -> None
     try:
         client = await connect_broker("127.0.0.1", port, None, 5.0)
         await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
-        await _pushes_in_order_pauses_and_ends_once(client, accepted[0])
-        accepted[0].close()  # plain TCP stays open for writing after the peer's end of the stream
-        async with asyncio.timeout(5):
-            await accepted[0].wait_closed()
-            await client.wait_closed()
+        yield client, accepted[0]
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def _closed(*ends: StreamTransport) -> None:
+    """Close each of ends (plain TCP stays open for writing after the peer's end of the stream) and wait for it."""
+    for t in ends:
+        t.close()
+    async with asyncio.timeout(5):
+        for t in ends:
+            await t.wait_closed()
+
+
+async def test_a_stream_transport_pushes_in_order_pauses_and_ends_once() -> None:
+    async with _stream_pair() as (client, server_end):
+        await _pushes_in_order_pauses_and_ends_once(client, server_end)
+        await _closed(server_end)
+        async with asyncio.timeout(5):
+            await client.wait_closed()  # its end of the stream came: it closes too
 
 
 def test_a_write_to_a_closed_stream_transport_goes_nowhere_under_uvloop() -> None:
@@ -367,27 +383,10 @@ def test_a_write_to_a_closed_stream_transport_goes_nowhere_under_uvloop() -> Non
     import uvloop
 
     async def run() -> None:
-        accepted: list[StreamTransport] = []
-
-        def made() -> StreamTransport:
-            accepted.append(StreamTransport())
-            return accepted[-1]
-
-        server = await asyncio.get_running_loop().create_server(made, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            client = await connect_broker("127.0.0.1", port, None, 5.0)
-            await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
-            client.close()
-            accepted[0].close()
-            async with asyncio.timeout(5):
-                await client.wait_closed()
-                await accepted[0].wait_closed()
+        async with _stream_pair() as (client, server_end):
+            await _closed(client, server_end)
             assert client.is_closing()
             client.write(b"an UNLINK after the close")
-        finally:
-            server.close()
-            await server.wait_closed()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(run())
