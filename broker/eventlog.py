@@ -157,5 +157,5 @@ async def _with_topics(rec: Record, rows: list[tuple[str, str, int]]) -> str:
         chunk = [
             {"topic": t, "role": role, "size": float(size)} for t, role, size in rows[start : start + TOPICS_SLICE]
         ]
-        parts.append(encode_record(chunk)[1:-1])  # type: ignore[arg-type]  # (a list of records: its items)
+        parts.append(encode_record(chunk)[1:-1])  # (the array's items)
     return f'{head[:-1]},"topics":[{",".join(parts)}]}}\n'

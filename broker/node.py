@@ -20,7 +20,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from operator import itemgetter
 from pathlib import Path
@@ -104,6 +104,12 @@ PUBSUB_BUSY: Final = 2.0
 # a move's 5 s time-out, a replica's backed-off re-send) is coarse, and an idle broker makes one call a second,
 # not twenty, in a wake-up it makes anyway.
 PUBSUB_IDLE_TICK: Final = 1.0
+
+
+async def _stepped(steps: Iterator[None]) -> None:
+    """Take the steps of a walk of every topic held (`PubSub.rows`, `census`), the event loop free in between."""
+    for _ in steps:
+        await asyncio.sleep(0)
 
 
 def _stored_after(store: TopicStore, topic: str, ts: float) -> int:
@@ -780,15 +786,13 @@ class Broker(Membership, Routing):
     async def topic_rows(self) -> list[HeldRow]:
         """(topic, role, stored bytes) of every topic held, a slice per turn of the event loop (stats.Observed)."""
         rows: list[HeldRow] = []
-        for _ in self.pubsub.rows(rows):
-            await asyncio.sleep(0)
+        await _stepped(self.pubsub.rows(rows))
         return rows
 
     async def topic_census(self) -> TopicCensus:
         """The topics held, counted by role and state, a slice per turn of the event loop (stats.Observed)."""
         census = TopicCensus()
-        for _ in self.pubsub.census(census):
-            await asyncio.sleep(0)
+        await _stepped(self.pubsub.census(census))
         return census
 
     def gauges(self) -> Gauges:

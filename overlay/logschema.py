@@ -59,8 +59,8 @@ def event_record(
     return rec
 
 
-def encode_record(rec: Record) -> str:
-    """One record as the JSON of one line (without its newline)."""
+def encode_record(rec: Record | list[Record]) -> str:
+    """One record as the JSON of one line (without its newline), or a list of records as one JSON array."""
     return json.dumps(rec, separators=(",", ":"), allow_nan=False)
 
 

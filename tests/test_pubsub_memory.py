@@ -920,19 +920,19 @@ def test_an_operator_sees_a_retiring_replica_until_its_records_are_confirmed() -
     old = locate(net, topic)
     assert old.secondary is not None
     sec = net.nodes[old.secondary.id]
-    assert sec.ps.replica_states()[topic] == ("caught_up", 0, 0)
+    assert sec.ps.replica_states([topic])[topic] == ("caught_up", 0, 0)
     # A join ranks the secondary out; its offers are lost on the way (a blackhole), so it stays RETIRING,
     # with what it still offers as bytes behind and one offer per holder pending.
     net.blackhole = {n.coord for n in net.live().values() if n.id != sec.me.id} | {_near(c, 0.001)}
     net.join(_near(c, 0.001))
-    state, behind, pending = sec.ps.replica_states()[topic]
+    state, behind, pending = sec.ps.replica_states([topic])[topic]
     assert state == "retiring"
     assert behind == sec.ps.store.get(topic).size > 0
     assert pending == 2
     # Once the network delivers again, the next offer is confirmed and the replica is gone.
     net.blackhole = set()
     net.tick(2.5)
-    assert topic not in sec.ps.replica_states()
+    assert topic not in sec.ps.replica_states([topic])
 
 
 SLICE = 40  # the census test's CENSUS_SLICE: a few slices of a few topics
@@ -961,7 +961,7 @@ def test_a_scrapes_census_counts_what_the_listings_list_a_slice_per_step(monkeyp
         assert steps == -(-len(ps.table.replicas) // SLICE) > 1
         roles: dict[str, int] = {}
         stored: dict[str, int] = {}
-        for _, role, size in ps.topics():
+        for _, role, size in ps.topics(ps.held_names()):
             roles[role] = roles.get(role, 0) + 1
             stored[role] = stored.get(role, 0) + size
         assert census.roles == roles | {"home": 0} and census.stored == stored

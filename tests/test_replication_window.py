@@ -380,13 +380,13 @@ def test_a_new_secondary_gets_the_history_while_publishes_are_acknowledged() -> 
         net.nodes[pub].request("p", Publish(TOPIC, "P", i, b"x", i))
     assert _acked(net, pub) == 29
     assert _rows(net, new.id) == list(range(20, 30))
-    assert net.nodes[primary].ps.replica_states()[TOPIC] == ("backfilling", 0, 1)
+    assert net.nodes[primary].ps.replica_states([TOPIC])[TOPIC] == ("backfilling", 0, 1)
     # The secondary's pull goes through: it gets what it lacks, and the primary counts it as the copy.
     assert len(net.held) == 1
     net.hold = lambda to, m: False
     net.release(net.held[0])
     assert _rows(net, new.id) == list(range(30))
-    assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)
+    assert net.nodes[primary].ps.replica_states([TOPIC])[TOPIC] == ("caught_up", 0, 0)
     net.kill(primary)
     net.tick(1.5)
     assert _fetched(net, pub) == list(range(30))
@@ -418,7 +418,7 @@ def test_after_a_take_over_the_last_moments_reach_the_new_secondary_before_an_ac
     else:
         net.nodes[pub].request("p", Publish(TOPIC, "P", 11, b"y", 10))
         assert _acked(net, pub) == 11
-    assert net.nodes[secondary].ps.replica_states()[TOPIC][0] == "backfilling"
+    assert net.nodes[secondary].ps.replica_states([TOPIC])[TOPIC][0] == "backfilling"
     assert len(net.held) == 1  # the back-fill's pull
     assert _rows(net, new) == list(range(10, 11 if resend else 12)), "acknowledged while only one broker holds it"
     # The new primary fails before the back-fill: what was acknowledged since the first failure survives.
@@ -456,7 +456,7 @@ def test_a_primary_that_stalled_longer_than_the_last_moments_has_everything_unac
     net.nodes[pub].request("p", Publish(TOPIC, "P", 10, b"x", 10))
     net.nodes[pub].request("p", Publish(TOPIC, "P", 11, b"y", 10))
     assert _acked(net, pub) == 11
-    assert net.nodes[secondary].ps.replica_states()[TOPIC][0] == "backfilling"
+    assert net.nodes[secondary].ps.replica_states([TOPIC])[TOPIC][0] == "backfilling"
     assert {10, 11} <= set(_rows(net, loc.secondary.id)), "acknowledged while only one broker holds it"
     net.held.clear()
     net.hold = lambda to, m: False
@@ -490,7 +490,7 @@ def test_a_long_back_fill_streams_a_few_chunks_at_a_time() -> None:
     assert chunks_sent >= n // SYNC_CHUNK
     assert most == SYNC_WINDOW
     assert _rows(net, new.id) == list(range(n))
-    assert net.nodes[primary].ps.replica_states()[TOPIC] == ("caught_up", 0, 0)
+    assert net.nodes[primary].ps.replica_states([TOPIC])[TOPIC] == ("caught_up", 0, 0)
     role = net.nodes[primary].ps.sync
     assert not role._answers and not role._answer_chunks  # every chunk confirmed: nothing kept
 
@@ -597,7 +597,7 @@ def test_a_demoted_primary_offers_again_until_the_new_primary_holds_what_it_kept
     for _ in range(3):
         net.tick(OFFER_TIMEOUT + 0.5)
     assert _rows(net, joined) == list(range(11)), "the new primary never got what only the demoted one kept"
-    assert net.nodes[primary].ps.replica_states()[TOPIC][2] == 0  # the offer was confirmed
+    assert net.nodes[primary].ps.replica_states([TOPIC])[TOPIC][2] == 0  # the offer was confirmed
 
 
 def test_a_copy_the_view_no_longer_ranks_hands_its_records_on_and_lets_go() -> None:
@@ -636,7 +636,7 @@ def test_a_record_only_the_secondary_keeps_reaches_the_primary_at_the_next_anti_
     assert ("Q", 0) in _pairs(net, primary), "the primary never got the record only its secondary kept"
     assert ("Q", 0) in {(r.publisher, r.seq) for r in delivered(net.nodes[pub], "s")}
     assert net.nodes[secondary].ps.counters["reverse_offers"] == 1
-    assert net.nodes[secondary].ps.replica_states()[TOPIC][2] == 0  # its offer was confirmed
+    assert net.nodes[secondary].ps.replica_states([TOPIC])[TOPIC][2] == 0  # its offer was confirmed
     if level == 3:  # and the tertiary too (the primary replicates what it merged; the secondary passes it on)
         tertiary = locate(net, TOPIC).tertiary
         assert tertiary is not None
@@ -660,7 +660,7 @@ def test_records_the_primary_expired_are_not_taken_back() -> None:
     for _ in range(2):
         net.tick(ANTI_ENTROPY_INTERVAL + 0.5)
     assert net.nodes[secondary].ps.counters["reverse_offers"] >= 1
-    assert net.nodes[secondary].ps.replica_states()[TOPIC][2] == 0  # confirmed
+    assert net.nodes[secondary].ps.replica_states([TOPIC])[TOPIC][2] == 0  # confirmed
     assert net.nodes[primary].ps.counters["syncs"] == syncs, "the primary pulled what it had expired"
     assert not set(_rows(net, primary)) & {0, 1, 2, 3, 4}
 
@@ -701,7 +701,7 @@ def test_a_topic_of_more_than_1024_publishers_is_repaired_copied_and_taken_over(
     loc = locate(net, TOPIC)
     assert loc.primary.id == secondary and loc.secondary is not None
     assert len(net.nodes[loc.secondary.id].ps.store.get(TOPIC).rows) == n + 1
-    assert net.nodes[secondary].ps.replica_states()[TOPIC][0] == "caught_up"
+    assert net.nodes[secondary].ps.replica_states([TOPIC])[TOPIC][0] == "caught_up"
 
 
 # ---- real brokers ---------------------------------------------------------------------------------------------

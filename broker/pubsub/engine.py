@@ -252,8 +252,8 @@ class PubSub:
         self.moves.release_arrived(m)
 
     # ---- status and loads --------------------------------------------------------------------------------
-    def topics(self, names: Iterable[str] | None = None) -> list[tuple[str, str, int]]:
-        """(topic, role, stored bytes) for every topic held, or for those of names (loads.py)."""
+    def topics(self, names: Iterable[str]) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) for those of names held (loads.py)."""
         return self.accounting.topics(names)
 
     @property
@@ -267,12 +267,12 @@ class PubSub:
     def held_count(self) -> int:
         return self.accounting.held_count()
 
-    def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
-        """topic -> (state, bytes behind, pulls or offers pending), of every replica or of topics' (loads.py)."""
+    def replica_states(self, topics: Iterable[str]) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pulls or offers pending) of those of topics held (loads.py)."""
         return self.accounting.replica_states(topics)
 
     def rows(self, into: list[tuple[str, str, int]]) -> Iterator[None]:
-        """Every row of `topics()` into `into`, a slice per step (loads.py)."""
+        """The rows `topics` has for every name held, into `into`, a slice per step (loads.py)."""
         return self.accounting.rows(into)
 
     def census(self, into: TopicCensus) -> Iterator[None]:

@@ -70,24 +70,17 @@ class LoadRole:
     def forget_note(self, topic: str) -> None:
         self._t3notes.pop(topic, None)
 
-    def topics(self, names: Iterable[str] | None = None) -> list[tuple[str, str, int]]:
-        """(topic, role, stored bytes) for every topic held, and the delegated topics this broker is home of; or
-        for those of `names` (a page of STATUS; a name held in no role has no entry).
+    def topics(self, names: Iterable[str]) -> list[tuple[str, str, int]]:
+        """(topic, role, stored bytes) of those of `names` held here, and of the delegated topics among them this
+        broker is home of (a page of STATUS; a name held in no role has no entry; every topic: `rows`).
 
         Roles: primary (at the topic's home coordinate), delegate (primary at a delegate coordinate),
         secondary, tertiary, home (keeps the delegate list of a topic that lives elsewhere).
         """
         replicas, lists = self.t.replicas, self.home.delegate_lists
-        chosen: Iterable[Replica]
-        listed: Iterable[tuple[str, list[Delegation]]]
-        if names is None:
-            chosen, listed = replicas.values(), lists.items()
-        else:
-            wanted = list(names)
-            chosen = [replicas[n] for n in wanted if n in replicas]
-            listed = [(n, lists[n]) for n in wanted if n in lists]
-        out = [(r.name, _role(r), r.log.size) for r in chosen]
-        out.extend((topic, "home", 0) for topic, dl in listed if self._home_of(topic, dl))
+        wanted = list(names)
+        out = [(r.name, _role(r), r.log.size) for n in wanted if (r := replicas.get(n)) is not None]
+        out.extend((n, "home", 0) for n in wanted if (dl := lists.get(n)) is not None and self._home_of(n, dl))
         return out
 
     def _home_of(self, topic: str, dl: list[Delegation]) -> bool:
@@ -101,16 +94,16 @@ class LoadRole:
         return sorted(self.t.replicas.keys() | self.home.delegate_lists.keys())
 
     def held_count(self) -> int:
-        """How many entries `topics()` has, without making them (the delegate lists are the moved topics)."""
-        return len(self.t.replicas) + sum(self._home_of(t, dl) for t, dl in self.home.delegate_lists.items())
+        """How many entries all pages of `topics` have, without making them (the delegate lists are the moved
+        topics)."""
+        return len(self.t.replicas) + len(self._homes())
 
-    def replica_states(self, topics: Iterable[str] | None = None) -> dict[str, tuple[str, int, int]]:
-        """topic -> (state, bytes behind, pulls or offers pending) for every replica held, or for those of topics
-        (TopicHeld says what each means): what an operator watches while data follows a membership change.  A
-        page of STATUS asks for its topics only: the sums below are over each primary's undelivered records."""
+    def replica_states(self, topics: Iterable[str]) -> dict[str, tuple[str, int, int]]:
+        """topic -> (state, bytes behind, pulls or offers pending) for those of topics held here (TopicHeld says
+        what each means): what an operator watches while data follows a membership change.  A page of STATUS
+        asks for its topics only (every topic: `census`): the sums are over each primary's undelivered records."""
         replicas = self.t.replicas
-        chosen = replicas.values() if topics is None else (replicas[t] for t in topics if t in replicas)
-        return {r.name: _state(r) for r in chosen}
+        return {r.name: _state(r) for t in topics if (r := replicas.get(t)) is not None}
 
     def _in_slices(self, take: Callable[[list[Replica]], None]) -> Iterator[None]:
         """Give `take` the replicas held, CENSUS_SLICE at a time, a step apart: the caller lets the event loop run
@@ -127,8 +120,9 @@ class LoadRole:
         return [topic for topic, dl in list(self.home.delegate_lists.items()) if self._home_of(topic, dl)]
 
     def rows(self, into: list[tuple[str, str, int]]) -> Iterator[None]:
-        """Every row `topics()` has, into `into`, a slice of the replicas per step: the caller lets the event
-        loop run between steps (a metrics log snapshot: at 100,000 topics one listing held the loop ~0.1 s)."""
+        """Every row `topics` has for all names held, into `into`, a slice of the replicas per step: the caller
+        lets the event loop run between steps (a metrics log snapshot: at 100,000 topics one listing held the loop
+        ~0.1 s)."""
         yield from self._in_slices(lambda held: into.extend((r.name, _role(r), r.log.size) for r in held))
         into.extend((topic, "home", 0) for topic in self._homes())
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import PULLING, Backfill, Batch, CopyStage, Replica, Stage
@@ -83,7 +83,7 @@ class RoundTrip:
 
 
 # A copy's re-sends are logged once per this many seconds, counted (one line per topic was millions of lines).
-RESEND_LOG_EVERY = 5.0
+RESEND_LOG_EVERY: Final = 5.0
 
 
 class ReplicationRole:
