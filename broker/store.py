@@ -1012,21 +1012,7 @@ class TopicStore:
         """Apply retention to the next slice of topics (broker/sweep.py): each within SWEEP_PERIOD.  (Bytes are
         applied as each record is appended; this is for age, and for a byte limit a reload lowered.)"""
         topics = self._topics
-        freed = 0
-        for name in self._expiry.take(topics, now):
-            if (log := topics.get(name)) is None:
-                continue
-            # (what `expire` would find to do, looked at first: most topics of a slice have nothing due)
-            rows, r = log.rows, log.retention
-            if (
-                rows
-                and (
-                    (r.max_age is not None and rows[0][0] < now - r.max_age)
-                    or (r.max_bytes is not None and log.size > r.max_bytes)  # (after a reload lowered it)
-                )
-            ) or (len(log.last_seen) > _FORGET_LOOK and now >= log._forget_at):
-                freed += log.expire(now)
-        return freed
+        return sum(log.expire(now) for name in self._expiry.take(topics, now) if (log := topics.get(name)) is not None)
 
     def memory(self) -> int:
         """Bytes the topics held and their stored messages take in memory, estimated (RECORD_MEMORY,
