@@ -3,8 +3,8 @@
 A broker's timers run often (pub/sub's every 0.05 s while it has work), and a timer that looked at every topic
 held at each run cost what the broker holds, not what it does: at 100,000 topics each run took ~0.1 s, back to
 back, and a publish waited ~0.2 s for its acknowledgement (benchmarks/bench_listing.py, docs/benchmarks-scale.md).
-What needs a precise time-out (an unconfirmed batch, an offer, a pull) is kept apart and looked at every run
-(`TopicTable.active`); the coarse checks (retention, a move's 5 s time-out, anti-entropy every 5 s) see each
+What needs a precise time-out (an unconfirmed batch, an offer, a pull) is kept apart and looked at when it is up
+(`TopicTable.due`); the coarse checks (retention, a move's 5 s time-out, anti-entropy every 5 s) see each
 topic within a period through a sweep, whose slices are proportional to the time since the last one.
 """
 

@@ -6,6 +6,7 @@ re-ordered at will), then on real brokers."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, _near, delivered, grid, locate
 
-from broker.pubsub.replica import Stage
+from broker.pubsub.replica import Replica, Stage
 from broker.pubsub.settings import (
     ANTI_ENTROPY_INTERVAL,
     OFFER_TIMEOUT,
@@ -27,6 +28,7 @@ from broker.pubsub.settings import (
     SYNC_WINDOW,
 )
 from broker.store import Retention
+from broker.sweep import SWEEP_PERIOD
 from cli.cluster import LocalCluster
 from client.admin import AdminClient
 from client.client import Client, PublishAck
@@ -185,7 +187,7 @@ def test_a_lost_batch_is_resent_on_time_at_a_primary_of_many_idle_topics() -> No
     net.nodes[pub].request("p", Publish(TOPIC, "Q", 0, b"m0", 0))
     assert len(ps.table.replicas) > 200 and list(ps.table.replicas)[-1] == TOPIC
     net.tick(0.05)  # (the first tick looks at all of them, and finds nothing under way; the next ones at slices)
-    assert not ps.table.active
+    assert not ps.table.armed()
     lost: list[Message] = []
 
     def lose_the_first_batch(to: str, m: Message) -> bool:
@@ -205,6 +207,43 @@ def test_a_lost_batch_is_resent_on_time_at_a_primary_of_many_idle_topics() -> No
     net.held.clear()
     net.tick(0.6)  # past REPLICATION_TIMEOUT; a quarter of the replicas' slice, TOPIC not in it
     assert ps.counters["replication_resends"] == 1 and acked()
+
+
+def test_batches_in_flight_are_looked_at_when_their_time_out_is_up_not_at_every_tick() -> None:
+    # Each tick (every 0.05 s) looked at every replica with a batch in flight.  While 100,000 topics each had one
+    # in flight to a secondary (a level-2 fill), each tick walked them all and held the loop past the links'
+    # heartbeats; brokers were declared failed and their topics taken over (docs/benchmarks-scale.md).  Now a
+    # replica is armed for its earliest time-out (TopicTable.wake, due): until then only the sweep's slice looks.
+    net, primary, _, pub = _setup(2)
+    ps = net.nodes[primary].ps
+    for i in range(2000):
+        net.nodes[pub].request("p", Publish(f"grid/busy/{i}", "P", 0, b"x", 0))
+    mine = [name for name, r in ps.table.replicas.items() if r.rank == 1]
+    assert len(mine) > 200
+    net.tick(0.05)  # (the first tick looks at every replica, the next ones at slices)
+    assert not ps.table.armed()
+    net.hold = lambda to, m: isinstance(m, Replicate) and m.origin.id == primary  # every batch lost
+    for name in mine:
+        net.nodes[pub].request("p", Publish(name, "P", 1, b"y", 0))
+    assert {r.name for r in ps.table.armed()} == set(mine)
+    looked: list[int] = []
+    due = ps.table.due
+
+    def counted(now: float) -> list[Replica]:
+        out = due(now)
+        looked.append(len(out))
+        return out
+
+    ps.table.due = counted  # type: ignore[method-assign]
+    for _ in range(8):  # 0.4 s: within REPLICATION_TIMEOUT
+        net.tick(0.05)
+    slice_ = math.ceil(len(ps.table.replicas) * 0.05 / SWEEP_PERIOD)
+    assert looked and max(looked) <= slice_  # the sweep's slices, not the replicas in flight
+    assert ps.counters["replication_resends"] == 0
+    net.tick(0.15)  # past REPLICATION_TIMEOUT: every lost batch is re-sent, at this tick
+    assert looked[-1] >= len(mine)
+    assert ps.counters["replication_resends"] == len(mine)
+    assert {r.name for r in ps.table.armed()} == set(mine)  # (armed again: the re-sends were lost too)
 
 
 def _meta_of(batches: list[Replicate]) -> list[tuple[bool, int, int]]:

@@ -9,6 +9,8 @@ other's methods.
 
 from __future__ import annotations
 
+import heapq
+import math
 import secrets
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -142,10 +144,18 @@ class TopicTable:
         self.config = config
         self.store = store
         self.replicas: dict[str, Replica] = {}
-        # Replicas with a precise time-out under way (an unconfirmed batch, an offer, a pull, a back-fill): every
-        # tick looks at them (`due`); the others a slice per tick, each within SWEEP_PERIOD (broker/sweep.py).
-        # Added where that work starts (`wake`), dropped by the tick that finds it done.
-        self.active: dict[str, Replica] = {}
+        # Replicas with a precise time-out under way (an unconfirmed batch, an offer, a pull, a back-fill, a move),
+        # by when the earliest of them is up (`Replica.due_at`): a tick looks at those whose time has come
+        # (`due`), the others a slice per tick, each within SWEEP_PERIOD (broker/sweep.py).  Armed where that work
+        # starts (`wake`) and again by the tick that looked (`rearm`).  A heap, not a set looked at every tick:
+        # while 100,000 topics each had a batch in flight to the secondary, every tick (every 0.05 s) walked them
+        # all and held the loop past the links' heartbeats (docs/benchmarks-scale.md).  An entry whose replica was
+        # armed earlier since, or dropped, is skipped when it comes up (`_live`).
+        self._timeouts: list[tuple[float, int, Replica]] = []
+        self._armed = count()
+        # When the earliest time-out of a replica's work under way is up: set by the engine from the roles that
+        # own the time-outs (replication, sync, moves); math.inf when none is.
+        self.deadline: Callable[[Replica], float] = lambda r: math.inf
         # Counts the changes of which topics are held (a replica made or dropped, a delegate list kept or
         # dropped): STATUS sorts the names again only after one (the broker's `held_page`).
         self.held_version = 0
@@ -210,20 +220,51 @@ class TopicTable:
         self.held_version += 1
 
     def wake(self, r: Replica) -> None:
-        """r has work with a precise time-out under way: the next ticks look at it until it is done."""
-        self.active[r.name] = r
+        """r has work with a precise time-out under way: a tick looks at it when the earliest is up (the next tick
+        if its time-out cannot be told yet: the work's state is set after the call)."""
+        at = self.deadline(r)
+        self._arm(r, at if at < math.inf else self.ov.now())
+
+    def _arm(self, r: Replica, at: float) -> None:
+        if at < r.due_at:  # (a later time-out waits for the look at the earlier one, which arms it: `rearm`)
+            r.due_at = at
+            heapq.heappush(self._timeouts, (at, next(self._armed), r))
+            if len(self._timeouts) > 2 * len(self.replicas) + 1024:
+                self._timeouts = [e for e in self._timeouts if self._live(e)]  # (re-armed earlier, or dropped)
+                heapq.heapify(self._timeouts)
+
+    def _live(self, entry: tuple[float, int, Replica]) -> bool:
+        at, _, r = entry
+        return r.due_at == at and self.replicas.get(r.name) is r
 
     def due(self, now: float) -> list[Replica]:
-        """The replicas the timers look at in this tick: the active ones, and the sweep's next slice."""
+        """The replicas the timers look at in this tick: those whose earliest time-out is up, and the sweep's
+        next slice.  The tick arms again those still with work under way (`rearm`)."""
+        out: dict[str, Replica] = {}
+        heap = self._timeouts
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._live(entry):
+                up = entry[2]
+                up.due_at = math.inf
+                out[up.name] = up
         replicas = self.replicas
-        gone = [name for name, r in self.active.items() if replicas.get(name) is not r]
-        for name in gone:  # dropped (or made again) since it was woken
-            del self.active[name]
-        out = dict(self.active)
         for name in self._sweep.take(replicas, now):
             if (r := replicas.get(name)) is not None:
                 out[name] = r
         return list(out.values())
+
+    def rearm(self, looked: Iterable[Replica]) -> None:
+        """After the tick's looks: arm each replica looked at for its earliest time-out still under way.  One
+        whose time-out cannot be told (nothing the roles time) is left to the sweep's slices."""
+        deadline = self.deadline
+        for r in looked:
+            if r.due_at == math.inf and r.timing_out() and (at := deadline(r)) < math.inf:
+                self._arm(r, at)
+
+    def armed(self) -> list[Replica]:
+        """The replicas armed for a time-out."""
+        return [e[2] for e in self._timeouts if self._live(e)]
 
     def next_corr(self) -> int:
         return next(self._corr)

@@ -29,6 +29,7 @@ from broker.pubsub.home import HomeRole
 from broker.pubsub.loads import LoadRole
 from broker.pubsub.moves import MoveRole
 from broker.pubsub.ranks import RankRole
+from broker.pubsub.replica import Replica
 from broker.pubsub.replication import ReplicationRole
 from broker.pubsub.settings import PubSubConfig
 from broker.pubsub.sync import SyncRole
@@ -89,6 +90,7 @@ class PubSub:
         self.moves.holder, self.moves.replication, self.moves.home = self.holder, self.replication, self.home
         self.home.holder, self.home.ranks = self.holder, self.ranks
         t.on_flush = self._flush_turn
+        t.deadline = self._deadline
         t.on_local_reply = self.access.local_reply
         handlers: dict[type[Message], Handler] = {
             TopicRequest: self.holder.topic_request_arrived,
@@ -231,12 +233,17 @@ class PubSub:
         self.replication.tick(now, due)
         self.access.tick(now)
         self.moves.tick(now, due)
+        self.table.rearm(due)
         self.home.tick(now)
         self.accounting.tick(now)
         self.store.expire_due(now)
         self.holder.sweep_empty(now)
         self.holder.check_memory(now)
         self.store.sync_due(now)
+
+    def _deadline(self, r: Replica) -> float:
+        """When the earliest time-out of r's work under way is up: each role times its own (TopicTable.wake)."""
+        return min(self.replication.deadline(r), self.sync.deadline(r), self.moves.deadline(r))
 
     def _flush_turn(self) -> None:
         """End of a turn's input: one TOPIC_REQUEST per coordinate, then each dirty topic, then one TOPIC_REPLY

@@ -11,6 +11,7 @@ docs/protocol.md "Moving a topic").
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -329,14 +330,20 @@ class MoveRole:
         r.forget_primary_work()
         r.copy.alone()  # a copy at the new coordinate now: a next holder it has there is new to it
 
+    def deadline(self, r: Replica) -> float:
+        """When r's move or hand-over is given up (`tick`), if not done by then; math.inf if neither is under way."""
+        timeout = self.t.config.move_timeout
+        at = r.move.until(timeout) if r.move is not None else math.inf
+        return min(at, r.staged.until(timeout)) if r.staged is not None else at
+
     def tick(self, now: float, due: Iterable[Replica]) -> None:
         """Moves and hand-overs that took too long (of the replicas `due` this tick, TopicTable.due: a replica
-        with either under way is woken, so every tick sees it); forwards that expired."""
+        with either under way is armed for its time-out, `deadline`); forwards that expired."""
         timeout = self.t.config.move_timeout
         for r in due:
-            if r.move is not None and now - r.move.started > timeout:
+            if r.move is not None and now > r.move.until(timeout):
                 self._abort_move(r, f"no confirmation from the new coordinate within {timeout:.1f} s")
-            if r.staged is not None and now - r.staged.since > 2 * timeout + 1.0:
+            if r.staged is not None and now > r.staged.until(timeout):
                 log.warning("hand-over of %s from %s never activated; dropping it", r.name, r.staged.origin.id)
                 self._drop_staged(r)
         for topic in [t for t, (_, until) in self._forward.items() if until < now]:

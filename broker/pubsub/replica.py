@@ -45,6 +45,7 @@ while one is under way), so they are two machines rather than one table of their
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -384,12 +385,20 @@ class Pulling:
 
     def retry_due(self, now: float, pull_timeout: float) -> bool:
         """Time to ask the holders that have not answered once more (see PULL_RETRY_FACTOR)."""
+        return now > self.retry_at(pull_timeout)
+
+    def retry_at(self, pull_timeout: float) -> float:
+        """When the holders that have not answered are asked once more (math.inf: not again)."""
         if self.retried or not self.asked:
-            return False
+            return math.inf
         after = pull_timeout / 4
         if self.answered_in:
             after = min(after, max(PULL_RETRY_MIN, PULL_RETRY_FACTOR * self.answered_in))
-        return now - self.started > after
+        return self.started + after
+
+    def timeout_at(self, pull_timeout: float) -> float:
+        """When the pull finishes with what came, if some asked holders still have not answered (`retry_pull`)."""
+        return max(self.started, self.heard) + pull_timeout if self.asked else math.inf
 
 
 @dataclass(slots=True)
@@ -403,6 +412,10 @@ class Move:
     leased: bool = False
     force: bool = False
 
+    def until(self, move_timeout: float) -> float:
+        """When the move is given up if the new coordinate has not confirmed it (moves.py `tick`)."""
+        return self.started + move_timeout
+
 
 @dataclass(slots=True)
 class Staged:
@@ -413,6 +426,11 @@ class Staged:
     since: float
     waiters: tuple[Waiter, ...]
     confirmed: bool = False
+
+    def until(self, move_timeout: float) -> float:
+        """When the hand-over is dropped if it never activated: the old primary gives up its side after
+        move_timeout, and its ACTIVATE or abandonment may take as long again to arrive."""
+        return self.since + 2 * move_timeout + 1.0
 
 
 @dataclass(slots=True)
@@ -491,13 +509,15 @@ class Replica:
     # `_check_location` last compared its delegate list (0: not yet looked at).  Both looks go by slices.
     empty_since: float = -1.0
     located_at: float = 0.0
+    # When the timers look at it next for its work under way (core.TopicTable `wake`, `due`; math.inf: not armed).
+    due_at: float = math.inf
 
     def __post_init__(self) -> None:
         self.copy = Copy(self.name)
 
     def timing_out(self) -> bool:
         """Work with a precise time-out is under way: an unconfirmed batch, an offer, a pull, a back-fill, a move
-        or a hand-over (the timers look at it every tick while so: core.TopicTable.wake)."""
+        or a hand-over (the timers look at it when the earliest time-out is up: core.TopicTable.wake)."""
         return bool(
             self.window
             or self.offers

@@ -23,6 +23,7 @@ overlay changes is ranks.py.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -570,13 +571,12 @@ class ReplicationRole:
         SWEEP_PERIOD later."""
         self.sync.drop_quiet_answers(now)
         interval = self.t.config.anti_entropy_interval
-        active, level3 = self.t.active, self.t.config.resilience >= 3
+        level3 = self.t.config.resilience >= 3
         for r in due:
             anti_entropy = now - r.checked_at >= interval
             if not anti_entropy and not r.timing_out() and (not level3 or r.copy.stage is not CopyStage.WANTED):
                 # Nothing for this look (below: each step finds nothing to do), the common case of a sweep's
                 # slice: the steps one by one cost ~2 us a replica, ~15 % of a core at 100,000 topics held.
-                active.pop(r.name, None)
                 continue
             if anti_entropy:
                 r.checked_at = now
@@ -607,5 +607,14 @@ class ReplicationRole:
                 r.meta_dirty = True
                 self.flush(r)
             self.sync.retry_pull(r, now)
-            if not r.timing_out():
-                self.t.active.pop(r.name, None)  # nothing left that times out: the sweep's slices see it
+
+    def deadline(self, r: Replica) -> float:
+        """When r's oldest unconfirmed batch is re-sent, or its back-fill offered again (`tick`), if not confirmed
+        by then; math.inf if neither is under way."""
+        at = math.inf
+        live = next((b for b in r.window if not b.superseded), None)
+        if live is not None:
+            at = live.sent_at + self._round_trip(live.target).timeout(r.rto)
+        if (bf := r.copy.offer) is not None:
+            at = min(at, bf.at + self.t.config.offer_timeout)
+        return at

@@ -18,6 +18,7 @@ replication.py with the primary's batches.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -332,6 +333,7 @@ class SyncRole:
             return
         if pull.asked:
             pull.answered(self.t.ov.now())  # one of them did: the others are asked again sooner (retry_due)
+            self.t.wake(r)  # (that sooner)
             return
         dl = self.home.delegate_lists.get(r.name)
         if dl and not same(dl[-1].coord, r.coord) and not r.log.rows and not r.subscribers:
@@ -436,13 +438,21 @@ class SyncRole:
                 view = self.t.ov.view()
                 self.offer(r, [view[nid] for nid in r.offers.values() if nid in view])
 
+    def deadline(self, r: Replica) -> float:
+        """When r's offers are repeated (`repeat_offers`) or its pull asks again or finishes (`retry_pull`), if
+        not answered by then; math.inf if neither is under way."""
+        at = r.offered_at + self.t.config.offer_timeout if r.offers else math.inf
+        if (pull := r.pull) is not None and pull.asked:
+            at = min(at, pull.retry_at(self.t.config.pull_timeout), pull.timeout_at(self.t.config.pull_timeout))
+        return at
+
     def retry_pull(self, r: Replica, now: float) -> None:
         """A pull whose holders did not all answer: finished at the pull time-out with what came, asked again
         sooner once one of them answered (`Pulling.retry_due`)."""
         pull = r.pull
         if pull is None or not pull.asked:
             return
-        if now - max(pull.started, pull.heard) > self.t.config.pull_timeout:
+        if now > pull.timeout_at(self.t.config.pull_timeout):
             pull.asked.clear()
             self.pull_progress(r)
         elif pull.retry_due(now, self.t.config.pull_timeout):
