@@ -20,6 +20,7 @@ from broker.config import BrokerConfig, ConfigError, config_from_args
 from broker.flags import Parser, add_broker_arguments
 from broker.guard import Guard
 from broker.membership import JoinFailed, JoinRefused
+from broker.memory import freeze_survivors
 from broker.node import Broker, StartFailed
 from broker.sdnotify import Notifier
 from broker.storage import FormatUnknown, raise_open_file_limit, read_format
@@ -210,6 +211,7 @@ async def _serve(
     gc.collect()
     gc.freeze()
     log.debug("%d objects frozen for the garbage collector", gc.get_freeze_count())
+    freeze_survivors()  # (and so what the broker comes to hold: its topics, as they last)
     print(json.dumps(ready), flush=True)
     if notifier is not None:
         x, y = broker.info.coord

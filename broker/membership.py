@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 from broker.link import CloseReason, HandshakeRefused, LinkClosed, PeerLink
 from broker.routing import MAX_PENDING
 from net.credentials import source_address
-from net.transport import connect_broker
+from net.transport import Transport, connect_broker
 from overlay.geometry import MIN_SITE_SEPARATION, distance
 from overlay.protocol import (
     OLDEST_CLIENT_VERSION,
@@ -414,6 +414,8 @@ class Membership:
         self.release_held()
 
     async def _dial(self, info: NodeInfo, *, quiet: bool = False) -> None:
+        transport: Transport | None = None
+        link: PeerLink | None = None
         try:
             host, port = parse_address(info.listen)
             async with asyncio.timeout(self.config.connect_timeout):
@@ -438,6 +440,15 @@ class Membership:
             self._give_up(info.id, str(exc), quiet=quiet)
         except (OSError, TimeoutError, LinkClosed, ValueError) as exc:
             self._give_up(info.id, repr(exc), quiet=quiet)
+        except asyncio.CancelledError:
+            # The broker shuts down (its tasks are cancelled) in the middle of the dial: the connection goes too.
+            # Left open, it stayed half a link after the shutdown, and the peer took it for a neighbour until its
+            # heartbeats timed out (tests/test_gc_policy.py caught one).
+            if transport is not None:
+                transport.abort()
+            if link is not None:
+                self.links.discard(link)
+            raise
         finally:
             self._dialing.pop(info.id, None)
             current = self.peers.get(info.id)

@@ -229,6 +229,10 @@ class StreamTransport(asyncio.Protocol):
             self._wake_reader()
         elif (self._eof or self._exc is not None) and not self._paused and not self._chunks and not self._told:
             self._told = True
+            # Told of the end, the receiver is told nothing more: let go of it.  It holds this transport, and the
+            # two were a reference cycle, which only the cyclic collector freed, and which a broker that froze
+            # them (broker/memory.py `freeze_survivors`) never would.
+            self._receiver = None
             if self._exc is not None:
                 receiver.lost(self._exc)
             else:
