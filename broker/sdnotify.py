@@ -13,14 +13,21 @@ systemd passes a datagram socket in `NOTIFY_SOCKET` (a path, or an abstract name
 * `STATUS=...`, one line for `systemctl status`.
 
 Without `NOTIFY_SOCKET` (not started by systemd) nothing is sent.  A send that fails is logged once and does not
-stop the broker: the notifications serve the service manager, not the overlay.
+stop the broker: the notifications serve the service manager, not the overlay.  A state notification (READY,
+RELOADING, STOPPING, STATUS) that finds the manager's queue full (a datagram socket holds `net.unix.max_dgram_qlen`
+datagrams, 10 by default) waits and is sent again shortly, in order; it was lost, and a `systemctl reload` would
+have waited for a RELOADING=1 that never came.  A WATCHDOG=1 that finds it full is dropped: the next one says
+the same.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Final
 
@@ -31,6 +38,11 @@ ENV_WATCHDOG_PID: Final = "WATCHDOG_PID"
 SERVICE_MANAGER_ENV: Final = (ENV_SOCKET, ENV_WATCHDOG_USEC, ENV_WATCHDOG_PID)
 # A STATUS line longer than this is cut: systemctl shows one line.
 MAX_STATUS: Final = 200
+# A state notification that found the manager's queue full is sent again after this many seconds; at most this
+# many wait (the oldest goes first: a manager that reads nothing for that long has missed them anyway).
+RETRY_AFTER: Final = 0.05
+MAX_WAITING: Final = 32
+WATCHDOG: Final = b"WATCHDOG=1"
 
 
 class Notifier:
@@ -44,6 +56,8 @@ class Notifier:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.setblocking(False)
         self._failed = False
+        self._waiting: deque[bytes] = deque(maxlen=MAX_WAITING)  # state notifications not sent yet, in order
+        self._retry: asyncio.TimerHandle | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], pid: int, log: logging.Logger) -> Notifier | None:
@@ -69,12 +83,30 @@ class Notifier:
         lines = list(fields)
         if status is not None:
             lines.append("STATUS=" + " ".join(status.split())[:MAX_STATUS])
-        try:
-            self._sock.sendto("\n".join(lines).encode(), self.address)
-        except OSError as exc:
-            if not self._failed:  # (once: a manager that went away would otherwise fill the log)
-                self._failed = True
-                self._log.warning("cannot notify the service manager at %s=%s: %s", ENV_SOCKET, self.address, exc)
+        self._waiting.append("\n".join(lines).encode())
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what waits, in order, until the manager's queue is full (then again after RETRY_AFTER)."""
+        self._retry = None
+        while self._waiting:
+            try:
+                self._sock.sendto(self._waiting[0], self.address)
+            except BlockingIOError:
+                if self._waiting[0] == WATCHDOG:
+                    self._waiting.popleft()  # (the next ping says the same)
+                    continue
+                if self._retry is None:
+                    with contextlib.suppress(RuntimeError):  # (no loop: it goes with the next notification)
+                        self._retry = asyncio.get_running_loop().call_later(RETRY_AFTER, self._flush)
+                return
+            except OSError as exc:
+                self._waiting.clear()
+                if not self._failed:  # (once: a manager that went away would otherwise fill the log)
+                    self._failed = True
+                    self._log.warning("cannot notify the service manager at %s=%s: %s", ENV_SOCKET, self.address, exc)
+                return
+            self._waiting.popleft()
 
     def ready(self, status: str) -> None:
         self.send("READY=1", status=status)
@@ -87,7 +119,10 @@ class Notifier:
         self.send("STOPPING=1", status=status)
 
     def watchdog(self) -> None:
-        self.send("WATCHDOG=1")
+        if not self._waiting:  # (behind a state notification that waits, a ping would say nothing new)
+            self.send("WATCHDOG=1")
 
     def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
         self._sock.close()

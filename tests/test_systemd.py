@@ -273,6 +273,29 @@ def test_the_environment_systemd_sets_is_read_as_sd_notify_reads_it(tmp_path: Pa
     n.close()
 
 
+async def test_a_state_notification_that_finds_the_managers_queue_full_is_sent_once_there_is_room(
+    tmp_path: Path, manager: Manager
+) -> None:
+    # A manager's datagram socket holds net.unix.max_dgram_qlen datagrams (10 by default).  The suite's manager
+    # stopped reading while `broker --check` ran beside the broker; the broker's watchdog pings filled its queue
+    # and the RELOADING=1 of the SIGHUP that followed was lost, so a `systemctl reload` would have waited for it.
+    n = Notifier(str(manager.path), 400_000, logging.getLogger("test"))
+    try:
+        for _ in range(200):  # a manager that reads nothing for a while: its queue fills, pings are dropped
+            n.watchdog()
+        n.reloading()
+        n.ready("reloaded")
+        n.watchdog()  # (behind a waiting state notification: not queued)
+        got = [await manager.next(5.0)]
+        while not any("READY" in g for g in got):
+            got.append(await manager.next(5.0))
+        keys = [next(iter(g)) for g in got]
+        assert keys.count("RELOADING") == 1 and keys[-2:] == ["RELOADING", "READY"], keys
+        assert all(k == "WATCHDOG" for k in keys[:-2]), keys
+    finally:
+        n.close()
+
+
 async def test_a_cluster_started_by_a_service_keeps_the_service_manager_to_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
