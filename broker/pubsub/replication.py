@@ -180,7 +180,8 @@ class ReplicationRole:
         if whole and len(r.window) > MAX_SUPERSEDED:
             r.window.clear()  # re-sends that stayed unconfirmed: this batch carries everything they did
         r.window.append(Batch(corr, sec.id, self.t.ov.now(), upto, whole, meta_version=r.meta_version if meta else -1))
-        self.t.wake(r)  # (its re-send time-out)
+        if not live:  # (with batches in flight it is armed for the oldest one's time-out, the earliest)
+            self.t.wake(r)
         r.outbox.clear()
         r.meta_dirty = False
         self.t.counters["replicated_batches"] += 1
