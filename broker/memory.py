@@ -57,8 +57,8 @@ def freeze_survivors() -> None:
 
     What is frozen is still freed when its last reference goes, as anything is; only a reference cycle among
     frozen objects would stay.  The broker's own lifecycles leave none: a topic made, copied, taken over, moved
-    and dropped, and a client's or broker's connection made and closed (plain, TLS, refused, reset) are freed
-    without the cyclic collector (tests/test_gc_policy.py checks that with the collector off).  The collections
+    and dropped, and a client's connection made and closed (TLS, refused, reset) are freed without the cyclic
+    collector (tests/test_gc_policy.py checks that with the collector off).  The collections
     of young objects, where cycles of short-lived objects end, run as before."""
     if _freeze_after_full not in gc.callbacks:
         gc.callbacks.append(_freeze_after_full)

@@ -42,7 +42,7 @@ MAX_STATUS: Final = 200
 # many wait (the oldest goes first: a manager that reads nothing for that long has missed them anyway).
 RETRY_AFTER: Final = 0.05
 MAX_WAITING: Final = 32
-WATCHDOG: Final = b"WATCHDOG=1"
+WATCHDOG: Final = "WATCHDOG=1"
 
 
 class Notifier:
@@ -84,7 +84,8 @@ class Notifier:
         if status is not None:
             lines.append("STATUS=" + " ".join(status.split())[:MAX_STATUS])
         self._waiting.append("\n".join(lines).encode())
-        self._flush()
+        if self._retry is None:  # (else the retry sends it, behind what waits)
+            self._flush()
 
     def _flush(self) -> None:
         """Send what waits, in order, until the manager's queue is full (then again after RETRY_AFTER)."""
@@ -93,7 +94,7 @@ class Notifier:
             try:
                 self._sock.sendto(self._waiting[0], self.address)
             except BlockingIOError:
-                if self._waiting[0] == WATCHDOG:
+                if self._waiting[0] == WATCHDOG.encode():
                     self._waiting.popleft()  # (the next ping says the same)
                     continue
                 if self._retry is None:
@@ -120,7 +121,7 @@ class Notifier:
 
     def watchdog(self) -> None:
         if not self._waiting:  # (behind a state notification that waits, a ping would say nothing new)
-            self.send("WATCHDOG=1")
+            self.send(WATCHDOG)
 
     def close(self) -> None:
         if self._retry is not None:

@@ -245,6 +245,10 @@ class Backfill:
     target: str  # the secondary's node id
     at: float  # when it was offered, or the answer last made progress (the time-out counts from here)
 
+    def until(self, offer_timeout: float) -> float:
+        """When it is offered again if not confirmed (replication.py `_tick_backfill`)."""
+        return self.at + offer_timeout
+
 
 class CopyStage(enum.Enum):
     """Where a replica's history stands at its next holder (see the module docstring)."""

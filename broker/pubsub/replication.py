@@ -512,6 +512,11 @@ class ReplicationRole:
             rt = self._round_trips[node] = RoundTrip()
         return rt
 
+    def _resend_after(self, r: Replica, b: Batch) -> float:
+        """How long after it was sent an unconfirmed batch of r is re-sent: its copy's round-trip time-out, at
+        least r's own (`RoundTrip.timeout`)."""
+        return self._round_trip(b.target).timeout(r.rto)
+
     def _resent(self, node: str, topic: str, rto: float, now: float) -> None:
         """Count a re-send to node, and log the count at most every RESEND_LOG_EVERY seconds per copy."""
         n, logged = self._resends.get(node, (0, -RESEND_LOG_EVERY))
@@ -526,7 +531,7 @@ class ReplicationRole:
         """A back-fill not confirmed (nor its answer making progress) within the offer time-out is offered again,
         from what the next holder has by then; a level-3 secondary back-fills its tertiary from here."""
         bf = r.copy.offer
-        if bf is not None and now - bf.at > self.t.config.offer_timeout:
+        if bf is not None and now > bf.until(self.t.config.offer_timeout):
             r.copy.lapsed()
             if r.rank == 1:
                 self.flush(r)
@@ -595,7 +600,7 @@ class ReplicationRole:
                 self._tell_heads(r, now)
             self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
-            if live and now - live[0].sent_at > (rto := self._round_trip(live[0].target).timeout(r.rto)):
+            if live and now - live[0].sent_at > (rto := self._resend_after(r, live[0])):
                 # The oldest unconfirmed batch (or one before it) was lost or the replica is slow: go back to it.
                 self._resent(live[0].target, r.name, rto, now)
                 r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long re-send keeps its longer time-out
@@ -615,7 +620,7 @@ class ReplicationRole:
         at = math.inf
         live = next((b for b in r.window if not b.superseded), None)
         if live is not None:
-            at = live.sent_at + self._round_trip(live.target).timeout(r.rto)
+            at = live.sent_at + self._resend_after(r, live)
         if (bf := r.copy.offer) is not None:
-            at = min(at, bf.at + self.t.config.offer_timeout)
+            at = min(at, bf.until(self.t.config.offer_timeout))
         return at

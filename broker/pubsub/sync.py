@@ -431,7 +431,7 @@ class SyncRole:
     def repeat_offers(self, r: Replica, now: float) -> None:
         """Offers not confirmed within the offer time-out go out again: a retiring copy's to whoever holds the
         topic by now, other copies' to the holders they went to."""
-        if r.offers and now - r.offered_at > self.t.config.offer_timeout:
+        if r.offers and now > self._offers_until(r):
             if r.stage is Stage.RETIRING:
                 self.retire(r)
             else:
@@ -441,10 +441,14 @@ class SyncRole:
     def deadline(self, r: Replica) -> float:
         """When r's offers are repeated (`repeat_offers`) or its pull asks again or finishes (`retry_pull`), if
         not answered by then; math.inf if neither is under way."""
-        at = r.offered_at + self.t.config.offer_timeout if r.offers else math.inf
+        at = self._offers_until(r) if r.offers else math.inf
         if (pull := r.pull) is not None and pull.asked:
             at = min(at, pull.retry_at(self.t.config.pull_timeout), pull.timeout_at(self.t.config.pull_timeout))
         return at
+
+    def _offers_until(self, r: Replica) -> float:
+        """When r's offers not yet confirmed go out again (`repeat_offers`)."""
+        return r.offered_at + self.t.config.offer_timeout
 
     def retry_pull(self, r: Replica, now: float) -> None:
         """A pull whose holders did not all answer: finished at the pull time-out with what came, asked again
