@@ -25,6 +25,8 @@ from cli import analysis as cli_analysis
 pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import SparkSession  # noqa: E402
 
+from analysis.job import SHORT_RUN_SETTINGS, spark_session  # noqa: E402
+
 LEVELS = ("L1", "L2", "L3")
 PROBS = {"q05": 0.05, "q50": 0.5, "q95": 0.95}
 # Spark and numpy sum the per-(run, step) L1 in different orders (partial sums vs pairwise), so the 100%
@@ -43,19 +45,9 @@ pytestmark = pytest.mark.filterwarnings(
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[SparkSession]:
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("sedax-test-analysis")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.memory", "1g")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+    # The session `sedax analyze` starts for small inputs (these logs are a few MiB), with 4 shuffle partitions.
+    with spark_session("local[2]", "1g", {"spark.sql.shuffle.partitions": "4"}, short_run=True) as session:
+        yield session
 
 
 EXTRA_LINES = [
@@ -219,6 +211,17 @@ def test_reference_agrees_with_generator(logs: tuple[Path, list[SynthStats]], re
     assert ref.kinds["ok"] == written
     assert sum(v for k, v in ref.kinds.items() if k != "ok") == bad
     assert ref.duplicates == 1
+
+
+def test_a_short_run_session_runs_its_jvm_with_the_short_run_settings(spark: SparkSession) -> None:
+    # What the driver JVM was started with, asked of the JVM itself (not of the configuration handed to it).
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    args = set(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    assert {"-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"} <= args, args
+    for key, value in SHORT_RUN_SETTINGS.items():  # (Spark adds its own options before the JVM's)
+        assert value in (spark.sparkContext.getConf().get(key) or ""), key
+    assert spark.conf.get("spark.sql.codegen.wholeStage") == "false"
 
 
 def test_counts_records_and_bad_lines(out: Path, ref: Reference) -> None:
