@@ -442,7 +442,7 @@ class LocalCluster:
     # ------------------------------------------------------------------------------------- convergence
 
     def expected_neighbours(self) -> dict[str, set[str]]:
-        """Delaunay neighbours (scipy) of the live brokers' coordinates, by node id."""
+        """Delaunay neighbours of the live brokers' coordinates as the brokers link them, by node id."""
         return delaunay_neighbour_map({bp.node_id: bp.coord for bp in self.live()})
 
     async def statuses(self, within: float = 5.0) -> dict[str, Status]:

@@ -131,7 +131,7 @@ def link_gaps(coords: Mapping[str, Sequence[float]], links: Mapping[str, set[str
     """Where the brokers' established links differ from the Delaunay triangulation of their coordinates, one line
     per broker (empty: the overlay is whole, as each broker's neighbour maintenance promises once it settles).
     links: each broker's linked neighbours by id, for every broker of coords."""
-    from overlay.geometry import delaunay_neighbour_map  # (here: numpy and scipy, ~1 s, only for this check)
+    from overlay.geometry import delaunay_neighbour_map  # (here: numpy, only for this check)
 
     expected = delaunay_neighbour_map(coords)
     out = []

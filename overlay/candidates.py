@@ -10,10 +10,9 @@ Sec. V-E).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
-from scipy.spatial import cKDTree
 
 from overlay.geometry import (
     FloatArray,
@@ -25,6 +24,9 @@ from overlay.geometry import (
     voronoi_cell,
 )
 from overlay.load import CoordMetric, Level, LoadLedger, best_index
+
+if TYPE_CHECKING:  # (imported where used: a broker uses triples_for only, and does not load scipy)
+    from scipy.spatial import cKDTree
 
 CANDIDATES_PER_NODE: Final = 200  # Sec. V-E
 
@@ -56,7 +58,10 @@ class CandidateSet:
         self.n = len(points)
         self.per_node = per_node
         self.neighbours = neighbours if neighbours is not None else delaunay_neighbours(points)
-        tree = tree if tree is not None else cKDTree(points)
+        if tree is None:
+            from scipy.spatial import cKDTree
+
+            tree = cKDTree(points)
         coords = np.empty((self.n * per_node, 2))
         for v in range(self.n):
             cell = voronoi_cell(points[v], (points[j] for j in sorted(self.neighbours[v])), space)

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from overlay.geometry import Coord, delaunay_neighbour_map
+from overlay.geometry import Coord, delaunay_neighbours_of
 from overlay.protocol import NodeInfo
 
 # At most this many destinations' routes are remembered (NeighbourView.route); beyond it they are computed afresh.
@@ -185,7 +185,7 @@ class NeighbourView:
         known = self.known()
         if len(known) == 1:
             return set()
-        return delaunay_neighbour_map(known)[self.me.id]
+        return delaunay_neighbours_of(self.me.id, known)
 
     def infos(self, ids: Iterable[str]) -> list[NodeInfo]:
         """NodeInfo of each known id (unknown ids skipped), ordered by id for stable messages."""

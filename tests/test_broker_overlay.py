@@ -166,6 +166,19 @@ async def test_a_bootstrap_broker_starts_the_overlay_alone_or_rejoins_it(tmp_pat
         await cluster.wait_converged(20.0)
 
 
+async def test_brokers_on_a_grid_link_both_diagonals_of_every_square_and_route(tmp_path: Path) -> None:
+    # A grid (how an operator may place brokers: a substation per block) has four cocircular brokers per square
+    # and no unique triangulation.  Each broker computes its links from its own partial view; they must agree
+    # with each other and with the overlay checks (both diagonals, `delaunay_neighbour_map`), not each pick one.
+    grid = [(0.2 + 0.3 * i, 0.2 + 0.3 * j) for j in range(3) for i in range(3)]
+    async with LocalCluster(9, coords=grid, state_dir=tmp_path, broker_args=FAST_ARGS, tls=False) as cluster:
+        await cluster.wait_converged(60.0)
+        links = cluster.expected_neighbours()
+        centre = next(bp.node_id for bp in cluster.nodes if bp.coord == (0.5, 0.5))
+        assert len(links[centre]) == 8, links  # the four sides and the four diagonals
+        await check_routes(cluster, 100, seed=8)
+
+
 async def _join_through_a_relay(tmp_path: Path, drop: Callable[[Message, bool], bool]) -> tuple[str, str]:
     """A newcomer (n3, --join-timeout 600: far beyond wait_ready's deadline) joins a settled 3-broker cluster through
     a relay of ours in front of n0 that drops the frames `drop` picks; once the overlay is whole with it, its log
