@@ -337,8 +337,10 @@ def delaunay_neighbours_of(me: K, sites: Mapping[K, Sequence[float]]) -> set[K]:
 
 
 def _clip_cell(cell: list[tuple[float, float, _Line]], cut: _Line) -> list[tuple[float, float, _Line]]:
-    # Sutherland-Hodgman against cut's half-plane; a vertex where an edge crosses it is the intersection of the
-    # edge's line with cut's, and the edge from there on lies on cut.
+    # Sutherland-Hodgman against cut's half-plane, as _clip; but a vertex where an edge crosses it is the
+    # intersection of the edge's line with cut's, and the edge from there on lies on cut.  (_clip, which
+    # interpolates along the edge, stays for voronoi_cell: the simulator's candidates are drawn from its
+    # polygons, and the paper's tables are reproduced from them bit for bit.)
     a, b, c, _ = cut
     out: list[tuple[float, float, _Line]] = []
     n = len(cell)
