@@ -60,7 +60,7 @@ REFORMED_WITHIN = 300.0
 SERVING_WITHIN = 120.0
 REPLAY_TIMEOUT = 60.0
 PROMETHEUS_WITHIN = 180.0
-# Spark's start and ~30 small jobs: 1.5-3.5 min at a load average of 5-15, more than 5 min at ~30.
+# Spark's start and ~90 small jobs: 70 s alone, 81-233 s in CI runs beside the other worker, more at load ~30.
 ANALYSIS_TIMEOUT = 600.0
 POLL = 1.0
 # Lines of each broker's link history shown when the overlay does not converge.
