@@ -212,42 +212,33 @@ def spark_path(path: str | Path) -> str:
     return "file:" + (posix if posix.startswith("/") else "/" + posix)
 
 
-def check_inputs(paths: Sequence[str]) -> None:
-    """Fail early with a clear message for missing directories or directories without `*.jsonl` files.
+def check_inputs(paths: Sequence[str]) -> int | None:
+    """Fail early with a clear message for missing directories or directories without `*.jsonl` files; returns the
+    total size of those files (what Spark reads), or None if a path is not local (its size is unknown here).
 
     Only local paths are checked; other filesystems (hdfs://, s3a://) are left to Spark.
     """
     if not paths:
         raise AnalysisInputError("no log directory given")
     found = False
+    total: int | None = 0
     for p in paths:
         if not _is_local(p):
-            found = True
+            found, total = True, None
             continue
         local = _local_path(p)
         if not local.exists():
             raise AnalysisInputError(f"log directory not found: {p}")
-        if local.is_file():
-            found = found or local.name.endswith(".jsonl")
-        elif not found:
-            found = next(local.rglob("*.jsonl"), None) is not None
+        logs = [local] if local.is_file() and local.name.endswith(".jsonl") else local.rglob("*.jsonl")
+        for f in logs:
+            found = True
+            if total is not None:
+                try:
+                    total += f.stat().st_size
+                except OSError:  # a file removed meanwhile: Spark will not read it either
+                    continue
     if not found:
         raise AnalysisInputError(f"no *.jsonl logs found below {', '.join(paths)}")
-
-
-def input_bytes(paths: Sequence[str]) -> int | None:
-    """Total size of the `*.jsonl` files below paths; None if a path is not local (its size is unknown here)."""
-    total = 0
-    for p in paths:
-        if not _is_local(p):
-            return None
-        local = _local_path(p)
-        files = [local] if local.is_file() else local.rglob("*.jsonl")
-        for f in files:
-            try:
-                total += f.stat().st_size
-            except OSError:  # a file removed meanwhile: Spark will not read it either
-                continue
     return total
 
 
@@ -468,13 +459,12 @@ def run_analysis(
         AnalysisInputError: a path is missing, no `*.jsonl` file is found, or `out` is not local.
         AnalysisOutputError: the driver does not see the tables the executors wrote under `out`.
     """
-    check_inputs(paths)
+    size = check_inputs(paths)
     given = check_output(out)
     started = time.monotonic()
     out_dir = given.resolve()
     (out_dir / "csv").mkdir(parents=True, exist_ok=True)
     summary = Summary(out=str(given))
-    size = input_bytes(paths)
     short_run = size is not None and size <= SHORT_RUN_BYTES
     with spark_session(master, driver_memory, conf, short_run=short_run) as spark:
         _analyse(spark, paths, out_dir, summary, bin_width, top, ccdf_per_step)

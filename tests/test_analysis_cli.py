@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.job import AnalysisInputError, check_inputs, input_bytes
+from analysis.job import AnalysisInputError, check_inputs
 from cli import analysis as cli_analysis
 
 
@@ -47,15 +47,15 @@ def test_check_inputs(tmp_path: Path) -> None:
         check_inputs([str(tmp_path / "b")])
 
 
-def test_input_bytes_counts_the_logs_spark_reads(tmp_path: Path) -> None:
+def test_check_inputs_measures_the_logs_spark_reads(tmp_path: Path) -> None:
     (tmp_path / "a" / "deep").mkdir(parents=True)
     (tmp_path / "a" / "deep" / "broker-1.3.jsonl").write_text("x" * 100)
     (tmp_path / "a" / "notes.txt").write_text("y" * 1000)  # not a log: Spark's *.jsonl filter skips it
     (tmp_path / "b.jsonl").write_text("z" * 10)
-    assert input_bytes([str(tmp_path / "a")]) == 100
-    assert input_bytes([str(tmp_path / "a"), str(tmp_path / "b.jsonl")]) == 110
-    assert input_bytes([f"file://{tmp_path / 'a'}"]) == 100
-    assert input_bytes([str(tmp_path / "a"), "hdfs://namenode/logs"]) is None  # unknown: Spark's defaults
+    assert check_inputs([str(tmp_path / "a")]) == 100
+    assert check_inputs([str(tmp_path / "a"), str(tmp_path / "b.jsonl")]) == 110
+    assert check_inputs([f"file://{tmp_path / 'a'}"]) == 100
+    assert check_inputs([str(tmp_path / "a"), "hdfs://namenode/logs"]) is None  # unknown: Spark's defaults
 
 
 def test_register_on_a_foreign_parser() -> None:
