@@ -163,7 +163,7 @@ class NearestNodes(Generic[K]):
     coordinates to every node at once and keeps, per coordinate, the nodes no farther than its k-th smallest
     plus a relative margin (1e-9); `closest` orders those few exactly.  A node outside the margin has k nodes
     truly closer than it by far more than rounding moves a distance, so it is not among the first k whichever
-    way `closest`'s own arithmetic rounds.  (`nearest_k`, the simulator's KD-tree query, breaks ties in
+    way `closest`'s own arithmetic rounds.  (`nearest_k`, the simulator's query, breaks ties in
     distance its own way; brokers must all pick the same N_1, so they rank with `closest`'s order.)"""
 
     def __init__(self, nodes: Mapping[K, Sequence[float]]) -> None:
@@ -326,9 +326,10 @@ def delaunay_neighbours_of(me: K, sites: Mapping[K, Sequence[float]]) -> set[K]:
         if line[3] is not None or cell[i - 1][2][3] is not None
     ]
     for dx, dy, key in others:
-        d = math.sqrt(dx * dx + dy * dy)
-        if d * d > 4.0 * reach2 * (1.0 + _TOUCH):
+        d2 = dx * dx + dy * dy
+        if d2 > 4.0 * reach2 * (1.0 + _TOUCH):
             break
+        d = math.sqrt(d2)
         half = d / 2.0
         # Touching: some vertex is (to the tolerance) on this site's bisector, i.e. as close to it as to the site.
         if any((x * dx + y * dy) / d - half >= -tol for x, y, tol in real):
