@@ -2,7 +2,7 @@
 
 Almost everything is read at scrape time from what the broker keeps anyway (its counters, the pub/sub
 counters, loads, topics and links), so serving metrics costs the forwarding and pub/sub paths nothing.  The
-three distributions (hops of routed messages, publish-to-ACK latency, heal time) need a measurement where
+four distributions (hops of routed messages, publish-to-ACK latency, heal time, event-loop lag) need a measurement where
 they happen: `Buckets` is a plain count array (one bisect per observation) that the collector turns into a
 Prometheus histogram when scraped.
 
@@ -325,6 +325,12 @@ class BrokerCollector:
             "sedax_heal_seconds",
             "From detecting a neighbour's failure to linking all desired neighbours again.",
             s.heal,
+        )
+        yield _histogram(
+            "sedax_event_loop_lag_seconds",
+            "How late each heartbeat tick ran: the event loop was busy. Neighbours take a broker silent for the "
+            "heartbeat window (interval x misses) for dead.",
+            s.loop_lag,
         )
 
 

@@ -577,6 +577,8 @@ class Broker(Membership, Routing):
                 # late (the timer's steps), and counting that would push the deadline on by as much, again and
                 # again.
                 late = max(0.0, now - beat_at) if on_beat else 0.0
+                if on_beat:
+                    self.stats.loop_lag.observe(late)
                 deadline = never
                 for link in list(self.links):
                     d = link.tick(now, late, on_beat)
@@ -599,7 +601,8 @@ class Broker(Membership, Routing):
                 busy_until = now + PUBSUB_BUSY
                 pubsub_at = min(pubsub_at, now + PUBSUB_TICK)
             if due >= pubsub_at or (on_beat and due >= idle_pubsub_at):
-                self.pubsub.tick()
+                if self.pubsub.tick():
+                    busy_until = max(busy_until, now + PUBSUB_TICK)  # time-outs left for the next tick
                 self.guard.sweep_idle(self.links, now, self._subscribed)
                 self.guard.closes.tick(now)
                 self.trimmer.maybe_trim(now)

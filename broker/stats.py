@@ -1,8 +1,9 @@
 """The broker's measurements in one object, and the read-only view of a broker that observers use.
 
-`BrokerStats` holds every counter of the broker's own (routing, membership) under one name each, and the three
+`BrokerStats` holds every counter of the broker's own (routing, membership) under one name each, and the four
 distributions that need a measurement where they happen: hops of routed messages, publish-to-ACK latency, heal
-time (`Buckets`, a plain count array the metrics endpoint turns into Prometheus histograms at scrape time).
+time, the event loop's lag (`Buckets`, a plain count array the metrics endpoint turns into Prometheus histograms
+at scrape time).
 The pub/sub and balancer counters live with their layers; `Observed.counter_values()` joins them.
 
 `Observed` is what the metrics endpoint (broker/metrics.py) and the event log (broker/eventlog.py) read: they
@@ -32,6 +33,9 @@ HOP_BOUNDS: Final = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 LATENCY_BOUNDS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Heal time: the failure-detection window is ~0.6 s by default; re-linking adds a few round trips.
 HEAL_BOUNDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# How late the broker's beat ran (its event loop busy with something else): a neighbour takes a broker silent for
+# the heartbeat window (0.6 s by default) for dead, so the buckets reach past it.
+LAG_BOUNDS: Final = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Publishes timed at once by one broker; beyond this new ones go untimed (counted), so clients that never
 # see their acknowledgement cannot grow the table without bound.
 MAX_TIMED: Final = 65536
@@ -174,6 +178,7 @@ class BrokerStats:
         self.hops = Buckets(HOP_BOUNDS)
         self.ack_latency = Buckets(LATENCY_BOUNDS)
         self.heal = Buckets(HEAL_BOUNDS)
+        self.loop_lag = Buckets(LAG_BOUNDS)  # each heartbeat tick's lateness (Broker._ticker)
         self.acks = AckTimer(self.ack_latency)
         # time.monotonic() of the first failure not yet healed (see Broker._check_healed), or None.
         self.healing_since: float | None = None

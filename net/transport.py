@@ -110,6 +110,13 @@ class Transport(Protocol):
 # Bytes a TLS 1.3 record adds to what is written: 5 header, 1 inner content type, 16 AEAD tag (every cipher
 # suite Python's ssl enables).  TLS 1.2's depend on the cipher: no fixed figure.
 TLS13_RECORD_OVERHEAD = 22
+# In push mode, once this many bytes went to the receiver the socket is paused until the next turn of the event
+# loop.  uvloop (libuv's uv__read) reads a ready socket up to 32 times per turn, 256 KB each, while data keeps
+# coming, and each chunk is decoded and handled at once: a broker that fell behind a flood (a joining broker
+# given the history of 10,000 topics) spent 1.3 s in one socket's reads, its timers waited, its heartbeats went
+# out that late, and its neighbours took it for dead (bench_join.py, docs/benchmarks-scale.md).  Now a turn takes
+# one chunk of a socket once this much has gone through, and timers and the other sockets get their turn in between.
+READ_TURN_BUDGET = 64 * 1024
 # In pull mode, the socket is not read while this much waits unread (asyncio's StreamReader pauses at twice
 # its 64 KiB limit): a peer cannot fill our memory faster than `read` takes it.
 PULL_BUFFER_LIMIT = 256 * 1024
@@ -138,7 +145,9 @@ class StreamTransport(asyncio.Protocol):
         self.writes = 0  # writes handed to the socket transport (tests count them)
         self._receiver: Receiver | None = None
         self._paused = False  # the owner paused reading (push mode)
-        self._tr_paused = False  # the socket transport is paused (owner's pause, or a full pull buffer)
+        self._tr_paused = False  # the socket transport is paused (owner's pause, a full pull buffer, a turn's budget)
+        self._turn_bytes = 0  # pushed to the receiver since the last yield (READ_TURN_BUDGET)
+        self._yielding = False  # paused for the rest of the turn (READ_TURN_BUDGET)
         self._chunks: deque[bytes] = deque()  # read and not yet taken (pull mode; or waiting out a pause)
         self._buffered = 0
         self._eof = False  # the end of the stream came in (after the chunks)
@@ -166,6 +175,9 @@ class StreamTransport(asyncio.Protocol):
         receiver = self._receiver
         if receiver is not None and not self._paused and not self._chunks:
             receiver.received(data)  # the push path: straight to the decoder
+            self._turn_bytes += len(data)
+            if self._turn_bytes >= READ_TURN_BUDGET and not self._yielding:
+                self._yield_turn()
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -222,6 +234,21 @@ class StreamTransport(asyncio.Protocol):
             self._tr_paused = False
             if not self._lost:
                 self._tr.resume_reading()
+
+    def _yield_turn(self) -> None:
+        """Read no more of this socket in this turn of the loop (READ_TURN_BUDGET)."""
+        tr = self._tr
+        if tr is None or tr.is_closing():
+            return  # (the receiver closed it: nothing more is read anyway)
+        self._yielding = True
+        self._pause_transport()
+        self._loop.call_soon(self._end_yield)
+
+    def _end_yield(self) -> None:
+        self._yielding = False
+        self._turn_bytes = 0
+        if not self._paused and self._receiver is not None and self._tr is not None and not self._tr.is_closing():
+            self._resume_transport()
 
     def _deliver_end(self) -> None:
         receiver = self._receiver

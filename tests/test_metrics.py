@@ -220,6 +220,8 @@ async def _scrape_and_publish(cluster: LocalCluster, prom: Prometheus, targets: 
     assert sum(hops.values()) > 0
     lat_sum = sum((await prom.by_instance("sedax_publish_ack_latency_seconds_sum")).values())
     assert lat_sum > 0
+    beats = await prom.by_instance("sedax_event_loop_lag_seconds_count")
+    assert len(beats) == 5 and all(v > 0 for v in beats.values())  # every broker times each of its beats
     roles = await asyncio.to_thread(prom.query, 'sum by (role) (sedax_topics{role=~"primary|secondary"})')
     by_role = {r["metric"]["role"]: float(r["value"][1]) for r in roles}
     assert by_role == {"primary": len(topics), "secondary": len(topics)}  # resilience 2: one copy each

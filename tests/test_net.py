@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,7 +21,7 @@ from broker.tasks import TaskSet
 from client.admin import AdminClient, BrokerUnavailable
 from client.client import Client
 from net.connection import CloseReason, Heartbeat, LinkClosed, Requests, open_handshake
-from net.transport import StreamTransport, Transport, connect_broker, memory_pair
+from net.transport import READ_TURN_BUDGET, StreamTransport, Transport, connect_broker, memory_pair
 from overlay.protocol import (
     PROTOCOL_VERSION,
     ControlFrame,
@@ -390,6 +393,71 @@ def test_a_write_to_a_closed_stream_transport_goes_nowhere_under_uvloop() -> Non
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(run())
+
+
+def test_a_flooded_stream_transport_reads_one_chunk_per_turn_past_its_budget() -> None:
+    # uvloop reads a ready socket up to 32 times per loop turn while data keeps coming, and each chunk is decoded
+    # and handled at once: a joining broker spent 1.3 s in one socket's reads (bench_join.py), its timers and
+    # heartbeats waited, and its neighbours took it for dead.  Past READ_TURN_BUDGET bytes a transport reads no
+    # more of its socket until the next turn.  The writer is a thread with a blocking socket, so the kernel's
+    # buffer fills again while a chunk is handled (the millisecond a chunk's frames take a broker, simulated).
+    import uvloop
+
+    total = 4 << 20
+    per_turn: dict[int, list[int]] = {}
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        accepted: list[StreamTransport] = []
+
+        def made() -> StreamTransport:
+            accepted.append(StreamTransport())
+            return accepted[-1]
+
+        server = await loop.create_server(made, "127.0.0.1", 0)
+        turn = 0
+        counting = True
+
+        def count() -> None:  # once per turn of the loop: what call_soon schedules runs in the next one
+            nonlocal turn
+            turn += 1
+            if counting:
+                loop.call_soon(count)
+
+        class Slow:
+            got = 0
+
+            def received(self, data: bytes) -> None:
+                if data:
+                    per_turn.setdefault(turn, []).append(len(data))
+                    self.got += len(data)
+                    time.sleep(0.001)
+
+            def lost(self, exc: Exception) -> None:
+                pass
+
+        slow = Slow()
+        sock = socket.create_connection(server.sockets[0].getsockname()[:2])
+        try:
+            await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
+            accepted[0].receive(slow)
+            loop.call_soon(count)
+            writer = threading.Thread(target=sock.sendall, args=(b"x" * total,))
+            writer.start()
+            await wait_for(lambda: slow.got >= total, 60.0, "every byte")
+            await asyncio.to_thread(writer.join, 10.0)
+        finally:
+            counting = False
+            sock.close()
+            accepted[0].abort()
+            server.close()
+            await server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
+    assert sum(map(sum, per_turn.values())) == total
+    over = {t: sizes for t, sizes in per_turn.items() if sum(sizes[:-1]) >= READ_TURN_BUDGET}
+    assert not over, f"turns that read on past the budget: {over}"
 
 
 class _Congested(_Handler):

@@ -16,8 +16,8 @@ import pytest
 import broker.pubsub.loads
 from broker.acl import Acl, parse_acl
 from broker.pubsub import PubSub, PubSubConfig
-from broker.pubsub.core import chunks, frame_chunks
-from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, REGISTER_AGAIN
+from broker.pubsub.core import DUE_SLICE, chunks, frame_chunks
+from broker.pubsub.settings import EMPTY_TOPIC_SWEEP, OFFER_TIMEOUT, REGISTER_AGAIN, RERANK_SLICE
 from broker.stats import TopicCensus
 from broker.store import Retention
 from overlay.geometry import Coord, closest, geohash
@@ -820,6 +820,87 @@ def test_a_ranked_out_copy_hands_its_records_on_before_it_lets_go() -> None:
     net.tick(0.6)
     assert _fetch_all(pub, topic) == list(range(25))
     assert sorted(r[2] for r in newcomer.ps.store.get(topic).rows) == list(range(25))
+
+
+def _filled(n_topics: int) -> tuple[Net, list[str]]:
+    """Three brokers at level 2 holding n_topics topics of one message each."""
+    net = Net([(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)], resilience=2)
+    pub = net.nodes["n0"]
+    pub.inbox["p"] = []
+    topics = [f"grid/walk/{i:05d}" for i in range(n_topics)]
+    for t in topics:
+        pub.ps.client_message("p", Publish(t, "P", 0, b"v", 0))
+    net.run()
+    assert sum(isinstance(m, Ack) for m in pub.inbox["p"]) == n_topics
+    return net, topics
+
+
+def _arrives(net: Net, coord: Coord) -> Node:
+    """A broker joins at coord: in every broker's view, but nobody has re-ranked yet (Net.join does all at once)."""
+    nid = f"n{len(net.nodes)}"
+    node = net.nodes[nid] = Node(net, NodeInfo(nid, coord, f"127.0.0.1:{7000 + len(net.nodes)}"), net.level)
+    return node
+
+
+def test_a_view_change_re_ranks_a_slice_per_turn_and_a_topic_touched_before_its_turn_first() -> None:
+    # A view change re-ranks every topic held, but RERANK_SLICE per turn of the event loop (RankRole.view_changed):
+    # in one turn, a broker of 20,000 replicas was silent for 1.9 s with the offers and back-fills it started,
+    # and its neighbours took it for dead (bench_join.py).  A replica the walk has not reached yet is re-ranked
+    # as soon as something touches it, so none acts on the rank of the earlier view.
+    net, topics = _filled(6 * RERANK_SLICE)
+    newcomer = _arrives(net, (0.5, 0.45))
+    old = net.nodes["n1"]
+    held = len(old.ps.table.replicas)
+    assert held > 3 * RERANK_SLICE
+    old.ps.view_changed()
+    assert len(old.ps.ranks.pending) == held - RERANK_SLICE  # one slice now, the rest in later turns
+    assert len(net.queue) <= 3 * RERANK_SLICE  # (what one slice's offers and back-fills send, not held's)
+    assert len(net.deferred) == 1  # the next slice
+    # A topic the walk has not reached, of which the newcomer is now the primary: its PULL re-ranks it first.
+    view = {nid: n.me.coord for nid, n in net.nodes.items()}
+    moved = next(
+        t
+        for t in sorted(old.ps.ranks.pending)
+        if old.ps.table.replicas[t].rank == 1 and closest(view, geohash(t))[0] == newcomer.me.id
+    )
+    r = old.ps.table.replicas[moved]
+    old.ps.routed(Pull(1, moved, r.coord, newcomer.me, {}))
+    assert moved not in old.ps.ranks.pending and r.rank != 1
+    for nid in ("n0", "n2"):
+        net.nodes[nid].ps.view_changed()
+    net.run()  # every message, and the walks' later slices (deferred: one per turn)
+    assert not any(n.ps.ranks.pending for n in net.nodes.values())
+    for t in topics:
+        holders = set(closest(view, geohash(t), 2))
+        assert set(_holders(net, t)) == holders, t
+        assert all(seqs == [0] for seqs in _holders(net, t).values()), t
+
+
+def test_time_outs_due_together_are_taken_a_slice_per_tick() -> None:
+    # After a join, the offers of every topic ranked out went out within a few turns; their receiver lost (here:
+    # a black hole), they all time out together.  A tick re-sends DUE_SLICE of them and says more are due; in one
+    # tick they held a broker's loop for up to a second at every beat (bench_join.py at 30,000 topics).
+    net, _ = _filled(6 * DUE_SLICE)
+    old = net.nodes["n1"]
+    old.ps.tick()  # (the sweep's first round looks at every replica: done before the time-outs)
+    newcomer = _arrives(net, (0.5, 0.45))
+    net.blackhole.add(newcomer.me.coord)
+    old.ps.view_changed()
+    old.ps.ranks.settle_all()
+    offering = [r for r in old.ps.table.replicas.values() if r.offers]
+    assert len(offering) > 2 * DUE_SLICE
+    per_tick, more = [], []
+    end = net.clock + OFFER_TIMEOUT + 1.0  # (the first repeat of every offer, not the second)
+    while net.clock < end:
+        net.clock += 0.05  # (the broker's pub/sub tick while busy)
+        sent = len(net.sent)
+        more.append(old.ps.tick())
+        per_tick.append(sum(1 for nid, m in net.sent[sent:] if nid == old.me.id and isinstance(m, Offer)))
+        net.queue.clear()
+    sweep = math.ceil(len(old.ps.table.replicas) * 0.05 / 4.0)  # (the sweep's slice of every replica per tick)
+    assert max(per_tick) <= 2 * (DUE_SLICE + sweep)  # (a retiring replica offers to both new holders)
+    assert sum(per_tick) >= len(offering)  # every one repeated, over several ticks
+    assert any(more) and sum(1 for n in per_tick if n > 2 * sweep) >= 2
 
 
 def test_a_graceful_leave_at_level_one_loses_nothing() -> None:

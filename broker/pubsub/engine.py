@@ -161,8 +161,11 @@ class PubSub:
         """handler, then the answers it produced (a commit's ACKs and DELIVERs, refusals) leave, one TOPIC_REPLY
         per access broker: held to the end of the turn they would wait behind the next batch of reads."""
         flush = self.table.flush_replies
+        ranks = self.ranks
 
         def handle(msg: Any) -> None:
+            if ranks.pending and isinstance(topic := getattr(msg, "topic", None), str):
+                ranks.settle(topic)  # (a view change's walk has not reached it yet: RankRole.view_changed)
             handler(msg)
             flush()
 
@@ -192,6 +195,7 @@ class PubSub:
         self, topic: str, to: Coord, reply: tuple[NodeInfo, str, int] | None = None, force: bool = False
     ) -> str | None:
         """Start moving a topic this broker is the primary of (None once under way, else why not)."""
+        self.ranks.settle(topic)
         return self.moves.request_move(topic, to, reply, force)
 
     def recover(self) -> RecoveryReport:
@@ -208,6 +212,7 @@ class PubSub:
     def hand_off(self) -> int:
         """A graceful shutdown begins: offer every topic held to the brokers that hold it next; returns how many
         offers wait for confirmation (`handing_off`).  The broker leaves once that is 0 or time is up."""
+        self.ranks.settle_all()  # (every topic is offered to its holders by its rank for the current view)
         return self.sync.hand_off()
 
     def handing_off(self) -> int:
@@ -220,16 +225,23 @@ class PubSub:
 
     def view_changed(self, failed: Collection[str] = ()) -> None:
         """The broker's view of the overlay changed; failed names the brokers that died (not those that left
-        gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop."""
+        gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop; a slice now
+        and the rest over the next turns of the loop, a topic touched meanwhile first (RankRole.view_changed)."""
         self.home.view_changed()
         self.ranks.view_changed(failed)
         self.access.view_changed()  # (after the holders re-ranked: a local registration finds its replica)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
         """Timers: replication, pull and move time-outs, registrations made again, delegate-list re-sends, notes,
-        retention, empty topics."""
+        retention, empty topics.  True if time-outs are up that this tick left for the next (DUE_SLICE): the
+        broker ticks again soon."""
         now = self.table.ov.now()
         due = self.table.due(now)
+        if self.ranks.pending:
+            for r in due:
+                self.ranks.settle(r.name)  # (before its time-outs act on the rank of an earlier view)
+            replicas = self.table.replicas
+            due = [r for r in due if replicas.get(r.name) is r]  # (settled, one may have let go)
         self.replication.tick(now, due)
         self.access.tick(now)
         self.moves.tick(now, due)
@@ -240,6 +252,7 @@ class PubSub:
         self.holder.sweep_empty(now)
         self.holder.check_memory(now)
         self.store.sync_due(now)
+        return self.table.overdue(now)
 
     def _deadline(self, r: Replica) -> float:
         """When the earliest time-out of r's work under way is up: each role times its own (TopicTable.wake)."""
@@ -250,7 +263,12 @@ class PubSub:
         per access broker for the answers not sent yet (last: flushing a topic may acknowledge and deliver)."""
         self.access.flush()
         dirty, self.table.dirty = self.table.dirty, {}
+        pending = self.ranks.pending
         for r in dirty.values():
+            if pending and r.name in pending:
+                self.ranks.settle(r.name)  # (a view change's walk has not reached it yet)
+                if self.table.replicas.get(r.name) is not r:
+                    continue  # (ranked out with nothing to hand on: let go)
             self.replication.flush(r)
         self.table.flush_replies()
 

@@ -134,6 +134,8 @@ class HolderRole:
             if not (type(req) is Subscribe and not req.corr):  # (a registration again wants no answer: `serve`)
                 self.t.reply(access, [session], denied)
             return
+        if self.ranks.pending:
+            self.ranks.settle(topic)  # (a view change's walk has not reached it yet: RankRole.view_changed)
         r = self.t.replicas.get(topic)
         if r is not None and r.waits:
             r.queued.append((access, session, req))  # served once the hand-over, pull or placement is done

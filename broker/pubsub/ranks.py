@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, same
 from broker.pubsub.replica import Replica, Stage, Transition
+from broker.pubsub.settings import RERANK_SLICE
 from overlay.delegation import DelegateUpdate
 from overlay.geometry import Coord
 from overlay.protocol import NodeInfo
@@ -35,6 +36,12 @@ class RankRole:
 
     def __init__(self, table: TopicTable) -> None:
         self.t = table
+        # The walk of a view change (`view_changed`): the replicas in the order it takes them, how far it got,
+        # and the names not yet re-ranked for the current view (a replica settled out of turn leaves the set).
+        self._walk: list[str] = []
+        self._at = 0
+        self.pending: set[str] = set()
+        self._stepping = False  # the next slice is deferred to the next turn
         # Wired by the engine.
         self.holder: HolderRole
         self.home: HomeRole
@@ -43,13 +50,59 @@ class RankRole:
 
     # ---- overlay changes -------------------------------------------------------------------------------------
     def view_changed(self, failed: Collection[str]) -> None:
-        """Re-rank every topic held: take-over, new secondary, or drop (moves in progress finish first)."""
+        """Re-rank every topic held: take-over, new secondary, or drop (moves in progress finish first).
+
+        Not in one turn: RERANK_SLICE replicas now and as many per turn of the event loop after it (`step`), so a
+        broker of many topics keeps its heartbeats and requests going through a view change.  A replica that is
+        touched before the walk reaches it (a request, a routed message about its topic, a time-out: `settle`)
+        is re-ranked first, so no replica acts on the rank it had in an earlier view.  A view change during the
+        walk starts it again, every replica pending for the newest view."""
         self.sync.leaving &= set(self.t.ov.view())
-        self.t.rank_many(r.coord for r in self.t.replicas.values())  # (at once: then rank_of_me reads the cache)
-        for r in list(self.t.replicas.values()):
-            old = r.rank
-            self.t.rerank(r)
-            self._rerank(r, old)
+        self._walk = list(self.t.replicas)
+        self._at = 0
+        self.pending = set(self._walk)
+        self.step()
+
+    def step(self) -> None:
+        """The walk's next slice (`view_changed`); the one after it is deferred to the next turn of the loop."""
+        walk, pending, replicas = self._walk, self.pending, self.t.replicas
+        todo: list[Replica] = []
+        while self._at < len(walk) and len(todo) < RERANK_SLICE:
+            name = walk[self._at]
+            self._at += 1
+            if name in pending and (r := replicas.get(name)) is not None:
+                todo.append(r)
+        self.t.rank_many(r.coord for r in todo)  # (at once: then rank_of_me reads the cache)
+        for r in todo:
+            if r.name in pending:  # (not settled meanwhile by what an earlier one of the slice did)
+                self._settle(r)
+        if self._at < len(walk):
+            if not self._stepping:
+                self._stepping = True
+                self.t.ov.defer(self._deferred_step)
+        else:
+            self._walk, self._at = [], 0
+            pending.clear()
+
+    def _deferred_step(self) -> None:
+        self._stepping = False
+        self.step()
+
+    def settle(self, topic: str) -> None:
+        """If the walk of a view change has not reached topic's replica yet, re-rank it now (see view_changed)."""
+        if topic in self.pending and (r := self.t.replicas.get(topic)) is not None:
+            self._settle(r)
+
+    def settle_all(self) -> None:
+        """Finish the walk of a view change at once (a graceful shutdown hands every topic off by its rank)."""
+        while self._walk:
+            self.step()
+
+    def _settle(self, r: Replica) -> None:
+        self.pending.discard(r.name)
+        old = r.rank
+        self.t.rerank(r)
+        self._rerank(r, old)
 
     def _rerank(self, r: Replica, old: int, *, offer: bool = False) -> None:
         """r's rank changed from old (the view changed, or r follows the topic to a new coordinate: `relocate`):

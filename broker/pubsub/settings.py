@@ -47,6 +47,10 @@ REDELIVER_WINDOW: Final = 2.0
 # How long a primary waits for the new coordinate's holders to confirm a hand-over before it aborts the move
 # and keeps serving the topic where it was.
 MOVE_TIMEOUT: Final = 5.0
+# Replicas re-ranked per turn of the event loop after a view change (RankRole.view_changed): the walk of every
+# topic held, with the offers and back-fills it starts, cost ~40-90 us a replica, 1.7-1.9 s in one turn at
+# 20,000 replicas, and a broker that silent is taken for dead (bench_join.py, docs/benchmarks-scale.md).
+RERANK_SLICE: Final = 256
 # How often a broker sums what its stored messages take in memory against --max-memory (HolderRole.check_memory):
 # a sum over the topics held, not a count kept on every store.
 MEMORY_CHECK: Final = 0.5

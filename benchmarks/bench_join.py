@@ -1,0 +1,202 @@
+"""What a broker joining next to many topics costs the publishers (not a test): ACK latency through a join.
+
+    .venv/bin/python benchmarks/bench_join.py                           # 30,000 topics, 3 brokers + 1, level 2
+    .venv/bin/python benchmarks/bench_join.py --topics 10000,30000 --probes 40
+
+Three brokers at level 2 (memory only, plain TCP) are given N topics (one message each, published in batches).
+Then probe publishers (one `Client` each, on the three brokers in turn) publish one message at a time, each
+awaited, to topics of their own spread over the square, as devices do.  After `--window` seconds of that (the
+baseline), a fourth broker joins at the centre of the square: it becomes the primary or the secondary of a share
+of every broker's topics, the probes' among them, and pulls their history before it serves them.  Measured:
+
+* the join: until the new broker is ready, until the overlay is Delaunay again, until no topic is lagging
+  (`LocalCluster.lagging`: every copy caught up, what `sedax cluster restart` waits for);
+* the probes' ACK latency p50 / p99 / max, before the join and from its start until nothing lags, and the
+  longest a probe waited for one ACK (a publish that fails or times out is counted, and is retried by the
+  client as it always is);
+* every broker's CPU over the join, the neighbours it took for dead and the topics taken over (none should be: a
+  join is no failure), and its heartbeat ticks that ran over 0.25 s and 0.5 s late (`sedax_event_loop_lag_seconds`:
+  a broker silent for 0.6 s is taken for dead).
+
+What a topic's move costs is what the probes see: a publish to a topic being handed over waits until the new
+holder serves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_ROOT))
+
+from harness import code_state, uptime  # noqa: E402
+
+from cli.cluster import LocalCluster  # noqa: E402
+from client.client import Client  # noqa: E402
+from net.credentials import Credentials  # noqa: E402
+
+PLAIN = Credentials(insecure=True)
+COORDS = [(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)]
+JOINER = (0.5, 0.45)
+
+
+@dataclass
+class Probe:
+    """One device: its ACK latencies with the time each publish began, and what failed."""
+
+    samples: list[tuple[float, float]] = field(default_factory=list)
+    failed: int = 0
+
+
+async def _fill(addr: str, n: int) -> None:
+    async with Client(addr, credentials=PLAIN) as c:
+        batch = 2000
+        for start in range(0, n, batch):
+            acks = [await c.publish_nowait(f"grid/join/{i:07d}", b"v") for i in range(start, min(n, start + batch))]
+            await asyncio.gather(*acks)
+
+
+async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) -> None:
+    async with Client(addr, credentials=PLAIN) as c:
+        k = 0
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                await c.publish(topics[k % len(topics)], b"probe")
+            except Exception:
+                out.failed += 1
+            else:
+                out.samples.append((t, time.perf_counter() - t))
+            k += 1
+            await asyncio.sleep(0.01)  # ~50-100 Hz per device, well under what a broker takes
+
+
+def _late_beats(endpoint: str | None) -> tuple[float, float]:
+    """Heartbeat ticks of one broker so far that ran over 0.25 s and over 0.5 s late (its event loop busy that long:
+    a neighbour takes a broker silent for 0.6 s for dead), from its Prometheus endpoint."""
+    if endpoint is None:
+        return (0.0, 0.0)
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    count = float(re.search(r"^sedax_event_loop_lag_seconds_count (\S+)", text, re.M).group(1))  # type: ignore[union-attr]
+    under = {
+        le: float(v) for le, v in re.findall(r'^sedax_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text, re.M)
+    }
+    return (count - under["0.25"], count - under["0.5"])
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+async def one(n: int, probes: int, window: float, settle: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="sedax-bench-join-") as d:
+        async with LocalCluster(
+            3, coords=COORDS, state_dir=Path(d), tls=False, resilience=2, broker_args=("--metrics", "127.0.0.1:0")
+        ) as cluster:
+            await cluster.wait_converged(30.0)
+            addrs = [bp.listen for bp in cluster.nodes]
+            await _fill(addrs[0], n)
+            # Probe topics: names of their own, so they hash all over the square; each probe writes two.
+            names = [f"grid/join/probe/{i}" for i in range(2 * probes)]
+            stop = asyncio.Event()
+            outs = [Probe() for _ in range(probes)]
+            tasks = [
+                asyncio.create_task(_probe(addrs[i % 3], names[2 * i : 2 * i + 2], stop, outs[i]))
+                for i in range(probes)
+            ]
+            await asyncio.sleep(window)  # the baseline (and every probe topic made)
+            cpu0 = {bp.node_id: _cpu(bp.proc.pid) for bp in cluster.nodes}
+            late0 = [_late_beats(b.metrics) for b in cluster.nodes]
+            t_join = time.perf_counter()
+            bp = await cluster.add(JOINER, join=[addrs[0]])
+            t_ready = time.perf_counter()
+            await cluster.wait_converged(60.0)
+            t_converged = time.perf_counter()
+            known = [f"grid/join/{i:07d}" for i in range(0, n, max(1, n // 200))] + names
+            deadline = t_join + settle
+            lagging = await cluster.lagging(known, within=30.0)
+            while lagging and time.perf_counter() < deadline:
+                await asyncio.sleep(0.5)
+                lagging = await cluster.lagging(known, within=30.0)
+            t_settled = time.perf_counter()
+            counters = [st.counters for st in (await cluster.statuses(within=30.0)).values()]
+            late1 = [_late_beats(b.metrics) for b in cluster.nodes]
+            late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
+            cpu1 = {b.node_id: _cpu(b.proc.pid) for b in cluster.nodes if b is not bp}
+            cpu_new = _cpu(bp.proc.pid)
+            stop.set()
+            await asyncio.gather(*tasks)
+            before = [lat for o in outs for t, lat in o.samples if t < t_join]
+            during = [lat for o in outs for t, lat in o.samples if t_join <= t <= t_settled]
+            span = t_settled - t_join
+            return {
+                "ready": t_ready - t_join,
+                "converged": t_converged - t_join,
+                "settled": span,
+                "lagging": float(len(lagging)),
+                "before_p50": _pct(before, 0.5) * 1e3,
+                "before_p99": _pct(before, 0.99) * 1e3,
+                "before_max": max(before) * 1e3,
+                "during_p50": _pct(during, 0.5) * 1e3,
+                "during_p99": _pct(during, 0.99) * 1e3,
+                "during_max": max(during) * 1e3 if during else float("nan"),
+                "during_n": float(len(during)),
+                "over_1s": float(sum(1 for x in during if x > 1.0)),
+                "failed": float(sum(o.failed for o in outs)),
+                "failures_detected": float(sum(c["failures_detected"] for c in counters)),
+                "takeovers": float(sum(c["takeovers"] for c in counters)),
+                "late_025": late[0],
+                "late_05": late[1],
+                "cpu_old": statistics.fmean((cpu1[k] - cpu0[k]) / span * 100 for k in cpu1),
+                "cpu_new": cpu_new / span * 100,
+            }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--topics", default="30000", help="topic counts (default 30000)")
+    p.add_argument("--probes", type=int, default=20, help="probe publishers (default 20), two topics each")
+    p.add_argument("--window", type=float, default=5.0, help="seconds of the baseline before the join (default 5)")
+    p.add_argument("--settle", type=float, default=120.0, help="longest wait for no topic lagging (default 120 s)")
+    args = p.parse_args()
+    print(f"{uptime()}  {code_state()}  3 brokers + 1 at {JOINER}, resilience 2, {args.probes} probes")
+    print(
+        "| topics | ready s | Delaunay s | nothing lagging s | ACK p50 / p99 / max ms before "
+        "| ACK p50 / p99 / max ms during | ACKs during (> 1 s) | failed | failures detected / take-overs "
+        "| beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in (int(x) for x in args.topics.split(",")):
+        r = asyncio.run(one(n, args.probes, args.window, args.settle))
+        still = f" ({r['lagging']:.0f} still lagging)" if r["lagging"] else ""
+        print(
+            f"| {n:,} | {r['ready']:.1f} | {r['converged']:.1f} | {r['settled']:.1f}{still} "
+            f"| {r['before_p50']:.2f} / {r['before_p99']:.1f} / {r['before_max']:.1f} "
+            f"| {r['during_p50']:.2f} / {r['during_p99']:.1f} / {r['during_max']:.1f} "
+            f"| {r['during_n']:.0f} ({r['over_1s']:.0f}) | {r['failed']:.0f} "
+            f"| {r['failures_detected']:.0f} / {r['takeovers']:.0f} | {r['late_025']:.0f} / {r['late_05']:.0f} "
+            f"| {r['cpu_old']:.0f} / {r['cpu_new']:.0f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
