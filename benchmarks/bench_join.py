@@ -11,15 +11,17 @@ of every broker's topics, the probes' among them, and pulls their history before
 
 * the join: until the new broker is ready, until the overlay is Delaunay again, until no topic is lagging
   (`LocalCluster.lagging`: every copy caught up, what `sedax cluster restart` waits for);
-* the probes' ACK latency p50 / p99 / max, before the join and from its start until nothing lags, and the
-  longest a probe waited for one ACK (a publish that fails or times out is counted, and is retried by the
-  client as it always is);
+* the probes' ACK latency p50 / p99 / max, before the join and from its start until nothing lags, and how many
+  waited over 1 s; a publish not acknowledged within the client's request time-out (10 s) counts as failed (with
+  --keep-logs DIR the topics that failed or lag, their holders' rows and the brokers' logs are kept);
 * every broker's CPU over the join, the neighbours it took for dead and the topics taken over (none should be: a
   join is no failure), and its heartbeat ticks that ran over 0.25 s and 0.5 s late (`sedax_event_loop_lag_seconds`:
   a broker silent for 0.6 s is taken for dead).
 
 What a topic's move costs is what the probes see: a publish to a topic being handed over waits until the new
-holder serves it.
+holder serves it, and one whose new secondary is the joining broker waits for that broker's confirmation, which
+comes behind the back-fills and offers of every other topic on the same links (docs/benchmarks-scale.md, "A join
+next to many topics").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,11 +47,14 @@ from harness import code_state, uptime  # noqa: E402
 
 from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client  # noqa: E402
+from client.crawl import report  # noqa: E402
 from net.credentials import Credentials  # noqa: E402
 
 PLAIN = Credentials(insecure=True)
 COORDS = [(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)]
 JOINER = (0.5, 0.45)
+# More broker flags, e.g. BENCH_JOIN_BROKER_ARGS="--log-level INFO" with --keep-logs.
+EXTRA: tuple[str, ...] = tuple(os.environ.get("BENCH_JOIN_BROKER_ARGS", "").split())
 
 
 @dataclass
@@ -57,6 +63,7 @@ class Probe:
 
     samples: list[tuple[float, float]] = field(default_factory=list)
     failed: int = 0
+    failures: list[str] = field(default_factory=list)  # what the first few failed publishes raised
 
 
 async def _fill(addr: str, n: int) -> None:
@@ -74,8 +81,10 @@ async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) 
             t = time.perf_counter()
             try:
                 await c.publish(topics[k % len(topics)], b"probe")
-            except Exception:
+            except Exception as exc:
                 out.failed += 1
+                if len(out.failures) < 3:
+                    out.failures.append(f"{topics[k % len(topics)]}: {exc!r}")
             else:
                 out.samples.append((t, time.perf_counter() - t))
             k += 1
@@ -112,10 +121,15 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-async def one(n: int, probes: int, window: float, settle: float) -> dict[str, float]:
+async def one(n: int, probes: int, window: float, settle: float, keep: str | None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="sedax-bench-join-") as d:
         async with LocalCluster(
-            3, coords=COORDS, state_dir=Path(d), tls=False, resilience=2, broker_args=("--metrics", "127.0.0.1:0")
+            3,
+            coords=COORDS,
+            state_dir=Path(d),
+            tls=False,
+            resilience=2,
+            broker_args=("--metrics", "127.0.0.1:0", *EXTRA),
         ) as cluster:
             await cluster.wait_converged(30.0)
             addrs = [bp.listen for bp in cluster.nodes]
@@ -146,6 +160,23 @@ async def one(n: int, probes: int, window: float, settle: float) -> dict[str, fl
                 await asyncio.sleep(0.5)
                 lagging = await cluster.lagging(known, within=30.0)
             t_settled = time.perf_counter()
+            if lagging or any(o.failed for o in outs):
+                print(f"  still lagging: {lagging[:10]}", file=sys.stderr)
+                for o in outs:
+                    for f in o.failures:
+                        print(f"  failed: {f}", file=sys.stderr)
+                bad = sorted({f.split(":")[0] for o in outs for f in o.failures} | {t for t in lagging if t in names})
+                for b in cluster.nodes:
+                    try:
+                        _, held = await report(b.listen, credentials=PLAIN, timeout=30.0)
+                    except Exception as exc:  # (a broker that does not answer)
+                        print(f"  {b.node_id}: no report ({exc!r})", file=sys.stderr)
+                        continue
+                    rows = [h for h in held.held if h.topic in bad]
+                    print(f"  {b.node_id}: {rows}", file=sys.stderr)
+                if keep is not None:
+                    shutil.copytree(d, keep, dirs_exist_ok=True)
+                    print(f"  broker logs copied to {keep}", file=sys.stderr)
             try:
                 counters = [st.counters for st in (await cluster.statuses(within=30.0)).values()]
             except Exception:  # a broker that does not answer: the counts are unknown
@@ -188,6 +219,7 @@ def main() -> None:
     p.add_argument("--probes", type=int, default=20, help="probe publishers (default 20), two topics each")
     p.add_argument("--window", type=float, default=5.0, help="seconds of the baseline before the join (default 5)")
     p.add_argument("--settle", type=float, default=120.0, help="longest wait for no topic lagging (default 120 s)")
+    p.add_argument("--keep-logs", metavar="DIR", help="copy the brokers' logs here if a topic lags or a publish failed")
     args = p.parse_args()
     print(f"{uptime()}  {code_state()}  3 brokers + 1 at {JOINER}, resilience 2, {args.probes} probes")
     print(
@@ -197,7 +229,7 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.topics.split(",")):
-        r = asyncio.run(one(n, args.probes, args.window, args.settle))
+        r = asyncio.run(one(n, args.probes, args.window, args.settle, args.keep_logs))
         still = f" ({r['lagging']:.0f} still lagging)" if r["lagging"] else ""
         print(
             f"| {n:,} | {r['ready']:.1f} | {r['converged']:.1f} | {r['settled']:.1f}{still} "  # (inf: never Delaunay)
