@@ -43,6 +43,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
+from bench_listing import fill  # noqa: E402
 from harness import code_state, uptime  # noqa: E402
 
 from cli.cluster import ClusterError, LocalCluster  # noqa: E402
@@ -64,14 +65,6 @@ class Probe:
     samples: list[tuple[float, float]] = field(default_factory=list)
     failed: int = 0
     failures: list[str] = field(default_factory=list)  # what the first few failed publishes raised
-
-
-async def _fill(addr: str, n: int) -> None:
-    async with Client(addr, credentials=PLAIN) as c:
-        batch = 2000
-        for start in range(0, n, batch):
-            acks = [await c.publish_nowait(f"grid/join/{i:07d}", b"v") for i in range(start, min(n, start + batch))]
-            await asyncio.gather(*acks)
 
 
 async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) -> None:
@@ -133,7 +126,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
         ) as cluster:
             await cluster.wait_converged(30.0)
             addrs = [bp.listen for bp in cluster.nodes]
-            await _fill(addrs[0], n)
+            await fill(addrs[0], n, prefix="grid/join/")
             # Probe topics: names of their own, so they hash all over the square; each probe writes two.
             names = [f"grid/join/probe/{i}" for i in range(2 * probes)]
             stop = asyncio.Event()

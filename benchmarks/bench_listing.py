@@ -46,11 +46,12 @@ from net.credentials import Credentials  # noqa: E402
 PLAIN = Credentials(insecure=True)
 
 
-async def _fill(addr: str, n: int) -> None:
+async def fill(addr: str, n: int, prefix: str = "grid/list/") -> None:
+    """n topics (prefix + a 7-digit number) of one message each, published in acknowledged batches through addr."""
     async with Client(addr, credentials=PLAIN) as c:
         batch = 2000
         for start in range(0, n, batch):
-            acks = [await c.publish_nowait(f"grid/list/{i:07d}", b"v") for i in range(start, min(n, start + batch))]
+            acks = [await c.publish_nowait(f"{prefix}{i:07d}", b"v") for i in range(start, min(n, start + batch))]
             await asyncio.gather(*acks)
 
 
@@ -96,7 +97,7 @@ async def one(
         ) as cluster:
             await cluster.wait_converged(30.0)
             addr = cluster.nodes[0].listen
-            await _fill(addr, n)
+            await fill(addr, n)
             pid = cluster.nodes[0].proc.pid
             await asyncio.sleep(2.0)  # (the fill's batches confirmed and its connection gone)
             idle_cpu = await _cpu_share(pid, window)
