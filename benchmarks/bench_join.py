@@ -158,7 +158,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 for o in outs:
                     for f in o.failures:
                         print(f"  failed: {f}", file=sys.stderr)
-                bad = sorted({f.split(":")[0] for o in outs for f in o.failures} | {t for t in lagging if t in names})
+                bad = sorted({f.split(":")[0] for o in outs for f in o.failures} | set(lagging))
                 for b in cluster.nodes:
                     try:
                         _, held = await report(b.listen, credentials=PLAIN, timeout=30.0)

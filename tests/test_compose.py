@@ -430,14 +430,25 @@ def _wait_converged(p: Project, cids: dict[str, str], within: float = CONVERGED_
 
 
 def _link_history(p: Project, differ: dict[str, set[str]]) -> str:
-    """What the brokers whose links differ logged about the brokers concerned (SEDAX_LOG_LEVEL=DEBUG: every
-    link's decisions), the last LINK_HISTORY lines each."""
+    """What the brokers whose links differ logged about the brokers concerned and about joining (SEDAX_LOG_LEVEL=
+    DEBUG: every link's decisions), the last LINK_HISTORY lines each.  The closes of links that only carried a JOIN
+    or an admin request are left out: when a full restart did not converge (stop 58), one broker's log was nothing
+    but the closes of the others' join attempts, and what it had done itself was cut off."""
     out = []
     for b, others in sorted(differ.items()):
         r = p.run("logs", "--no-color", "--no-log-prefix", b, timeout=120)
-        lines = [ln for ln in r.stdout.splitlines() if any(o in ln for o in others)]
+        lines = [
+            ln
+            for ln in r.stdout.splitlines()
+            if (any(o in ln for o in others) or "join" in ln.lower())
+            and not any(noise in ln for noise in _ROUTINE_CLOSES)
+        ]
         out.append(f"--- {b} about {sorted(others)}:\n" + "\n".join(lines[-LINK_HISTORY:]))
     return "\n".join(out)
+
+
+# Link closes that say nothing of the overlay's links (see _link_history).
+_ROUTINE_CLOSES = ("reason=done (join answered)", "from admin-", "reason=peer_closed (end of stream)")
 
 
 def _prometheus_targets(base: str) -> list[dict[str, Any]]:
