@@ -43,7 +43,7 @@ from typing import Final
 _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-from harness import code_state, uptime  # noqa: E402
+from harness import code_state, pct, uptime  # noqa: E402
 
 from cli.cluster import LocalCluster  # noqa: E402
 from client.admin import AdminClient  # noqa: E402
@@ -52,10 +52,6 @@ from client.client import Client, ReceivedMessage  # noqa: E402
 TOPIC: Final = "bench/anti-entropy"
 PAYLOAD: Final = 100
 _HEAD: Final = struct.Struct("<d")
-
-
-def pct(vals: list[float], q: float) -> float:
-    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
 
 
 async def counter(addr: str, name: str) -> int:

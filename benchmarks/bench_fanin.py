@@ -47,7 +47,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
-from harness import add_sub_iterate, code_state, spawn_worker, uptime, write_section  # noqa: E402
+from harness import add_sub_iterate, code_state, cpu_seconds, pct, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 _HEAD: Final = struct.Struct("<dII")  # publisher's perf_counter(), publisher index, message index
@@ -78,10 +78,6 @@ SCENARIOS: Final = {
 
 def topic_name(k: int) -> str:
     return f"bench/fanin/t{k}"
-
-
-def pct(vals: list[float], q: float) -> float:
-    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
 
 
 # ================================================================================================= workers
@@ -331,9 +327,9 @@ class Driver:
                 res.notes.append(f"clients connected {time.perf_counter() - start_at:.1f} s after the start")
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
             res.load = (os.getloadavg()[0], 0.0)
-            cpu0, t0 = bp.cpu_seconds(pids), time.perf_counter()
+            cpu0, t0 = cpu_seconds(*pids), time.perf_counter()
             await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
-            cpu1, t1 = bp.cpu_seconds(pids), time.perf_counter()
+            cpu1, t1 = cpu_seconds(*pids), time.perf_counter()
             res.load = (res.load[0], os.getloadavg()[0])
             async with asyncio.timeout(grace + 120):
                 await asyncio.gather(*(p.wait() for p in procs))

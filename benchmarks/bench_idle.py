@@ -32,21 +32,11 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
+from harness import cpu_seconds  # noqa: E402
+
 from cli.cluster import LocalCluster  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SETTLE = 5.0  # seconds between convergence and the window (late re-ranking, first reports)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds (0 if it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat.rsplit(")", 1)[1].split()
-    # Fields after the command name start at field 3 (state); utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def memory_mib(pid: int) -> tuple[float, float, float]:

@@ -44,7 +44,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
 from bench_listing import fill  # noqa: E402
-from harness import code_state, uptime  # noqa: E402
+from harness import code_state, cpu_seconds, pct, uptime  # noqa: E402
 
 from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client  # noqa: E402
@@ -103,17 +103,6 @@ def _late_beats(endpoint: str | None) -> tuple[float, float]:
     return (float(count.group(1)) - float(under["0.25"]), float(count.group(1)) - float(under["0.5"]))
 
 
-def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
 async def one(n: int, probes: int, window: float, settle: float, keep: str | None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="sedax-bench-join-") as d:
         async with LocalCluster(
@@ -136,7 +125,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 for i in range(probes)
             ]
             await asyncio.sleep(window)  # the baseline (and every probe topic made)
-            cpu0 = {bp.node_id: _cpu(bp.proc.pid) for bp in cluster.nodes}
+            cpu0 = {bp.node_id: cpu_seconds(bp.proc.pid) for bp in cluster.nodes}
             late0 = [_late_beats(b.metrics) for b in cluster.nodes]
             t_join = time.perf_counter()
             bp = await cluster.add(JOINER, join=[addrs[0]])
@@ -176,23 +165,23 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 counters = [{"failures_detected": math.nan, "takeovers": math.nan}]
             late1 = [_late_beats(b.metrics) for b in cluster.nodes]
             late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
-            cpu1 = {b.node_id: _cpu(b.proc.pid) for b in cluster.nodes if b is not bp}
-            cpu_new = _cpu(bp.proc.pid)
+            cpu1 = {b.node_id: cpu_seconds(b.proc.pid) for b in cluster.nodes if b is not bp}
+            cpu_new = cpu_seconds(bp.proc.pid)
             stop.set()
             await asyncio.gather(*tasks)
-            before = [lat for o in outs for t, lat in o.samples if t < t_join]
-            during = [lat for o in outs for t, lat in o.samples if t_join <= t <= t_settled]
+            before = sorted(lat for o in outs for t, lat in o.samples if t < t_join)
+            during = sorted(lat for o in outs for t, lat in o.samples if t_join <= t <= t_settled)
             span = t_settled - t_join
             return {
                 "ready": t_ready - t_join,
                 "converged": t_converged - t_join,
                 "settled": span,
                 "lagging": float(len(lagging)),
-                "before_p50": _pct(before, 0.5) * 1e3,
-                "before_p99": _pct(before, 0.99) * 1e3,
+                "before_p50": pct(before, 0.5) * 1e3,
+                "before_p99": pct(before, 0.99) * 1e3,
                 "before_max": max(before) * 1e3,
-                "during_p50": _pct(during, 0.5) * 1e3,
-                "during_p99": _pct(during, 0.99) * 1e3,
+                "during_p50": pct(during, 0.5) * 1e3,
+                "during_p99": pct(during, 0.99) * 1e3,
                 "during_max": max(during) * 1e3 if during else float("nan"),
                 "during_n": float(len(during)),
                 "over_1s": float(sum(1 for x in during if x > 1.0)),

@@ -50,7 +50,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 import bench_pubsub as bp  # noqa: E402 - after the path set-up above
-from harness import add_sub_iterate, code_state, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
+from harness import add_sub_iterate, code_state, cpu_seconds, pct, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
 
 from net.trace import MAGIC, STAMP_SIZE, stamp  # noqa: E402
 
@@ -77,10 +77,6 @@ def schedstat(pid: int | str = "self") -> tuple[int, int, int]:
 
 def sched_delta(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
     return (b[0] - a[0], b[1] - a[1], b[2] - a[2])
-
-
-def pct(vals: list[float], q: float) -> float:
-    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
 
 
 # ================================================================================================= workers
@@ -269,13 +265,13 @@ class Driver:
                 line = await sub.stdout.readline()
             if json.loads(line or b"{}").get("event") != "ready":
                 raise RuntimeError(f"subscriber not ready: {line!r}")
-            cpu0 = bp.cpu_seconds(pids)
+            cpu0 = cpu_seconds(*pids)
             sched0 = {pid: schedstat(pid) for pid in pids}
             pub = await self.spawn(dict(spec, role="pub", addr=pub_addr, out=outs["pub"]), traced)
             procs.append(pub)
             async with asyncio.timeout(count / 1000 + 2 * bp.IDLE_TIMEOUT + 60):
                 await asyncio.gather(pub.communicate(), sub.communicate())
-            cpu1 = bp.cpu_seconds(pids)
+            cpu1 = cpu_seconds(*pids)
             sched1 = {pid: schedstat(pid) for pid in pids}
             if pub.returncode or sub.returncode:
                 raise RuntimeError(f"worker failed (pub {pub.returncode}, sub {sub.returncode}); see {self.workdir}")

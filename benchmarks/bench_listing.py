@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-from harness import code_state, uptime  # noqa: E402
+from harness import code_state, cpu_seconds, uptime  # noqa: E402
 
 from cli.cluster import LocalCluster  # noqa: E402
 from client.admin import AdminClient  # noqa: E402
@@ -64,17 +63,11 @@ async def _acks(addr: str, stop: asyncio.Event, out: list[float]) -> None:
             await asyncio.sleep(0.002)
 
 
-def _cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _cpu_share(pid: int, seconds: float) -> float:
     """The share of a core pid used over the next `seconds`, in %."""
-    c0, t0 = _cpu(pid), time.monotonic()
+    c0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(seconds)
-    return (_cpu(pid) - c0) / (time.monotonic() - t0) * 100
+    return (cpu_seconds(pid) - c0) / (time.monotonic() - t0) * 100
 
 
 def _scrape(endpoint: str) -> float:

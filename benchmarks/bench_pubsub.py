@@ -53,7 +53,16 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
-from harness import add_sub_iterate, code_state, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
+from harness import (  # noqa: E402
+    add_sub_iterate,
+    code_state,
+    cpu_seconds,
+    program_output,
+    sedax_consume,
+    spawn_worker,
+    uptime,
+    write_section,
+)
 
 PAYLOAD_SIZE: Final = 100
 # flag (1 = warm-up), message index, publisher's perf_counter(); padded to PAYLOAD_SIZE
@@ -388,16 +397,6 @@ def stop_proc(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
-
-
 class Driver:
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -458,9 +457,9 @@ class Driver:
         try:
             runs = []
             for _ in range(self.s.repeat):
-                cpu0 = cpu_seconds(pids)
+                cpu0 = cpu_seconds(*pids)
                 pub, sub = await self.pair(base, sub_addr, pub_addr, "throughput")
-                cpu1 = cpu_seconds(pids)
+                cpu1 = cpu_seconds(*pids)
                 runs.append((pub, sub, cpu1 - cpu0))
                 if sub["received"] < pub["sent"]:
                     row.notes.append(f"throughput run: {sub['received']} of {pub['sent']} delivered")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
 from bench_balance import counter_sum, live_loads, run_sim, statuses  # noqa: E402
-from bench_idle import cpu_seconds  # noqa: E402
+from harness import cpu_seconds  # noqa: E402
 
 from cli.balance import run_load  # noqa: E402
 from cli.cluster import LocalCluster  # noqa: E402

@@ -60,7 +60,7 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
-from harness import code_state, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
+from harness import code_state, cpu_seconds, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
 
 PAYLOAD_SIZE: Final = 100
 # phase (0 = warm-up, END = the publisher is done), message index, the publisher's perf_counter()
@@ -403,16 +403,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
-
-
 def line_coords(topic: str, n: int) -> list[tuple[float, float]]:
     """n broker coordinates on a horizontal line through h(topic), broker 0 nearest (as bench_pubsub.py):
     broker 0 is the topic's primary, broker 1 its secondary, broker 2 the next."""
@@ -470,7 +460,7 @@ class Driver:
                     msg = json.loads(raw)
                     if msg.get("event") == "mark":
                         sign = -1.0 if msg["at"] == "start" else 1.0
-                        cpu[msg["phase"]] = cpu.get(msg["phase"], 0.0) + sign * cpu_seconds(pids)
+                        cpu[msg["phase"]] = cpu.get(msg["phase"], 0.0) + sign * cpu_seconds(*pids)
                     else:
                         result = msg
                 await pub.wait()

@@ -32,7 +32,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
-from harness import spawn_worker  # noqa: E402 - after the path set-up above
+from harness import cpu_seconds, spawn_worker  # noqa: E402 - after the path set-up above
 
 PAYLOAD = 100
 WARMUP = 1000
@@ -108,11 +108,6 @@ def worker_main(raw: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- driver
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def spawn(spec: dict[str, Any]) -> asyncio.subprocess.Process:

@@ -17,7 +17,7 @@ import pstats
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -30,6 +30,22 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 
 # The sources whose uncommitted changes a report names beside the commit (what the brokers and clients run).
 _MEASURED: Final = ("broker", "client", "overlay", "net")
+
+
+def cpu_seconds(*pids: int) -> float:
+    """User + system CPU seconds the processes pids have used so far, summed (from /proc; a process gone counts 0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime and stime (fields 14 and 15)
+    return total
+
+
+def pct(sorted_vals: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted_vals (the value at index floor(q * n)); NaN if there is none."""
+    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))] if sorted_vals else float("nan")
 
 
 def program_output(argv: list[str]) -> str:
