@@ -238,10 +238,7 @@ class PubSub:
         now = self.table.ov.now()
         due = self.table.due(now)
         if self.ranks.pending:
-            for r in due:
-                self.ranks.settle(r.name)  # (before its time-outs act on the rank of an earlier view)
-            replicas = self.table.replicas
-            due = [r for r in due if replicas.get(r.name) is r]  # (settled, one may have let go)
+            due = [r for r in due if self.ranks.settled(r)]  # (before its time-outs act on an earlier view's rank)
         self.replication.tick(now, due)
         self.access.tick(now)
         self.moves.tick(now, due)
@@ -263,12 +260,10 @@ class PubSub:
         per access broker for the answers not sent yet (last: flushing a topic may acknowledge and deliver)."""
         self.access.flush()
         dirty, self.table.dirty = self.table.dirty, {}
-        pending = self.ranks.pending
+        ranks = self.ranks
         for r in dirty.values():
-            if pending and r.name in pending:
-                self.ranks.settle(r.name)  # (a view change's walk has not reached it yet)
-                if self.table.replicas.get(r.name) is not r:
-                    continue  # (ranked out with nothing to hand on: let go)
+            if ranks.pending and not ranks.settled(r):
+                continue  # (a view change's walk had not reached it: ranked out, let go)
             self.replication.flush(r)
         self.table.flush_replies()
 

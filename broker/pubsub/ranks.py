@@ -93,6 +93,13 @@ class RankRole:
         if topic in self.pending and (r := self.t.replicas.get(topic)) is not None:
             self._settle(r)
 
+    def settled(self, r: Replica) -> bool:
+        """`settle` r if the walk has not reached it; False if that let it go (ranked out with nothing to hand on)."""
+        if r.name not in self.pending:
+            return True
+        self._settle(r)
+        return self.t.replicas.get(r.name) is r
+
     def settle_all(self) -> None:
         """Finish the walk of a view change at once (a graceful shutdown hands every topic off by its rank)."""
         while self._walk:
