@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import math
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, str(_ROOT))
 
 from bench_listing import fill  # noqa: E402
 from harness import code_state, cpu_seconds, pct, uptime  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client  # noqa: E402
@@ -96,11 +96,12 @@ def _late_beats(endpoint: str | None) -> tuple[float, float]:
             text = r.read().decode()
     except OSError:
         return nan
-    count = re.search(r"^sedax_event_loop_lag_seconds_count (\S+)", text, re.M)
-    under = dict(re.findall(r'^sedax_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text, re.M))
-    if count is None or not under:
-        return nan
-    return (float(count.group(1)) - float(under["0.25"]), float(count.group(1)) - float(under["0.5"]))
+    for family in text_string_to_metric_families(text):
+        if family.name == "sedax_event_loop_lag_seconds":
+            count = next(s.value for s in family.samples if s.name.endswith("_count"))
+            under = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+            return (count - under["0.25"], count - under["0.5"])
+    return nan
 
 
 async def one(n: int, probes: int, window: float, settle: float, keep: str | None) -> dict[str, float]:
