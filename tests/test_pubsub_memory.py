@@ -116,10 +116,15 @@ class Net:
                 n.ps.tick()
         self.run()
 
-    def join(self, coord: Coord) -> Node:
-        """A new broker at coord; every broker's view changes (a join is no failure)."""
+    def arrive(self, coord: Coord) -> Node:
+        """A new broker at coord, in every broker's view; nobody has re-ranked for it yet (`join` does that)."""
         nid = f"n{len(self.nodes)}"
         node = self.nodes[nid] = Node(self, NodeInfo(nid, coord, f"127.0.0.1:{7000 + len(self.nodes)}"), self.level)
+        return node
+
+    def join(self, coord: Coord) -> Node:
+        """A new broker at coord; every broker's view changes (a join is no failure)."""
+        node = self.arrive(coord)
         for n in self.nodes.values():
             if n.alive:
                 n.ps.view_changed()
@@ -835,20 +840,13 @@ def _filled(n_topics: int) -> tuple[Net, list[str]]:
     return net, topics
 
 
-def _arrives(net: Net, coord: Coord) -> Node:
-    """A broker joins at coord: in every broker's view, but nobody has re-ranked yet (Net.join does all at once)."""
-    nid = f"n{len(net.nodes)}"
-    node = net.nodes[nid] = Node(net, NodeInfo(nid, coord, f"127.0.0.1:{7000 + len(net.nodes)}"), net.level)
-    return node
-
-
 def test_a_view_change_re_ranks_a_slice_per_turn_and_a_topic_touched_before_its_turn_first() -> None:
     # A view change re-ranks every topic held, but RERANK_SLICE per turn of the event loop (RankRole.view_changed):
     # in one turn, a broker of 20,000 replicas was silent for 1.9 s with the offers and back-fills it started,
     # and its neighbours took it for dead (bench_join.py).  A replica the walk has not reached yet is re-ranked
     # as soon as something touches it, so none acts on the rank of the earlier view.
     net, topics = _filled(6 * RERANK_SLICE)
-    newcomer = _arrives(net, (0.5, 0.45))
+    newcomer = net.arrive((0.5, 0.45))
     old = net.nodes["n1"]
     held = len(old.ps.table.replicas)
     assert held > 3 * RERANK_SLICE
@@ -883,7 +881,7 @@ def test_time_outs_due_together_are_taken_a_slice_per_tick() -> None:
     net, _ = _filled(6 * DUE_SLICE)
     old = net.nodes["n1"]
     old.ps.tick()  # (the sweep's first round looks at every replica: done before the time-outs)
-    newcomer = _arrives(net, (0.5, 0.45))
+    newcomer = net.arrive((0.5, 0.45))
     net.blackhole.add(newcomer.me.coord)
     old.ps.view_changed()
     old.ps.ranks.settle_all()
