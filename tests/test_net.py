@@ -343,8 +343,8 @@ async def test_memory_pair_pushes_in_order_pauses_and_ends_once() -> None:
 
 
 @contextlib.asynccontextmanager
-async def _stream_pair() -> AsyncIterator[tuple[StreamTransport, StreamTransport]]:
-    """A client's StreamTransport connected over TCP on 127.0.0.1 to a server's, and that server's (closed after)."""
+async def _accepting() -> AsyncIterator[tuple[int, list[StreamTransport]]]:
+    """A server on 127.0.0.1 whose connections are StreamTransports: its port and what it accepted (closed after)."""
     accepted: list[StreamTransport] = []
 
     def made() -> StreamTransport:
@@ -352,14 +352,20 @@ async def _stream_pair() -> AsyncIterator[tuple[StreamTransport, StreamTransport
         return accepted[-1]
 
     server = await asyncio.get_running_loop().create_server(made, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     try:
-        client = await connect_broker("127.0.0.1", port, None, 5.0)
-        await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
-        yield client, accepted[0]
+        yield server.sockets[0].getsockname()[1], accepted
     finally:
         server.close()
         await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def _stream_pair() -> AsyncIterator[tuple[StreamTransport, StreamTransport]]:
+    """A client's StreamTransport connected over TCP on 127.0.0.1 to a server's, and that server's (closed after)."""
+    async with _accepting() as (port, accepted):
+        client = await connect_broker("127.0.0.1", port, None, 5.0)
+        await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
+        yield client, accepted[0]
 
 
 async def _closed(*ends: StreamTransport) -> None:
@@ -408,13 +414,6 @@ def test_a_flooded_stream_transport_reads_one_chunk_per_turn_past_its_budget() -
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        accepted: list[StreamTransport] = []
-
-        def made() -> StreamTransport:
-            accepted.append(StreamTransport())
-            return accepted[-1]
-
-        server = await loop.create_server(made, "127.0.0.1", 0)
         turn = 0
         counting = True
 
@@ -437,21 +436,21 @@ def test_a_flooded_stream_transport_reads_one_chunk_per_turn_past_its_budget() -
                 pass
 
         slow = Slow()
-        sock = socket.create_connection(server.sockets[0].getsockname()[:2])
-        try:
-            await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
-            accepted[0].receive(slow)
-            loop.call_soon(count)
-            writer = threading.Thread(target=sock.sendall, args=(b"x" * total,))
-            writer.start()
-            await wait_for(lambda: slow.got >= total, 60.0, "every byte")
-            await asyncio.to_thread(writer.join, 10.0)
-        finally:
-            counting = False
-            sock.close()
-            accepted[0].abort()
-            server.close()
-            await server.wait_closed()
+        async with _accepting() as (port, accepted):
+            sock = socket.create_connection(("127.0.0.1", port))
+            try:
+                await wait_for(lambda: bool(accepted), 5.0, "the accepted connection")
+                accepted[0].receive(slow)
+                loop.call_soon(count)
+                writer = threading.Thread(target=sock.sendall, args=(b"x" * total,))
+                writer.start()
+                await wait_for(lambda: slow.got >= total, 60.0, "every byte")
+                await asyncio.to_thread(writer.join, 10.0)
+            finally:
+                counting = False
+                sock.close()
+                if accepted:
+                    accepted[0].abort()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(run())
