@@ -114,8 +114,10 @@ TLS13_RECORD_OVERHEAD = 22
 # loop.  uvloop (libuv's uv__read) reads a ready socket up to 32 times per turn, 256 KB each, while data keeps
 # coming, and each chunk is decoded and handled at once: a broker that fell behind a flood (a joining broker
 # given the history of 10,000 topics) spent 1.3 s in one socket's reads, its timers waited, its heartbeats went
-# out that late, and its neighbours took it for dead (bench_join.py, docs/benchmarks-scale.md).  Now a turn takes
-# one chunk of a socket once this much has gone through, and timers and the other sockets get their turn in between.
+# out that late, and its neighbours took it for dead (bench_join.py, docs/benchmarks-scale.md).  Now a turn hands
+# the receiver at most this much of a socket, a longer chunk the rest in the next turns, and timers and the
+# other sockets get their turn in between.  (One 256 KB chunk of small messages - a join's batches and offers,
+# ~80 us each to handle - was still 0.1-0.2 s a socket, three neighbours' 0.4-0.7 s a turn, at 30,000 topics.)
 READ_TURN_BUDGET = 64 * 1024
 # In pull mode, the socket is not read while this much waits unread (asyncio's StreamReader pauses at twice
 # its 64 KiB limit): a peer cannot fill our memory faster than `read` takes it.
@@ -174,9 +176,13 @@ class StreamTransport(asyncio.Protocol):
             trace.mark("read", data)
         receiver = self._receiver
         if receiver is not None and not self._paused and not self._chunks:
+            if len(data) > READ_TURN_BUDGET:  # (a flood: the rest waits for the next turns)
+                self._chunks.append(data[READ_TURN_BUDGET:])
+                self._buffered += len(data) - READ_TURN_BUDGET
+                data = data[:READ_TURN_BUDGET]
             receiver.received(data)  # the push path: straight to the decoder
             self._turn_bytes += len(data)
-            if self._turn_bytes >= READ_TURN_BUDGET and not self._yielding:
+            if (self._turn_bytes >= READ_TURN_BUDGET or self._chunks) and not self._yielding:
                 self._yield_turn()
             return
         self._chunks.append(data)
@@ -236,18 +242,24 @@ class StreamTransport(asyncio.Protocol):
                 self._tr.resume_reading()
 
     def _yield_turn(self) -> None:
-        """Read no more of this socket in this turn of the loop (READ_TURN_BUDGET)."""
+        """Read no more of this socket in this turn of the loop (READ_TURN_BUDGET); what waits read goes on in the
+        next turn (`_end_yield`)."""
         tr = self._tr
-        if tr is None or tr.is_closing():
-            return  # (the receiver closed it: nothing more is read anyway)
+        if tr is None or (tr.is_closing() and not self._chunks):
+            return  # (closed: nothing more is read, and nothing read waits)
         self._yielding = True
-        self._pause_transport()
+        if not tr.is_closing():
+            self._pause_transport()
         self._loop.call_soon(self._end_yield)
 
     def _end_yield(self) -> None:
         self._yielding = False
         self._turn_bytes = 0
-        if not self._paused and self._receiver is not None and self._tr is not None and not self._tr.is_closing():
+        if self._paused or self._receiver is None:
+            return
+        if self._chunks:
+            self._deliver_waiting()  # (one budget's worth, yielding again if more waits)
+        if not (self._chunks or self._yielding or self._paused) and self._tr is not None and not self._tr.is_closing():
             self._resume_transport()
 
     def _deliver_end(self) -> None:
@@ -300,10 +312,20 @@ class StreamTransport(asyncio.Protocol):
         if receiver is None or self._paused:
             return
         if self._chunks:
-            data = b"".join(self._chunks)
-            self._chunks.clear()
-            self._buffered = 0
+            # At most READ_TURN_BUDGET per turn, as data_received; the rest in the next turns (`_end_yield`).
+            chunks = self._chunks
+            data = chunks.popleft()
+            while chunks and len(data) + len(chunks[0]) <= READ_TURN_BUDGET:
+                data += chunks.popleft()
+            if len(data) > READ_TURN_BUDGET:
+                chunks.appendleft(data[READ_TURN_BUDGET:])
+                data = data[:READ_TURN_BUDGET]
+            self._buffered -= len(data)
             receiver.received(data)  # may pause again: what follows waits for the next resume
+            if chunks:
+                if not self._paused and not self._yielding:
+                    self._yield_turn()
+                return
         if not self._paused:
             self._deliver_end()
 

@@ -405,8 +405,9 @@ def test_a_flooded_stream_transport_reads_one_chunk_per_turn_past_its_budget() -
     # uvloop reads a ready socket up to 32 times per loop turn while data keeps coming, and each chunk is decoded
     # and handled at once: a joining broker spent 1.3 s in one socket's reads (bench_join.py), its timers and
     # heartbeats waited, and its neighbours took it for dead.  Past READ_TURN_BUDGET bytes a transport reads no
-    # more of its socket until the next turn.  The writer is a thread with a blocking socket, so the kernel's
-    # buffer fills again while a chunk is handled (the millisecond a chunk's frames take a broker, simulated).
+    # more of its socket until the next turn, and a longer read is handed over a budget per turn.  The writer is a
+    # thread with a blocking socket, so the kernel's buffer fills again while a chunk is handled (the millisecond
+    # a chunk's frames take a broker, simulated).
     import uvloop
 
     total = 4 << 20
@@ -457,6 +458,8 @@ def test_a_flooded_stream_transport_reads_one_chunk_per_turn_past_its_budget() -
     assert sum(map(sum, per_turn.values())) == total
     over = {t: sizes for t, sizes in per_turn.items() if sum(sizes[:-1]) >= READ_TURN_BUDGET}
     assert not over, f"turns that read on past the budget: {over}"
+    # Nor does one long read go to the receiver at once (uvloop reads up to 256 KB): the rest waits a turn.
+    assert max(max(sizes) for sizes in per_turn.values()) <= READ_TURN_BUDGET
 
 
 class _Congested(_Handler):
