@@ -431,8 +431,11 @@ class Broker(Membership, Routing):
         if not self.peers:
             return
         started = time.monotonic()
-        offers = self.pubsub.hand_off()
-        deadline = started + self.pubsub.config.handoff_timeout
+        offered = self.pubsub.counters["offers"]
+        while self.pubsub.hand_off_step():  # noqa: ASYNC110 (no condition waited for: a turn yielded per slice)
+            await asyncio.sleep(0)  # (heartbeats and confirmations between the slices: PubSub.hand_off_step)
+        offers = self.pubsub.counters["offers"] - offered
+        deadline = time.monotonic() + self.pubsub.config.handoff_timeout
         # The offers are answered (and repeated) by the pub/sub engine on the running loop; this only watches the
         # count, which has no event of its own.
         while self.pubsub.handing_off() and time.monotonic() < deadline:  # noqa: ASYNC110

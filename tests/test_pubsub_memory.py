@@ -874,6 +874,48 @@ def test_a_view_change_re_ranks_a_slice_per_turn_and_a_topic_touched_before_its_
         assert all(seqs == [0] for seqs in _holders(net, t).values()), t
 
 
+def test_a_view_change_re_ranks_the_topics_that_stored_something_last_first() -> None:
+    # What the walk starts for a topic (a first batch to a new secondary, a back-fill, offers) queues on the links
+    # in walk order: a topic with a publisher must not wait behind the history of thousands of idle ones (a
+    # publish waited seconds for a joining broker's confirmation, bench_join.py).
+    net, topics = _filled(4 * RERANK_SLICE)
+    old = net.nodes["n1"]
+    net.clock += 10.0
+    mine = [t for t in topics if t in old.ps.table.replicas]
+    busy = mine[-3 * RERANK_SLICE // 4 :]  # (made last: in the order they were made, the walk took them last)
+    for i, t in enumerate(busy):
+        net.nodes["n0"].ps.client_message("p", Publish(t, "P", 1, b"w", 0))
+        if i % 50 == 0:
+            net.clock += 0.01
+    net.run()
+    net.arrive((0.5, 0.45))
+    old.ps.view_changed()
+    assert not set(busy) & old.ps.ranks.pending  # all in the first slice
+    net.run()
+
+
+def test_a_graceful_shutdown_offers_its_topics_a_slice_per_step() -> None:
+    # Offered in one turn, 10,000 topics held a leaving broker's loop ~2 s: its neighbours took it for dead and
+    # took its topics over instead of taking the hand-off.  The broker runs its loop between the slices.
+    net, topics = _filled(3 * RERANK_SLICE)
+    old = net.nodes["n1"]
+    held = [r for r in old.ps.table.replicas.values() if r.log.rows]
+    assert len(held) > 2 * RERANK_SLICE
+    steps, offers = 0, old.ps.counters["offers"]
+    more = True
+    while more:
+        more = old.ps.hand_off_step()
+        steps += 1
+        sent, offers = old.ps.counters["offers"] - offers, old.ps.counters["offers"]
+        assert sent <= 2 * RERANK_SLICE  # (two holders each at level 2)
+        net.run()  # (the confirmations come between the steps)
+    assert steps >= 3 and old.ps.handing_off() == 0
+    assert all(not r.offers for r in held)
+    net.leave("n1")  # (hands off again: every copy is there already)
+    for t in topics:
+        assert all(seqs == [0] for seqs in _holders(net, t).values()), t
+
+
 def test_time_outs_due_together_are_taken_a_slice_per_tick() -> None:
     # After a join, the offers of every topic ranked out went out within a few turns; their receiver lost (here:
     # a black hole), they all time out together.  A tick re-sends DUE_SLICE of them and says more are due; in one

@@ -141,6 +141,55 @@ def chunks(records: list[Record]) -> list[list[Record]]:
     return frame_chunks(records, _payload_size)
 
 
+class PeerProgress:
+    """How far each peer has got through what this broker asked of it: the newest of our correlation ids it
+    answered (a REPLICATED, the PULL that answers an OFFER, the REPLICATE that answers a PULL), and when.
+
+    A time-out's re-send (a batch, a back-fill, an offer, a pull; an answer kept open) is for a message lost on
+    the way: a route through a broker that had not yet noticed a failure, a link that closed.  A peer that
+    answers what was sent to it before the message, and nothing sent after it, has not lost it: it is still
+    working through a queue that holds it (links deliver in order).  Re-sending then only lengthens that queue.
+    When a broker joined next to 30,000 topics, the new broker's neighbours re-sent ~2,000-9,000 batches and offers
+    to it every 5 s for minutes, every one a time-out of something still queued, and spent their loops on that
+    (bench_join.py; docs/benchmarks-scale.md).  `behind` tells the roles to wait instead, as TCP does not count
+    a segment lost while the acknowledgements of the ones before it are still coming in."""
+
+    __slots__ = ("_last", "_peers")
+
+    def __init__(self) -> None:
+        self._peers: dict[str, tuple[int, float]] = {}  # node id -> (newest corr answered, when an answer last came)
+        self._last = 0  # the newest corr this broker allocated (a dead life's late answer is ignored)
+
+    def sent(self, corr: int) -> None:
+        self._last = corr
+
+    def mark(self) -> int:
+        """Where a message sent now stands: everything sent before it went with a lower corr, everything after
+        with this one or higher (a message under a corr of its own: that corr)."""
+        return self._last + 1
+
+    def answered(self, node: str, corr: int, now: float) -> None:
+        """node answered our corr (late answers of an earlier one count as progress, not as a newer position)."""
+        if corr > self._last:
+            return  # not ours: an answer to this broker's previous life
+        had = self._peers.get(node)
+        self._peers[node] = (corr if had is None or corr > had[0] else had[0], now)
+
+    def heard(self, node: str) -> bool:
+        """node answered something of ours (since it came into the view)."""
+        return node in self._peers
+
+    def behind(self, node: str, mark: int, now: float, within: float) -> bool:
+        """node answered something of ours sent before `mark` (a `mark()`) within the last `within` seconds, and
+        nothing sent at or after it: what was sent there is most likely still queued at node, not lost."""
+        had = self._peers.get(node)
+        return had is not None and had[0] < mark <= self._last + 1 and now - had[1] <= within
+
+    def forget(self, keep: Mapping[str, object]) -> None:
+        """Drop the peers not in keep (the view)."""
+        self._peers = {n: x for n, x in self._peers.items() if n in keep}
+
+
 class TopicTable:
     """The state the roles share (see the module docstring)."""
 
@@ -166,6 +215,7 @@ class TopicTable:
         self.held_version = 0
         self._sweep: Sweep[str] = Sweep()
         self._corr = count(1 + secrets.randbelow(CORR_SPAN))  # (CORR_SPAN says why)
+        self.peers = PeerProgress()
         self._homes: dict[str, Coord] = {}
         # ranked() per coordinate for the current view (`_ranked_nodes`), and that view's nodes by distance.
         self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}
@@ -259,6 +309,10 @@ class TopicTable:
                 out[name] = r
         return list(out.values())
 
+    def look_again(self, r: Replica) -> None:
+        """The next tick looks at r (one that `due` returned and this tick left for later)."""
+        self._arm(r, self.ov.now())
+
     def overdue(self, now: float) -> bool:
         """A time-out is up that `due` left for a later tick (DUE_SLICE)."""
         heap = self._timeouts
@@ -277,7 +331,9 @@ class TopicTable:
         return [e[2] for e in self._timeouts if self._live(e)]
 
     def next_corr(self) -> int:
-        return next(self._corr)
+        corr = next(self._corr)
+        self.peers.sent(corr)
+        return corr
 
     def home(self, topic: str) -> Coord:
         """h(t), cached (bounded)."""

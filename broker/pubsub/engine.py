@@ -210,10 +210,22 @@ class PubSub:
         self.holder.resume()
 
     def hand_off(self) -> int:
-        """A graceful shutdown begins: offer every topic held to the brokers that hold it next; returns how many
-        offers wait for confirmation (`handing_off`).  The broker leaves once that is 0 or time is up."""
-        self.ranks.settle_all()  # (every topic is offered to its holders by its rank for the current view)
-        return self.sync.hand_off()
+        """A graceful shutdown, all at once: every `hand_off_step`; returns how many offers wait for confirmation
+        (`handing_off`)."""
+        while self.hand_off_step():
+            pass
+        return self.handing_off()
+
+    def hand_off_step(self) -> bool:
+        """The next slice of a graceful shutdown: offer the topics held to the brokers that hold them next (each by
+        its rank for the current view: the walk of a view change is finished first), RERANK_SLICE per call; True
+        while more is left.  The broker runs its event loop between the calls: offered in one turn, 10,000
+        topics held its loop ~2 s, its neighbours took the leaving broker for dead and took its topics over.  It
+        leaves once `handing_off` is 0 or time is up."""
+        if self.ranks.walking():
+            self.ranks.step()
+            return True
+        return self.sync.hand_off_step()
 
     def handing_off(self) -> int:
         """Offers of a graceful shutdown (or of retiring replicas) not yet confirmed."""
@@ -227,6 +239,7 @@ class PubSub:
         """The broker's view of the overlay changed; failed names the brokers that died (not those that left
         gracefully or joined).  Every topic is re-ranked: take-over, new secondary, hand-over, or drop; a slice now
         and the rest over the next turns of the loop, a topic touched meanwhile first (RankRole.view_changed)."""
+        self.table.peers.forget(self.table.ov.view())
         self.home.view_changed()
         self.ranks.view_changed(failed)
         self.access.view_changed()  # (after the holders re-ranked: a local registration finds its replica)
@@ -238,7 +251,7 @@ class PubSub:
         now = self.table.ov.now()
         due = self.table.due(now)
         if self.ranks.pending:
-            due = [r for r in due if self.ranks.settled(r)]  # (before its time-outs act on an earlier view's rank)
+            due = self.ranks.settle_due(due)  # (before its time-outs act on an earlier view's rank)
         self.replication.tick(now, due)
         self.access.tick(now)
         self.moves.tick(now, due)

@@ -56,9 +56,16 @@ class RankRole:
         broker of many topics keeps its heartbeats and requests going through a view change.  A replica that is
         touched before the walk reaches it (a request, a routed message about its topic, a time-out: `settle`)
         is re-ranked first, so no replica acts on the rank it had in an earlier view.  A view change during the
-        walk starts it again, every replica pending for the newest view."""
+        walk starts it again, every replica pending for the newest view.
+
+        The walk takes the topics that stored something last first: what it starts for each (a first batch to a
+        new secondary, a back-fill, offers, and at a new primary the pulls its offers bring) queues on the links
+        in walk order, and a topic with publishers waiting must not wait behind the history of idle ones.  In
+        the order they were made, a publish to a topic whose new secondary was a broker that had just joined
+        next to 30,000 topics waited seconds for that broker's confirmation (bench_join.py)."""
         self.sync.leaving &= set(self.t.ov.view())
-        self._walk = list(self.t.replicas)
+        replicas = self.t.replicas
+        self._walk = sorted(replicas, key=lambda name: replicas[name].last_ts, reverse=True)
         self._at = 0
         self.pending = set(self._walk)
         self.step()
@@ -99,6 +106,29 @@ class RankRole:
             return True
         self._settle(r)
         return self.t.replicas.get(r.name) is r
+
+    def settle_due(self, due: list[Replica]) -> list[Replica]:
+        """Of a tick's `due` replicas, those settled for the current view: at most RERANK_SLICE that the walk has
+        not reached are re-ranked now (`settled`), the rest looked at by a later tick (the walk may reach them
+        first).  After a late tick the sweep's share of every replica comes due with the time-outs, and settling
+        them all in one turn (each re-ranked copy offering its records) held a broker's loop 0.5-1 s while a
+        broker joined next to 30,000 topics (bench_join.py), which made the next tick later still."""
+        out: list[Replica] = []
+        budget = RERANK_SLICE
+        for r in due:
+            if r.name not in self.pending:
+                out.append(r)
+            elif budget > 0:
+                budget -= 1
+                if self.settled(r):
+                    out.append(r)
+            else:
+                self.t.look_again(r)
+        return out
+
+    def walking(self) -> bool:
+        """The walk of a view change is under way."""
+        return bool(self._walk)
 
     def settle_all(self) -> None:
         """Finish the walk of a view change at once (a graceful shutdown hands every topic off by its rank)."""

@@ -234,6 +234,7 @@ class Batch:
     # window slot, but its confirmation still counts (under load a reply can be slower than the time-out).
     superseded: bool = False
     meta_version: int = -1  # the Replica.meta_version it carried (-1: records only)
+    held_until: float = 0.0  # not re-sent before this: the copy was still confirming earlier ones (PeerProgress)
 
 
 @dataclass(slots=True)
@@ -244,6 +245,7 @@ class Backfill:
     corr: int  # the OFFER's (its PULL and the last chunk of the answer carry it too)
     target: str  # the secondary's node id
     at: float  # when it was offered, or the answer last made progress (the time-out counts from here)
+    mark: int = 0  # where the OFFER, or the answer's last chunk once sent, stands among what went out (PeerProgress)
 
     def until(self, offer_timeout: float) -> float:
         """When it is offered again if not confirmed (replication.py `_tick_backfill`)."""
@@ -374,6 +376,7 @@ class Pulling:
     started: float = 0.0
     heard: float = 0.0  # when the last chunk of an answer came: a long history still streaming is no time-out
     retried: bool = False  # asked again once (sync.py `retry_pull`)
+    held_until: float = 0.0  # not asked again before this: an asked holder still answered earlier questions
     answered_in: float = 0.0  # how long the first holder to answer took (0: none has yet)
     # A serving primary that found another holder had records it lacks (the other side of a healed partition)
     # pulls them, and its subscribers, who never got them, receive them like new ones (holder.merged).
@@ -398,7 +401,7 @@ class Pulling:
         after = pull_timeout / 4
         if self.answered_in:
             after = min(after, max(PULL_RETRY_MIN, PULL_RETRY_FACTOR * self.answered_in))
-        return self.started + after
+        return max(self.started + after, self.held_until)
 
     def timeout_at(self, pull_timeout: float) -> float:
         """When the pull finishes with what came, if some asked holders still have not answered (`retry_pull`)."""
@@ -503,6 +506,7 @@ class Replica:
     # Offers of this replica's records not yet confirmed: corr -> the node offered to, and when they went out.
     offers: dict[int, str] = field(default_factory=dict)
     offered_at: float = 0.0
+    offer_mark: int = 0  # where the offers, or the last answer to their PULLs, stand among what went out (PeerProgress)
     # Stored something since the primary last compared digests with its copies (anti-entropy).
     unchecked: bool = False
     # At a primary: publishers last seen up to here were named in a HEADS already (replication `_tell_heads`).

@@ -199,7 +199,7 @@ class ReplicationRole:
         this broker's event loop nor the batches behind it on the link wait for a long history: publishes were
         not acknowledged for ~1 s when a new secondary got 300,000 records as one batch."""
         corr = self.t.next_corr()
-        r.copy.offered(Backfill(corr, sec.id, self.t.ov.now()))
+        r.copy.offered(Backfill(corr, sec.id, self.t.ov.now(), mark=corr))
         self.t.wake(r)
         self.t.counters["offers"] += 1
         have = r.log.offerable()
@@ -231,6 +231,7 @@ class ReplicationRole:
     # ---- confirmations and copies arriving -------------------------------------------------------------------
     def replicated_arrived(self, m: Replicated) -> None:
         """REPLICATED: a copy, a pull answer or a hand-over was confirmed (or, with `refused`, not)."""
+        self.t.peers.answered(m.node, m.corr, self.t.ov.now())
         if m.refused:
             self.copy_refused(m)
             return
@@ -316,6 +317,8 @@ class ReplicationRole:
             return  # a copy left behind sent this: it was told where the topic lives, and nothing is confirmed
         if pull is not None and pull.asked and m.origin.id in pull.asked.values():
             pull.heard = now  # an answer is still streaming in: the pull is making progress
+        if answers_pull:
+            self.t.peers.answered(m.origin.id, m.corr, now)
         if self.t.full and m.records and m.corr and not m.sync and not answers_pull:
             # New messages from their primary while this broker's memory is over --max-memory: refused like a
             # full disk refuses them (the primary refuses new publishes until a copy confirms again).  What a
@@ -531,7 +534,10 @@ class ReplicationRole:
         """A back-fill not confirmed (nor its answer making progress) within the offer time-out is offered again,
         from what the next holder has by then; a level-3 secondary back-fills its tertiary from here."""
         bf = r.copy.offer
-        if bf is not None and now > bf.until(self.t.config.offer_timeout):
+        if bf is not None and now > bf.until(timeout := self.t.config.offer_timeout):
+            if self.t.peers.behind(bf.target, bf.mark, now, timeout):
+                bf.at = now  # the next holder is still answering what came before the offer (PeerProgress)
+                return
             r.copy.lapsed()
             if r.rank == 1:
                 self.flush(r)
@@ -600,19 +606,25 @@ class ReplicationRole:
                 self._tell_heads(r, now)
             self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
-            if live and now - live[0].sent_at > (rto := self._resend_after(r, live[0])):
-                # The oldest unconfirmed batch (or one before it) was lost or the replica is slow: go back to it.
-                self._resent(live[0].target, r.name, rto, now)
-                r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long re-send keeps its longer time-out
-                self.t.counters["replication_resends"] += 1
-                for b in live:
-                    b.superseded = True
-                # Re-send everything not yet confirmed in one whole batch; the replica merges, so what it already
-                # had is not duplicated.
-                r.outbox = r.unconfirmed()
-                r.meta_dirty = True
-                self.flush(r)
+            if live and now > live[0].held_until and now - live[0].sent_at > (rto := self._resend_after(r, live[0])):
+                if self.t.peers.behind(live[0].target, live[0].corr, now, rto):
+                    live[0].held_until = now + rto  # not lost: the copy still confirms earlier ones (PeerProgress)
+                else:
+                    self._resend(r, live, rto, now)
             self.sync.retry_pull(r, now)
+
+    def _resend(self, r: Replica, live: list[Batch], rto: float, now: float) -> None:
+        """The oldest unconfirmed batch (or one before it) was lost or the copy is slow: go back to it."""
+        self._resent(live[0].target, r.name, rto, now)
+        r.rto = max(r.rto, min(r.rto * 2, MAX_RTO))  # a long re-send keeps its longer time-out
+        self.t.counters["replication_resends"] += 1
+        for b in live:
+            b.superseded = True
+        # Re-send everything not yet confirmed in one whole batch; the replica merges, so what it already had is
+        # not duplicated.
+        r.outbox = r.unconfirmed()
+        r.meta_dirty = True
+        self.flush(r)
 
     def deadline(self, r: Replica) -> float:
         """When r's oldest unconfirmed batch is re-sent, or its back-fill offered again (`tick`), if not confirmed
@@ -620,7 +632,7 @@ class ReplicationRole:
         at = math.inf
         live = next((b for b in r.window if not b.superseded), None)
         if live is not None:
-            at = live.sent_at + self._resend_after(r, live)
+            at = max(live.sent_at + self._resend_after(r, live), live.held_until)
         if (bf := r.copy.offer) is not None:
             at = min(at, bf.until(self.t.config.offer_timeout))
         return at

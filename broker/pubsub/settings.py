@@ -34,6 +34,9 @@ MAX_SUPERSEDED: Final = 64
 # How long a broker that became closest waits for the previous holders to hand a topic over before it
 # serves the topic from what it has.
 PULL_TIMEOUT: Final = 1.0
+# A pull waits this long at most for a holder still in the view that has answered nothing of this broker's yet
+# (sync.py `retry_pull`): a broker that just joined asks brokers still busy with the join's other work.
+PULL_WAIT_MAX: Final = 5.0
 # An asked holder that has not answered a pull is asked once more (its answer, or the pull, may have been lost
 # on a route through a broker that had not yet noticed a failure).  Once another holder has answered, after
 # PULL_RETRY_FACTOR times that answer's delay (at least PULL_RETRY_MIN s); before any answer, after a quarter

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from broker.pubsub.core import TopicTable, chunks, same
 from broker.pubsub.replica import Pulling, Replica, Stage, Transition
-from broker.pubsub.settings import MAX_CHAINED, SYNC_CHUNK, SYNC_WINDOW
+from broker.pubsub.settings import MAX_CHAINED, PULL_WAIT_MAX, RERANK_SLICE, SYNC_CHUNK, SYNC_WINDOW
 from broker.store import Missing
 from overlay.protocol import NodeInfo
 from overlay.pubsub import Offer, Publish, Pull, Record, Replicate, Replicated, SubRef, Subscribe
@@ -70,6 +70,9 @@ class SyncRole:
         # Long answers to pulls under way: by (topic, asker), and by the corr of each chunk in flight.
         self._answers: dict[tuple[str, str], _Answer] = {}
         self._answer_chunks: dict[int, _Answer] = {}
+        # A graceful shutdown's hand-off (`hand_off_step`): the topics held when it began, and how far it got.
+        self._handing: list[str] | None = None
+        self._handing_at = 0
         # Wired by the engine.
         self.holder: HolderRole
         self.home: HomeRole
@@ -124,6 +127,8 @@ class SyncRole:
     def pull_arrived(self, p: Pull) -> None:
         """PULL: send what we hold of the topic (or where it lives, or that we hold nothing)."""
         r = self.t.replicas.get(p.topic)
+        if r is not None and (r.offers.get(p.corr) == p.origin.id or ((bf := r.copy.offer) and bf.corr == p.corr)):
+            self.t.peers.answered(p.origin.id, p.corr, self.t.ov.now())  # the PULL that answers our OFFER
         dl = self.home.delegate_lists.get(p.topic)
         me = self.t.ov.me
         if (r is None or not same(r.coord, p.coord)) and dl:
@@ -170,6 +175,7 @@ class SyncRole:
             batches = chunks(records)
             for i, batch in enumerate(batches):
                 self._sync_frame(r, to, corr if i == len(batches) - 1 else 0, batch, meta=True)
+            self._answered(r, to.id, corr)
             return
         answer = _Answer(r.name, to, corr, missing, self.t.ov.now())
         if (old := self._answers.get((r.name, to.id))) is not None:
@@ -214,8 +220,20 @@ class SyncRole:
                 # them confirms nothing without them) and the last (as they are by then), not with each.
                 self._sync_frame(r, a.to, corr, batch, meta=last or not a.meta_sent)
                 a.meta_sent = True
+                if last:
+                    self._answered(r, a.to.id, corr)
         if not a.corr and not a.inflight:
             self._drop_answer(a)
+
+    def _answered(self, r: Replica, to: str, corr: int) -> None:
+        """The last frame of an answer under corr went to `to`.  If it answers the PULL of r's back-fill or offer,
+        that now waits for `to` to take this frame: its mark moves here (PeerProgress)."""
+        if (bf := r.copy.offer) is not None and bf.corr == corr and bf.target == to:
+            bf.mark = self.t.peers.mark()
+            bf.at = self.t.ov.now()  # (progress: the next holder asked)
+        elif r.offers.get(corr) == to:
+            r.offer_mark = self.t.peers.mark()
+            r.offered_at = self.t.ov.now()
 
     def _drop_answer(self, a: _Answer) -> None:
         if self._answers.get((a.topic, a.to.id)) is a:
@@ -231,6 +249,7 @@ class SyncRole:
         if track:
             r.offers.clear()
             r.offered_at = self.t.ov.now()
+            r.offer_mark = self.t.peers.mark()
             self.t.wake(r)  # (the offer's time-out)
         have = r.log.offerable()
         me = self.t.ov.me
@@ -313,14 +332,19 @@ class SyncRole:
         for access, session, req in queued:
             self.holder.handle_request(access, session, req)
 
-    def hand_off(self) -> int:
-        """A graceful shutdown: offer every topic held to the brokers that hold it once this one is gone;
-        returns how many offers wait for confirmation (`handing_off`)."""
-        for r in list(self.t.replicas.values()):
-            if r.stage is Stage.GONE or not (r.log.rows or r.log.last_seq or r.subscribers):
+    def hand_off_step(self) -> bool:
+        """A graceful shutdown: offer the next RERANK_SLICE topics held to the brokers that hold them once this one
+        is gone (the first call takes the topics held then); True while topics are left."""
+        if self._handing is None:
+            self._handing = list(self.t.replicas)
+        names, at = self._handing, self._handing_at
+        self._handing_at = min(len(names), at + RERANK_SLICE)
+        for name in names[at : self._handing_at]:
+            r = self.t.replicas.get(name)
+            if r is None or r.stage is Stage.GONE or not (r.log.rows or r.log.last_seq or r.subscribers):
                 continue
             self.offer(r, self.t.holders(r.coord, without_me=True), leaving=True)
-        return self.handing_off()
+        return self._handing_at < len(names)
 
     def handing_off(self) -> int:
         """Offers not yet confirmed."""
@@ -424,14 +448,22 @@ class SyncRole:
 
     def drop_quiet_answers(self, now: float) -> None:
         """Forget the long answers whose asker went quiet: it asks again (or its pull timed out)."""
+        timeout = self.t.config.offer_timeout
         for a in list(self._answers.values()):
-            if now - a.heard > self.t.config.offer_timeout:
-                self._drop_answer(a)
+            if now - a.heard > timeout:
+                if a.inflight and self.t.peers.behind(a.to.id, min(a.inflight), now, timeout):
+                    a.heard = now  # the asker still confirms what came before these chunks (PeerProgress)
+                else:
+                    self._drop_answer(a)
 
     def repeat_offers(self, r: Replica, now: float) -> None:
         """Offers not confirmed within the offer time-out go out again: a retiring copy's to whoever holds the
         topic by now, other copies' to the holders they went to."""
         if r.offers and now > self._offers_until(r):
+            timeout = self.t.config.offer_timeout
+            if any(self.t.peers.behind(nid, r.offer_mark, now, timeout) for nid in r.offers.values()):
+                r.offered_at = now  # a holder still answers what came before its offer (PeerProgress)
+                return
             if r.stage is Stage.RETIRING:
                 self.retire(r)
             else:
@@ -456,7 +488,26 @@ class SyncRole:
         pull = r.pull
         if pull is None or not pull.asked:
             return
-        if now > pull.timeout_at(self.t.config.pull_timeout):
+        timeout = self.t.config.pull_timeout
+        peers = self.t.peers
+        ours = [(corr, nid) for corr, nid in pull.asked.items() if corr not in self._offer_pulls]  # (not an offerer's)
+        timed_out = now > pull.timeout_at(timeout)
+        if (timed_out or pull.retry_due(now, timeout)) and any(peers.behind(nid, c, now, timeout) for c, nid in ours):
+            # An asked holder still answers what this broker asked before: the question is queued there, not lost
+            # (PeerProgress).  Serving without its answer would serve without the history it holds.
+            pull.heard = now
+            pull.held_until = now + timeout / 4
+            return
+        if timed_out and now < pull.started + PULL_WAIT_MAX:
+            view = self.t.ov.view()
+            if any(nid in view and not peers.heard(nid) for _, nid in ours):
+                # A holder that has answered nothing of this broker's yet: a broker that just joined asks brokers
+                # busy with the join, which took more than the pull time-out to get to the first of its questions,
+                # and it served topics without their history (logged as acknowledged messages lost) while they
+                # did (bench_join.py).  Waited for up to PULL_WAIT_MAX; asked again meanwhile (`retry_due`).
+                pull.heard = now
+                return
+        if timed_out:
             pull.asked.clear()
             self.pull_progress(r)
         elif pull.retry_due(now, self.t.config.pull_timeout):
