@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from cli.cluster import ClusterError, LocalCluster  # noqa: E402
 from client.client import Client  # noqa: E402
 from client.crawl import report  # noqa: E402
 from net.credentials import Credentials  # noqa: E402
+from overlay.protocol import Status  # noqa: E402
 
 PLAIN = Credentials(insecure=True)
 COORDS = [(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)]
@@ -82,6 +84,11 @@ async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) 
                 out.samples.append((t, time.perf_counter() - t))
             k += 1
             await asyncio.sleep(0.01)  # ~50-100 Hz per device, well under what a broker takes
+
+
+def _sent(statuses: Mapping[str, Status]) -> list[float]:
+    """Batches re-sent after a time-out and offers sent (back-fills, retiring copies, repeats), all brokers."""
+    return [float(sum(st.counters.get(k, 0) for st in statuses.values())) for k in ("replication_resends", "offers")]
 
 
 def _late_beats(endpoint: str | None) -> tuple[float, float]:
@@ -128,6 +135,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
             await asyncio.sleep(window)  # the baseline (and every probe topic made)
             cpu0 = {bp.node_id: cpu_seconds(bp.proc.pid) for bp in cluster.nodes}
             late0 = [_late_beats(b.metrics) for b in cluster.nodes]
+            sent0 = _sent(await cluster.statuses(within=30.0))
             t_join = time.perf_counter()
             bp = await cluster.add(JOINER, join=[addrs[0]])
             t_ready = time.perf_counter()
@@ -161,9 +169,12 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                     shutil.copytree(d, keep, dirs_exist_ok=True)
                     print(f"  broker logs copied to {keep}", file=sys.stderr)
             try:
-                counters = [st.counters for st in (await cluster.statuses(within=30.0)).values()]
+                statuses = await cluster.statuses(within=30.0)
+                counters: list[Mapping[str, float]] = [st.counters for st in statuses.values()]
+                sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
             except Exception:  # a broker that does not answer: the counts are unknown
                 counters = [{"failures_detected": math.nan, "takeovers": math.nan}]
+                sent = [math.nan, math.nan]
             late1 = [_late_beats(b.metrics) for b in cluster.nodes]
             late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
             cpu1 = {b.node_id: cpu_seconds(b.proc.pid) for b in cluster.nodes if b is not bp}
@@ -189,6 +200,8 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 "failed": float(sum(o.failed for o in outs)),
                 "failures_detected": float(sum(c["failures_detected"] for c in counters)),
                 "takeovers": float(sum(c["takeovers"] for c in counters)),
+                "resends": sent[0],
+                "offers": sent[1],
                 "late_025": late[0],
                 "late_05": late[1],
                 "cpu_old": statistics.fmean((cpu1[k] - cpu0[k]) / span * 100 for k in cpu1),
@@ -208,9 +221,9 @@ def main() -> None:
     print(
         "| topics | ready s | Delaunay s | nothing lagging s | ACK p50 / p99 / max ms before "
         "| ACK p50 / p99 / max ms during | ACKs during (> 1 s) | failed | failures detected / take-overs "
-        "| beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
+        "| batches re-sent / offers | beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.topics.split(",")):
         r = asyncio.run(one(n, args.probes, args.window, args.settle, args.keep_logs))
         still = f" ({r['lagging']:.0f} still lagging)" if r["lagging"] else ""
@@ -219,7 +232,8 @@ def main() -> None:
             f"| {r['before_p50']:.2f} / {r['before_p99']:.1f} / {r['before_max']:.1f} "
             f"| {r['during_p50']:.2f} / {r['during_p99']:.1f} / {r['during_max']:.1f} "
             f"| {r['during_n']:.0f} ({r['over_1s']:.0f}) | {r['failed']:.0f} "
-            f"| {r['failures_detected']:.0f} / {r['takeovers']:.0f} | {r['late_025']:.0f} / {r['late_05']:.0f} "
+            f"| {r['failures_detected']:.0f} / {r['takeovers']:.0f} | {r['resends']:,.0f} / {r['offers']:,.0f} "
+            f"| {r['late_025']:.0f} / {r['late_05']:.0f} "
             f"| {r['cpu_old']:.0f} / {r['cpu_new']:.0f} |",
             flush=True,
         )
