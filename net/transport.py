@@ -288,6 +288,13 @@ class StreamTransport(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
+        data = self._take(n)
+        if self._buffered <= PULL_BUFFER_LIMIT:
+            self._resume_transport()
+        return data
+
+    def _take(self, n: int) -> bytes:
+        """Up to n bytes of what waits read (at least one chunk waits)."""
         chunks = self._chunks
         data = chunks.popleft()
         while chunks and len(data) + len(chunks[0]) <= n:
@@ -296,8 +303,6 @@ class StreamTransport(asyncio.Protocol):
             chunks.appendleft(data[n:])
             data = data[:n]
         self._buffered -= len(data)
-        if self._buffered <= PULL_BUFFER_LIMIT:
-            self._resume_transport()
         return data
 
     def receive(self, receiver: Receiver) -> None:
@@ -313,16 +318,8 @@ class StreamTransport(asyncio.Protocol):
             return
         if self._chunks:
             # At most READ_TURN_BUDGET per turn, as data_received; the rest in the next turns (`_end_yield`).
-            chunks = self._chunks
-            data = chunks.popleft()
-            while chunks and len(data) + len(chunks[0]) <= READ_TURN_BUDGET:
-                data += chunks.popleft()
-            if len(data) > READ_TURN_BUDGET:
-                chunks.appendleft(data[READ_TURN_BUDGET:])
-                data = data[:READ_TURN_BUDGET]
-            self._buffered -= len(data)
-            receiver.received(data)  # may pause again: what follows waits for the next resume
-            if chunks:
+            receiver.received(self._take(READ_TURN_BUDGET))  # may pause again: what follows waits for the next resume
+            if self._chunks:
                 if not self._paused and not self._yielding:
                     self._yield_turn()
                 return
