@@ -16,7 +16,11 @@ of every broker's topics, the probes' among them, and pulls their history before
   --keep-logs DIR the topics that failed or lag, their holders' rows and the brokers' logs are kept);
 * every broker's CPU over the join, the neighbours it took for dead and the topics taken over (none should be: a
   join is no failure), and its heartbeat ticks that ran over 0.25 s and 0.5 s late (`sedax_event_loop_lag_seconds`:
-  a broker silent for 0.6 s is taken for dead).
+  a broker silent for 0.6 s is taken for dead);
+* the batches re-sent after a time-out and the offers sent, all brokers over the join (a re-send of what the peer
+  has queued only lengthens its queue: docs/storage.md, `PeerProgress`), and the acknowledged messages a primary
+  logged lost (none are: a join loses nothing, but a new primary serving a topic before it has pulled the history
+  logs the messages it lacks as lost).
 
 What a topic's move costs is what the probes see: a publish to a topic being handed over waits until the new
 holder serves it, and one whose new secondary is the joining broker waits for that broker's confirmation, which
@@ -87,8 +91,11 @@ async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) 
 
 
 def _sent(statuses: Mapping[str, Status]) -> list[float]:
-    """Batches re-sent after a time-out and offers sent (back-fills, retiring copies, repeats), all brokers."""
-    return [float(sum(st.counters.get(k, 0) for st in statuses.values())) for k in ("replication_resends", "offers")]
+    """Batches re-sent after a time-out, offers sent (back-fills, retiring copies, repeats), and acknowledged messages
+    a primary found missing and logged lost (a join loses none: a primary serving a topic without the history it
+    has not yet pulled does log them), all brokers."""
+    keys = ("replication_resends", "offers", "lost")
+    return [float(sum(st.counters.get(k, 0) for st in statuses.values())) for k in keys]
 
 
 def _late_beats(endpoint: str | None) -> tuple[float, float]:
@@ -174,7 +181,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
             except Exception:  # a broker that does not answer: the counts are unknown
                 counters = [{"failures_detected": math.nan, "takeovers": math.nan}]
-                sent = [math.nan, math.nan]
+                sent = [math.nan, math.nan, math.nan]
             late1 = [_late_beats(b.metrics) for b in cluster.nodes]
             late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
             cpu1 = {b.node_id: cpu_seconds(b.proc.pid) for b in cluster.nodes if b is not bp}
@@ -202,6 +209,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 "takeovers": float(sum(c["takeovers"] for c in counters)),
                 "resends": sent[0],
                 "offers": sent[1],
+                "lost": sent[2],
                 "late_025": late[0],
                 "late_05": late[1],
                 "cpu_old": statistics.fmean((cpu1[k] - cpu0[k]) / span * 100 for k in cpu1),
@@ -221,9 +229,9 @@ def main() -> None:
     print(
         "| topics | ready s | Delaunay s | nothing lagging s | ACK p50 / p99 / max ms before "
         "| ACK p50 / p99 / max ms during | ACKs during (> 1 s) | failed | failures detected / take-overs "
-        "| batches re-sent / offers | beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
+        "| batches re-sent / offers | logged lost | beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.topics.split(",")):
         r = asyncio.run(one(n, args.probes, args.window, args.settle, args.keep_logs))
         still = f" ({r['lagging']:.0f} still lagging)" if r["lagging"] else ""
@@ -233,6 +241,7 @@ def main() -> None:
             f"| {r['during_p50']:.2f} / {r['during_p99']:.1f} / {r['during_max']:.1f} "
             f"| {r['during_n']:.0f} ({r['over_1s']:.0f}) | {r['failed']:.0f} "
             f"| {r['failures_detected']:.0f} / {r['takeovers']:.0f} | {r['resends']:,.0f} / {r['offers']:,.0f} "
+            f"| {r['lost']:.0f} "
             f"| {r['late_025']:.0f} / {r['late_05']:.0f} "
             f"| {r['cpu_old']:.0f} / {r['cpu_new']:.0f} |",
             flush=True,
