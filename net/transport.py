@@ -177,9 +177,9 @@ class StreamTransport(asyncio.Protocol):
         receiver = self._receiver
         if receiver is not None and not self._paused and not self._chunks:
             if len(data) > READ_TURN_BUDGET:  # (a flood: the rest waits for the next turns)
-                self._chunks.append(data[READ_TURN_BUDGET:])
-                self._buffered += len(data) - READ_TURN_BUDGET
-                data = data[:READ_TURN_BUDGET]
+                self._chunks.append(data)
+                self._buffered += len(data)
+                data = self._take(READ_TURN_BUDGET)
             receiver.received(data)  # the push path: straight to the decoder
             self._turn_bytes += len(data)
             if (self._turn_bytes >= READ_TURN_BUDGET or self._chunks) and not self._yielding:

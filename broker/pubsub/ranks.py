@@ -131,7 +131,7 @@ class RankRole:
         return bool(self._walk)
 
     def settle_all(self) -> None:
-        """Finish the walk of a view change at once (a graceful shutdown hands every topic off by its rank)."""
+        """Finish the walk of a view change at once (the tests and bench_rank.py; a broker walks a slice per turn)."""
         while self._walk:
             self.step()
 

@@ -236,6 +236,10 @@ class Batch:
     meta_version: int = -1  # the Replica.meta_version it carried (-1: records only)
     held_until: float = 0.0  # not re-sent before this: the copy was still confirming earlier ones (PeerProgress)
 
+    def resend_at(self, rto: float) -> float:
+        """When it is re-sent if not confirmed, at its copy's re-send time-out rto (replication.py `tick`)."""
+        return max(self.sent_at + rto, self.held_until)
+
 
 @dataclass(slots=True)
 class Backfill:

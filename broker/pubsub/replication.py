@@ -606,7 +606,7 @@ class ReplicationRole:
                 self._tell_heads(r, now)
             self._tick_backfill(r, now)
             live = [b for b in r.window if not b.superseded]
-            if live and now > live[0].held_until and now - live[0].sent_at > (rto := self._resend_after(r, live[0])):
+            if live and now > live[0].resend_at(rto := self._resend_after(r, live[0])):
                 if self.t.peers.behind(live[0].target, live[0].corr, now, rto):
                     live[0].held_until = now + rto  # not lost: the copy still confirms earlier ones (PeerProgress)
                 else:
@@ -632,7 +632,7 @@ class ReplicationRole:
         at = math.inf
         live = next((b for b in r.window if not b.superseded), None)
         if live is not None:
-            at = max(live.sent_at + self._resend_after(r, live), live.held_until)
+            at = live.resend_at(self._resend_after(r, live))
         if (bf := r.copy.offer) is not None:
             at = min(at, bf.until(self.t.config.offer_timeout))
         return at

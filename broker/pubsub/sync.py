@@ -489,10 +489,12 @@ class SyncRole:
         if pull is None or not pull.asked:
             return
         timeout = self.t.config.pull_timeout
+        timed_out, retry = now > pull.timeout_at(timeout), pull.retry_due(now, timeout)
+        if not (timed_out or retry):
+            return
         peers = self.t.peers
         ours = [(corr, nid) for corr, nid in pull.asked.items() if corr not in self._offer_pulls]  # (not an offerer's)
-        timed_out = now > pull.timeout_at(timeout)
-        if (timed_out or pull.retry_due(now, timeout)) and any(peers.behind(nid, c, now, timeout) for c, nid in ours):
+        if any(peers.behind(nid, c, now, timeout) for c, nid in ours):
             # An asked holder still answers what this broker asked before: the question is queued there, not lost
             # (PeerProgress).  Serving without its answer would serve without the history it holds.
             pull.heard = now
@@ -510,7 +512,7 @@ class SyncRole:
         if timed_out:
             pull.asked.clear()
             self.pull_progress(r)
-        elif pull.retry_due(now, self.t.config.pull_timeout):
+        elif retry:
             # Right after a failure a pull, or its answer, can be routed through a broker that has not yet
             # noticed it and be lost there; asking again once the overlay has healed beats waiting out the
             # time-out (the topic's requests wait meanwhile).  A second answer is merged like one that comes
