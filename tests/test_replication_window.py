@@ -20,12 +20,14 @@ from test_pubsub_memory import Net, _near, delivered, grid, locate
 from broker.pubsub.replica import Replica, Stage
 from broker.pubsub.settings import (
     ANTI_ENTROPY_INTERVAL,
+    BULK_WINDOW,
     MAX_RTO,
     OFFER_TIMEOUT,
     PULL_TIMEOUT,
     PULL_WAIT_MAX,
     REDELIVER_WINDOW,
     REPLICATION_WINDOW,
+    RERANK_SLICE,
     SYNC_CHUNK,
     SYNC_WINDOW,
 )
@@ -892,4 +894,49 @@ def test_a_joined_primary_waits_for_holders_that_still_answer_its_earlier_pulls(
     net.hold = lambda to, m: False
     net.tick(1.0)
     assert not served_bare, f"served without their history: {sorted(served_bare)}"
+    assert all(ps.table.replicas[t].stage is Stage.SERVING and ps.table.replicas[t].log.rows for t in mine)
+
+
+def test_a_view_change_walk_waits_for_the_peers_answers_before_sending_more() -> None:
+    # A broker that joins next to many topics is sent an offer or a back-fill for each by its neighbours' walks.
+    # Sent all at once, they queued at it ahead of the batches, confirmations and pull answers of the topics with
+    # publishers, which waited up to 8 s (bench_join.py).  A walk sends a peer at most a window of requests it has
+    # not answered (PeerProgress `room`), the sweep's ticks too, and goes on as the answers come.
+    net = HoldNet([(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)], resilience=2)
+    pub = net.nodes["n0"]
+    names = [f"grid/paced/{i}" for i in range(3000)]
+    for t in names:
+        pub.request("p", Publish(t, "P", 0, b"history", 0))
+    joiner_at = (0.5, 0.45)
+    live = {k: v.coord for k, v in net.live().items()}
+    live["new"] = joiner_at
+    mine = [t for t in names if closest(live, geohash(t))[0] == "new"]
+    joined = f"n{len(net.nodes)}"
+    net.hold = lambda to, m: to == joined  # the new broker answers nothing yet
+    net.join(joiner_at)
+    for _ in range(5):
+        net.tick(0.1)  # the sweep's ticks come to every replica: they are paced too
+
+    def requests_from(sender: str) -> int:
+        return sum(
+            1 for _, body in net.held if isinstance(m := decode_message(body), Offer | Pull) and m.origin.id == sender
+        )
+
+    old = ["n0", "n1", "n2"]
+    sent = {nid: requests_from(nid) for nid in old}
+    assert all(0 < n <= RERANK_SLICE + BULK_WINDOW for n in sent.values()), sent
+    assert all(net.nodes[nid].ps.ranks.walking() for nid in old)  # the rest waits for the answers
+    # The new broker takes what came, a share per 0.1 s: the walks go on as it answers, and finish.
+    for _ in range(3000):
+        if not net.held and not any(net.nodes[nid].ps.ranks.walking() for nid in old):
+            break
+        net.tick(0.1)
+        for item in net.held[:100]:
+            net.release(item)
+    else:
+        raise AssertionError(f"{len(net.held)} held, walks {[net.nodes[n].ps.ranks.walking() for n in old]}")
+    net.hold = lambda to, m: False
+    net.tick(1.0)
+    ps = net.nodes[joined].ps
+    assert len(mine) > RERANK_SLICE
     assert all(ps.table.replicas[t].stage is Stage.SERVING and ps.table.replicas[t].log.rows for t in mine)

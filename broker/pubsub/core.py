@@ -13,6 +13,7 @@ import heapq
 import math
 import secrets
 import struct
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count
 from typing import Final, Protocol, TypeVar
@@ -152,13 +153,19 @@ class PeerProgress:
     When a broker joined next to 30,000 topics, the new broker's neighbours re-sent ~2,000-9,000 batches and offers
     to it every 5 s for minutes, every one a time-out of something still queued, and spent their loops on that
     (bench_join.py; docs/benchmarks-scale.md).  `behind` tells the roles to wait instead, as TCP does not count
-    a segment lost while the acknowledgements of the ones before it are still coming in."""
+    a segment lost while the acknowledgements of the ones before it are still coming in.
 
-    __slots__ = ("_last", "_peers")
+    The requests a view change's walk starts (offers, back-fills, pulls: `asked`) are counted per peer until it
+    answers one sent at or after them; `room` tells the walk how many more a peer may be sent now, as a TCP
+    window bounds what is in flight, so a peer's queue holds at most a window of them ahead of a live batch."""
+
+    __slots__ = ("_asked", "_last", "_peers")
 
     def __init__(self) -> None:
         self._peers: dict[str, tuple[int, float]] = {}  # node id -> (newest corr answered, when an answer last came)
         self._last = 0  # the newest corr this broker allocated (a dead life's late answer is ignored)
+        # node id -> the walk's requests to it not answered yet, as (corr, when sent), oldest first (`room`)
+        self._asked: dict[str, deque[tuple[int, float]]] = {}
 
     def sent(self, corr: int) -> None:
         self._last = corr
@@ -173,7 +180,11 @@ class PeerProgress:
         if corr > self._last:
             return  # not ours: an answer to this broker's previous life
         had = self._peers.get(node)
-        self._peers[node] = (corr if had is None or corr > had[0] else had[0], now)
+        newest = corr if had is None or corr > had[0] else had[0]
+        self._peers[node] = (newest, now)
+        asked = self._asked.get(node)
+        while asked and asked[0][0] <= newest:
+            asked.popleft()  # answered, or sent before something answered: taken off node's queue
 
     def heard(self, node: str) -> bool:
         """node answered something of ours (since it came into the view)."""
@@ -185,9 +196,28 @@ class PeerProgress:
         had = self._peers.get(node)
         return had is not None and had[0] < mark <= self._last + 1 and now - had[1] <= within
 
+    def asked(self, node: str, corr: int, now: float) -> None:
+        """A request of a view change's walk (an offer, a back-fill, a pull) went to node under corr (`room`)."""
+        q = self._asked.get(node)
+        if q is None:
+            q = self._asked[node] = deque()
+        q.append((corr, now))
+
+    def room(self, window: int, now: float, within: float) -> int:
+        """How many more of the walk's requests the busiest peer may be sent: window less those it has not
+        answered.  One unanswered for `within` seconds no longer counts (lost, or the peer is failing: the
+        failure detector takes it out of the view, and `forget` its queue)."""
+        most = 0
+        for q in self._asked.values():
+            while q and now - q[0][1] > within:
+                q.popleft()
+            most = max(most, len(q))
+        return window - most
+
     def forget(self, keep: Mapping[str, object]) -> None:
         """Drop the peers not in keep (the view)."""
         self._peers = {n: x for n, x in self._peers.items() if n in keep}
+        self._asked = {n: q for n, q in self._asked.items() if n in keep}
 
 
 class TopicTable:

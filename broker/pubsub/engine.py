@@ -177,6 +177,8 @@ class PubSub:
         if handler is None:
             return False
         handler(msg)
+        if self.ranks.paused:
+            self.ranks.resume()  # (an answer may have made room for the walk's next slice)
         return True
 
     def session_closed(self, session: str) -> None:
@@ -252,6 +254,7 @@ class PubSub:
         due = self.table.due(now)
         if self.ranks.pending:
             due = self.ranks.settle_due(due)  # (before its time-outs act on an earlier view's rank)
+            self.ranks.resume()  # (requests unanswered for long no longer hold a paused walk)
         self.replication.tick(now, due)
         self.access.tick(now)
         self.moves.tick(now, due)

@@ -42,6 +42,7 @@ class RankRole:
         self._at = 0
         self.pending: set[str] = set()
         self._stepping = False  # the next slice is deferred to the next turn
+        self._paused = False  # the walk waits for its peers' answers (`step`, `resume`)
         # Wired by the engine.
         self.holder: HolderRole
         self.home: HomeRole
@@ -70,11 +71,24 @@ class RankRole:
         self.pending = set(self._walk)
         self.step()
 
-    def step(self) -> None:
-        """The walk's next slice (`view_changed`); the one after it is deferred to the next turn of the loop."""
+    def step(self, *, paced: bool = False) -> None:
+        """The walk's next slice (`view_changed`); the one after it is deferred to the next turn of the loop.
+
+        paced (the slices after the first): at most as many replicas as the busiest peer has room for requests
+        (PeerProgress `room`, BULK_WINDOW), none while it has none: the walk pauses, and `resume` goes on once the
+        peers answered.  What the walk starts queues at the peers ahead of the live batches, confirmations and
+        pull answers of the topics walked first (those with publishers), and of every request that settles a topic
+        out of turn; paced, that queue holds a window's worth, not the history of every idle topic held."""
         walk, pending, replicas = self._walk, self.pending, self.t.replicas
+        size = RERANK_SLICE
+        if paced:
+            size = min(size, self._room())
+            if size <= 0 and self._at < len(walk):
+                self._paused = True
+                return
+        self._paused = False
         todo: list[Replica] = []
-        while self._at < len(walk) and len(todo) < RERANK_SLICE:
+        while self._at < len(walk) and len(todo) < size:
             name = walk[self._at]
             self._at += 1
             if name in pending and (r := replicas.get(name)) is not None:
@@ -91,9 +105,26 @@ class RankRole:
             self._walk, self._at = [], 0
             pending.clear()
 
+    def _room(self) -> int:
+        """How many more replicas the walk may re-rank now (PeerProgress `room`)."""
+        config = self.t.config
+        return self.t.peers.room(config.bulk_window, self.t.ov.now(), config.offer_timeout)
+
     def _deferred_step(self) -> None:
         self._stepping = False
-        self.step()
+        self.step(paced=True)
+
+    def resume(self) -> None:
+        """Go on with a walk that paused for its peers' answers (`step`), if one did, in the next turn: the engine
+        calls this after each routed message (answers come in) and each tick (unanswered requests age out)."""
+        if self._paused and not self._stepping:
+            self._stepping = True
+            self.t.ov.defer(self._deferred_step)
+
+    @property
+    def paused(self) -> bool:
+        """The walk waits for its peers' answers (`step`)."""
+        return self._paused
 
     def settle(self, topic: str) -> None:
         """If the walk of a view change has not reached topic's replica yet, re-rank it now (see view_changed)."""
@@ -112,9 +143,11 @@ class RankRole:
         not reached are re-ranked now (`settled`), the rest looked at by a later tick (the walk may reach them
         first).  After a late tick the sweep's share of every replica comes due with the time-outs, and settling
         them all in one turn (each re-ranked copy offering its records) held a broker's loop 0.5-1 s while a
-        broker joined next to 30,000 topics (bench_join.py), which made the next tick later still."""
+        broker joined next to 30,000 topics (bench_join.py), which made the next tick later still.  Paced as the
+        walk is (`step`): the sweep comes to every replica within a few seconds, and settled here unpaced, the
+        replicas the paused walk had not reached sent their offers all the same."""
         out: list[Replica] = []
-        budget = RERANK_SLICE
+        budget = min(RERANK_SLICE, self._room())
         for r in due:
             if r.name not in self.pending:
                 out.append(r)

@@ -199,7 +199,9 @@ class ReplicationRole:
         this broker's event loop nor the batches behind it on the link wait for a long history: publishes were
         not acknowledged for ~1 s when a new secondary got 300,000 records as one batch."""
         corr = self.t.next_corr()
-        r.copy.offered(Backfill(corr, sec.id, self.t.ov.now(), mark=corr))
+        now = self.t.ov.now()
+        r.copy.offered(Backfill(corr, sec.id, now, mark=corr))
+        self.t.peers.asked(sec.id, corr, now)
         self.t.wake(r)
         self.t.counters["offers"] += 1
         have = r.log.offerable()

@@ -121,6 +121,7 @@ class SyncRole:
                 continue
             corr = self.t.next_corr()
             pull.asked[corr] = n.id
+            self.t.peers.asked(n.id, corr, pull.started)
             self.t.ov.route(n.coord, Pull(corr, r.name, r.coord, self.t.ov.me, have))
         return pull
 
@@ -257,10 +258,12 @@ class SyncRole:
         # SUBSCRIBE it served before its view changed), and an offer answered without a pull carried none.
         subs = tuple(r.subscribers.values()) if r.rank != 1 else ()
         self.t.counters["offers"] += len(targets)
+        now = self.t.ov.now()
         for n in targets:
             corr = self.t.next_corr()
             if track:
                 r.offers[corr] = n.id
+            self.t.peers.asked(n.id, corr, now)
             self.t.ov.route(n.coord, Offer(corr, r.name, r.coord, me, have, leaving, tuple(r.delegates), subs))
 
     def offer_arrived(self, m: Offer) -> None:
