@@ -57,6 +57,7 @@ from harness import (  # noqa: E402
     add_sub_iterate,
     code_state,
     cpu_seconds,
+    pct,
     program_output,
     sedax_consume,
     spawn_worker,
@@ -84,10 +85,6 @@ SEDAX_BROKER_ARGS: Final = "--log-level WARNING"
 
 def payload(flag: int, index: int, ts: float) -> bytes:
     return _HEAD.pack(flag, index, ts).ljust(PAYLOAD_SIZE, b"x")
-
-
-def pct(sorted_vals: list[float], q: float) -> float:
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
 # ================================================================================================= worker

@@ -60,7 +60,16 @@ _ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 
-from harness import code_state, cpu_seconds, program_output, sedax_consume, spawn_worker, uptime, write_section  # noqa: E402
+from harness import (  # noqa: E402
+    code_state,
+    cpu_seconds,
+    pct,
+    program_output,
+    sedax_consume,
+    spawn_worker,
+    uptime,
+    write_section,
+)
 
 PAYLOAD_SIZE: Final = 100
 # phase (0 = warm-up, END = the publisher is done), message index, the publisher's perf_counter()
@@ -87,10 +96,6 @@ BROKER_ARGS: Final = ("--log-level", "WARNING")
 
 def payload(phase: int, index: int, ts: float) -> bytes:
     return _HEAD.pack(phase, index, ts).ljust(PAYLOAD_SIZE, b"x")
-
-
-def pct(vals: list[float], q: float) -> float:
-    return vals[min(len(vals) - 1, int(q * len(vals)))]
 
 
 def mark(phase: int, at: str) -> None:
