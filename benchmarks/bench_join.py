@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_join.py                           # 30,000 topics, 3 brokers + 1, level 2
     .venv/bin/python benchmarks/bench_join.py --topics 10000,30000 --probes 40
+    .venv/bin/python benchmarks/bench_join.py --topics 10000,30000 --leave     # and the new broker leaves again
 
 Three brokers at level 2 (memory only, plain TCP) are given N topics (one message each, published in batches).
 Then probe publishers (one `Client` each, on the three brokers in turn) publish one message at a time, each
@@ -21,6 +22,11 @@ of every broker's topics, the probes' among them, and pulls their history before
   has queued only lengthens its queue: docs/storage.md, `PeerProgress`), and the acknowledged messages a primary
   logged lost (none are: a join loses nothing, but a new primary serving a topic before it has pulled the history
   logs the messages it lacks as lost).
+
+With --leave, once nothing lags the new broker leaves again (SIGTERM: its graceful shutdown offers every topic it
+holds to the brokers that hold it next) while the probes go on: its time to exit, until nothing lags, the probes'
+ACK latency over that span and what failed, the failures detected (none should be) and take-overs (the
+secondaries of the topics it was primary of take them over: a leave's take-overs), the offers, what was logged lost.
 
 What a topic's move costs is what the probes see: a publish to a topic being handed over waits until the new
 holder serves it, and one whose new secondary is the joining broker waits for that broker's confirmation, which
@@ -118,7 +124,44 @@ def _late_beats(endpoint: str | None) -> tuple[float, float]:
     return nan
 
 
-async def one(n: int, probes: int, window: float, settle: float, keep: str | None) -> dict[str, float]:
+async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], settle: float) -> dict[str, float]:
+    """The joined broker leaves again (SIGTERM: its graceful shutdown offers every topic it holds to the brokers
+    that hold it next) while the probes publish: its time to exit, until nothing lags, the probes' ACK latency over
+    that span and what failed, and what the brokers counted meanwhile."""
+    failed0 = sum(o.failed for o in outs)
+    sent0 = _sent(await cluster.statuses(within=30.0))
+    t0 = time.perf_counter()
+    code = await cluster.stop(len(cluster.nodes) - 1, grace=60.0)
+    t_exit = time.perf_counter()
+    lagging = await cluster.lagging(known, within=30.0)
+    while lagging and time.perf_counter() < t0 + settle:
+        await asyncio.sleep(0.5)
+        lagging = await cluster.lagging(known, within=30.0)
+    t_settled = time.perf_counter()
+    statuses = await cluster.statuses(within=30.0)
+    sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
+    during = sorted(lat for o in outs for t, lat in o.samples if t0 <= t <= t_settled)
+    return {
+        "exit": t_exit - t0,
+        "code": float(code if code is not None else math.nan),
+        "settled": t_settled - t0,
+        "lagging": float(len(lagging)),
+        "p50": pct(during, 0.5) * 1e3,
+        "p99": pct(during, 0.99) * 1e3,
+        "max": max(during) * 1e3 if during else math.nan,
+        "n": float(len(during)),
+        "over_1s": float(sum(1 for x in during if x > 1.0)),
+        "failed": float(sum(o.failed for o in outs) - failed0),
+        "failures_detected": float(sum(st.counters.get("failures_detected", 0) for st in statuses.values())),
+        "takeovers": float(sum(st.counters.get("takeovers", 0) for st in statuses.values())),
+        "offers": sent[1],
+        "lost": sent[2],
+    }
+
+
+async def one(
+    n: int, probes: int, window: float, settle: float, keep: str | None, leave: bool
+) -> tuple[dict[str, float], dict[str, float] | None]:
     with tempfile.TemporaryDirectory(prefix="sedax-bench-join-") as d:
         async with LocalCluster(
             3,
@@ -186,6 +229,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
             late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
             cpu1 = {b.node_id: cpu_seconds(b.proc.pid) for b in cluster.nodes if b is not bp}
             cpu_new = cpu_seconds(bp.proc.pid)
+            left = await _leave(cluster, known, outs, settle) if leave else None
             stop.set()
             await asyncio.gather(*tasks)
             before = sorted(lat for o in outs for t, lat in o.samples if t < t_join)
@@ -214,7 +258,7 @@ async def one(n: int, probes: int, window: float, settle: float, keep: str | Non
                 "late_05": late[1],
                 "cpu_old": statistics.fmean((cpu1[k] - cpu0[k]) / span * 100 for k in cpu1),
                 "cpu_new": cpu_new / span * 100,
-            }
+            }, left
 
 
 def main() -> None:
@@ -224,6 +268,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=5.0, help="seconds of the baseline before the join (default 5)")
     p.add_argument("--settle", type=float, default=120.0, help="longest wait for no topic lagging (default 120 s)")
     p.add_argument("--keep-logs", metavar="DIR", help="copy the brokers' logs here if a topic lags or a publish failed")
+    p.add_argument("--leave", action="store_true", help="then the joined broker leaves again (SIGTERM), measured too")
     args = p.parse_args()
     print(f"{uptime()}  {code_state()}  3 brokers + 1 at {JOINER}, resilience 2, {args.probes} probes")
     print(
@@ -232,8 +277,11 @@ def main() -> None:
         "| batches re-sent / offers | logged lost | beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    leaves: list[tuple[int, dict[str, float]]] = []
     for n in (int(x) for x in args.topics.split(",")):
-        r = asyncio.run(one(n, args.probes, args.window, args.settle, args.keep_logs))
+        r, left = asyncio.run(one(n, args.probes, args.window, args.settle, args.keep_logs, args.leave))
+        if left is not None:
+            leaves.append((n, left))
         still = f" ({r['lagging']:.0f} still lagging)" if r["lagging"] else ""
         print(
             f"| {n:,} | {r['ready']:.1f} | {r['converged']:.1f} | {r['settled']:.1f}{still} "  # (inf: never Delaunay)
@@ -246,6 +294,21 @@ def main() -> None:
             f"| {r['cpu_old']:.0f} / {r['cpu_new']:.0f} |",
             flush=True,
         )
+    if leaves:
+        print()
+        print(
+            "| topics | leave: exit s | nothing lagging s | ACK p50 / p99 / max ms during | ACKs during (> 1 s) "
+            "| failed | failures detected / take-overs | offers | logged lost |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n, x in leaves:
+            still = f" ({x['lagging']:.0f} still lagging)" if x["lagging"] else ""
+            print(
+                f"| {n:,} | {x['exit']:.1f} (exit {x['code']:.0f}) | {x['settled']:.1f}{still} "
+                f"| {x['p50']:.2f} / {x['p99']:.1f} / {x['max']:.1f} | {x['n']:.0f} ({x['over_1s']:.0f}) "
+                f"| {x['failed']:.0f} | {x['failures_detected']:.0f} / {x['takeovers']:.0f} | {x['offers']:,.0f} "
+                f"| {x['lost']:.0f} |"
+            )
 
 
 if __name__ == "__main__":
