@@ -276,7 +276,8 @@ class Membership:
             return Refuse(
                 "version_mismatch",
                 f"this broker speaks protocol {speaks} to a {hello.role}, {hello.node!r} speaks {hello.version}: "
-                "run the same SeDAX release on both (pip show sedax tells which)",
+                "run the same SeDAX release on both (`sedax --version` names the protocol each speaks; "
+                "across a change of it, restart all brokers together: docs/deploy.md)",
             )
         clients = sum(1 for x in self.links if x.role in ("client", "admin") and not x.outbound and x.established)
         if (refusal := self.guard.admit(link, hello, clients)) is not None:

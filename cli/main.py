@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 from broker.flags import Parser
 from broker.version import VERSION
@@ -46,6 +47,32 @@ class _HandledInterrupt(logging.Filter):
         return not isinstance(exc, KeyboardInterrupt)  # (Terminated is one)
 
 
+class _Version(argparse.Action):
+    """`sedax --version`: the release, and what decides whether it can be rolled into a running overlay one
+    broker at a time (docs/deploy.md, "A rolling upgrade"): brokers admit only brokers of their own wire protocol
+    version, and a release reads the storage formats up to its own.  The storage module is imported only here
+    (0.1 s that no other command pays)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=cast(str, kwargs.get("help")))
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        from broker.storage import STORAGE_FORMAT
+        from overlay.protocol import OLDEST_CLIENT_VERSION, PROTOCOL_VERSION
+
+        print(
+            f"sedax {VERSION} (wire protocol {PROTOCOL_VERSION}: brokers of {PROTOCOL_VERSION}, clients of "
+            f"{OLDEST_CLIENT_VERSION}-{PROTOCOL_VERSION}; storage format {STORAGE_FORMAT})"
+        )
+        parser.exit(0)
+
+
 def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
     """The argument parser of `sedax`; light leaves out sim, load, move and balance (numpy and scipy)."""
     parser: argparse.ArgumentParser = Parser(
@@ -53,7 +80,11 @@ def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
         description="SeDAX: a geo-addressed publish/subscribe broker overlay with topic delegation and "
         "distributed load balancing.",
     )
-    parser.add_argument("--version", action="version", version=f"sedax {VERSION}")
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        help="show the release, the wire protocol and the storage format it speaks, and exit",
+    )
     parser.add_argument(
         "--log-level",
         type=_log_level,

@@ -158,6 +158,7 @@ async def test_version_mismatch_refused(cluster3: LocalCluster) -> None:
     text = frame.message.text  # type: ignore[union-attr]
     assert f"'future' speaks {PROTOCOL_VERSION + 1}" in text
     assert "same SeDAX release" in text  # the fix, not only the fault
+    assert "`sedax --version` names the protocol" in text  # and how to tell which release speaks what
     # A broker of the previous version, and a client older than the oldest admitted, are refused in the map form
     # every version reads, so that they can say why.
     for role, version in (("broker", PROTOCOL_VERSION - 1), ("client", OLDEST_CLIENT_VERSION - 1)):

@@ -177,7 +177,14 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0
-    assert capsys.readouterr().out.startswith("sedax ")
+    out = capsys.readouterr().out
+    # What decides whether a release can be rolled into a running overlay one broker at a time (docs/deploy.md).
+    from broker.storage import STORAGE_FORMAT
+    from broker.version import VERSION
+    from overlay.protocol import OLDEST_CLIENT_VERSION, PROTOCOL_VERSION
+
+    assert out.startswith(f"sedax {VERSION} (wire protocol {PROTOCOL_VERSION}: brokers of {PROTOCOL_VERSION}, ")
+    assert f"clients of {OLDEST_CLIENT_VERSION}-{PROTOCOL_VERSION}; storage format {STORAGE_FORMAT})" in out
 
 
 def test_every_option_has_help_text() -> None:
