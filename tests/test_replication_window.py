@@ -858,6 +858,20 @@ def _acked_topics(net: Net, pub: str, topics: list[str], seq: int) -> set[str]:
     return {m.topic for m in net.nodes[pub].inbox.get("p", []) if isinstance(m, Ack) and m.seq >= seq} & set(topics)
 
 
+def _join_unanswered(net: HoldNet, publisher: str, names: list[str], at: Coord) -> tuple[str, list[str]]:
+    """Publish one message to each of names at publisher, then a broker joins at `at` while everything sent to it
+    is held (`net.held`): the new broker's id, and the names it ranks first for."""
+    for t in names:
+        net.nodes[publisher].request("p", Publish(t, "P", 0, b"history", 0))
+    live = {k: v.coord for k, v in net.live().items()}
+    live["new"] = at
+    mine = [t for t in names if closest(live, geohash(t))[0] == "new"]
+    joined = f"n{len(net.nodes)}"
+    net.hold = lambda to, m: to == joined
+    net.join(at)
+    return joined, mine
+
+
 def test_a_joined_primary_waits_for_holders_that_still_answer_its_earlier_pulls() -> None:
     # A broker that joins next to many topics pulls the history of each it becomes primary of; the old holders,
     # busy with the join, answered its first pulls after more than the pull time-out, and it served the others
@@ -865,19 +879,9 @@ def test_a_joined_primary_waits_for_holders_that_still_answer_its_earlier_pulls(
     # asked holder has answered nothing of its yet (up to PULL_WAIT_MAX) or still answers earlier pulls
     # (PeerProgress), and serves each topic with all of it.
     net = HoldNet(grid(10, seed=3), resilience=2)
-    pub = net.nodes["n9"]
-    names = [f"grid/joined/{i}" for i in range(400)]
-    for t in names:
-        pub.request("p", Publish(t, "P", 0, b"history", 0))
-    joiner_at = (0.5, 0.5)
-    live = {k: v.coord for k, v in net.live().items()}
-    live["new"] = joiner_at
-    mine = [t for t in names if closest(live, geohash(t))[0] == "new"]
-    assert len(mine) >= 10
-    joined = f"n{len(net.nodes)}"
     # What the old holders send the new broker queues there, in order, and is taken ten messages per 0.1 s.
-    net.hold = lambda to, m: to == joined
-    net.join(joiner_at)
+    joined, mine = _join_unanswered(net, "n9", [f"grid/joined/{i}" for i in range(400)], (0.5, 0.5))
+    assert len(mine) >= 10
     ps = net.nodes[joined].ps
     served_bare = set()
     for _ in range(2000):
@@ -903,17 +907,8 @@ def test_a_view_change_walk_waits_for_the_peers_answers_before_sending_more() ->
     # publishers, which waited up to 8 s (bench_join.py).  A walk sends a peer at most a window of requests it has
     # not answered (PeerProgress `room`), the sweep's ticks too, and goes on as the answers come.
     net = HoldNet([(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)], resilience=2)
-    pub = net.nodes["n0"]
-    names = [f"grid/paced/{i}" for i in range(3000)]
-    for t in names:
-        pub.request("p", Publish(t, "P", 0, b"history", 0))
-    joiner_at = (0.5, 0.45)
-    live = {k: v.coord for k, v in net.live().items()}
-    live["new"] = joiner_at
-    mine = [t for t in names if closest(live, geohash(t))[0] == "new"]
-    joined = f"n{len(net.nodes)}"
-    net.hold = lambda to, m: to == joined  # the new broker answers nothing yet
-    net.join(joiner_at)
+    # The new broker answers nothing yet.
+    joined, mine = _join_unanswered(net, "n0", [f"grid/paced/{i}" for i in range(3000)], (0.5, 0.45))
     for _ in range(5):
         net.tick(0.1)  # the sweep's ticks come to every replica: they are paced too
 
