@@ -15,6 +15,8 @@ of every broker's topics, the probes' among them, and pulls their history before
 * the probes' ACK latency p50 / p99 / max, before the join and from its start until nothing lags, and how many
   waited over 1 s; a publish not acknowledged within the client's request time-out (10 s) counts as failed (with
   --keep-logs DIR the topics that failed or lag, their holders' rows and the brokers' logs are kept);
+* the probes' ACK latency during the join by what the new broker became of each probe's topic (its primary, its
+  secondary, or neither);
 * every broker's CPU over the join, the neighbours it took for dead and the topics taken over (none should be: a
   join is no failure), and its heartbeat ticks that ran over 0.25 s and 0.5 s late (`sedax_event_loop_lag_seconds`:
   a broker silent for 0.6 s is taken for dead);
@@ -74,7 +76,7 @@ EXTRA: tuple[str, ...] = tuple(os.environ.get("BENCH_JOIN_BROKER_ARGS", "").spli
 class Probe:
     """One device: its ACK latencies with the time each publish began, and what failed."""
 
-    samples: list[tuple[float, float]] = field(default_factory=list)
+    samples: list[tuple[float, float, str]] = field(default_factory=list)  # (began, latency, topic)
     failed: int = 0
     failures: list[str] = field(default_factory=list)  # what the first few failed publishes raised
 
@@ -91,7 +93,7 @@ async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) 
                 if len(out.failures) < 3:
                     out.failures.append(f"{topics[k % len(topics)]}: {exc!r}")
             else:
-                out.samples.append((t, time.perf_counter() - t))
+                out.samples.append((t, time.perf_counter() - t, topics[k % len(topics)]))
             k += 1
             await asyncio.sleep(0.01)  # ~50-100 Hz per device, well under what a broker takes
 
@@ -140,7 +142,7 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
     t_settled = time.perf_counter()
     statuses = await cluster.statuses(within=30.0)
     sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
-    during = sorted(lat for o in outs for t, lat in o.samples if t0 <= t <= t_settled)
+    during = sorted(lat for o in outs for t, lat, _ in o.samples if t0 <= t <= t_settled)
     return {
         "exit": t_exit - t0,
         "code": float(code if code is not None else math.nan),
@@ -157,6 +159,21 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
         "offers": sent[1],
         "lost": sent[2],
     }
+
+
+async def _roles(listen: str, topics: list[str]) -> dict[str, str]:
+    """What the new broker is of each of topics once the join settled: primary, secondary or - (neither)."""
+    try:
+        _, held = await report(listen, credentials=PLAIN, timeout=30.0)
+    except Exception:  # (a broker that does not answer: every topic counted as neither)
+        return dict.fromkeys(topics, "-")
+    mine = {h.topic: h.role for h in held.held}
+    return {t: mine.get(t, "-") for t in topics}
+
+
+def _summary(lats: list[float]) -> dict[str, float]:
+    """p50, p99 (ms) and count of sorted ACK latencies (s)."""
+    return {"p50": pct(lats, 0.5) * 1e3, "p99": pct(lats, 0.99) * 1e3, "n": float(len(lats))}
 
 
 async def one(
@@ -232,8 +249,15 @@ async def one(
             left = await _leave(cluster, known, outs, settle) if leave else None
             stop.set()
             await asyncio.gather(*tasks)
-            before = sorted(lat for o in outs for t, lat in o.samples if t < t_join)
-            during = sorted(lat for o in outs for t, lat in o.samples if t_join <= t <= t_settled)
+            before = sorted(lat for o in outs for t, lat, _ in o.samples if t < t_join)
+            during = sorted(lat for o in outs for t, lat, _ in o.samples if t_join <= t <= t_settled)
+            roles = await _roles(bp.listen, names)
+            by_role = {
+                role: sorted(
+                    lat for o in outs for t, lat, x in o.samples if t_join <= t <= t_settled and roles[x] == role
+                )
+                for role in ("primary", "secondary", "-")
+            }
             span = t_settled - t_join
             return {
                 "ready": t_ready - t_join,
@@ -258,6 +282,7 @@ async def one(
                 "late_05": late[1],
                 "cpu_old": statistics.fmean((cpu1[k] - cpu0[k]) / span * 100 for k in cpu1),
                 "cpu_new": cpu_new / span * 100,
+                **{f"{role}_{k}": v for role, lats in by_role.items() for k, v in _summary(lats).items()},
             }, left
 
 
@@ -278,8 +303,10 @@ def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     leaves: list[tuple[int, dict[str, float]]] = []
+    rows: list[tuple[int, dict[str, float]]] = []
     for n in (int(x) for x in args.topics.split(",")):
         r, left = asyncio.run(one(n, args.probes, args.window, args.settle, args.keep_logs, args.leave))
+        rows.append((n, r))
         if left is not None:
             leaves.append((n, left))
         still = f" ({r['lagging']:.0f} still lagging)" if r["lagging"] else ""
@@ -294,6 +321,14 @@ def main() -> None:
             f"| {r['cpu_old']:.0f} / {r['cpu_new']:.0f} |",
             flush=True,
         )
+    print()
+    print("ACK latency during the join by what the new broker became of the probe's topic (p50 / p99 ms, ACKs):")
+    for n, r in rows:
+        parts = [
+            f"{label} {r[f'{role}_p50']:.1f} / {r[f'{role}_p99']:.1f} ({r[f'{role}_n']:.0f})"
+            for role, label in (("primary", "primary"), ("secondary", "secondary"), ("-", "neither"))
+        ]
+        print(f"  {n:,} topics: " + ", ".join(parts))
     if leaves:
         print()
         print(
