@@ -246,12 +246,12 @@ async def one(
             late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
             cpu1 = {b.node_id: cpu_seconds(b.proc.pid) for b in cluster.nodes if b is not bp}
             cpu_new = cpu_seconds(bp.proc.pid)
+            roles = await _roles(bp.listen, names)  # (before it leaves)
             left = await _leave(cluster, known, outs, settle) if leave else None
             stop.set()
             await asyncio.gather(*tasks)
             before = sorted(lat for o in outs for t, lat, _ in o.samples if t < t_join)
             during = sorted(lat for o in outs for t, lat, _ in o.samples if t_join <= t <= t_settled)
-            roles = await _roles(bp.listen, names)
             by_role = {
                 role: sorted(
                     lat for o in outs for t, lat, x in o.samples if t_join <= t <= t_settled and roles[x] == role

@@ -59,8 +59,10 @@ RERANK_SLICE: Final = 256
 # peer is queued there ahead of the next batch, confirmation or pull answer of a topic with publishers waiting.
 # Unpaced, a broker that joined next to 30,000 topics was sent ~100,000 offers at once by its neighbours, and
 # publishes to topics it took on waited up to 8.5 s, four or five past the client's 10 s time-out (bench_join.py).
-# 128: ACK p99 0.48 s through that join (256: 0.85-0.97 s, 1,024: 2.3 s), the join ~15 % longer than unpaced.
-BULK_WINDOW: Final = 128
+# Paced, at 30,000 topics, ACK p50 / p99 through the join and its time until nothing lagged (a run or two): 1,024:
+# 8 / 2,279 ms, 27 s; 256: 12 / 968 ms, 27 s; 128: 124 / 534 ms, 27 s; 64: 77-81 / 418-439 ms, 32-35 s; 32: 58 / 338
+# ms, 45 s.  Unpaced: 5-9 / 6,600-8,200 ms, 23-24 s, and 4-6 publishes failed.
+BULK_WINDOW: Final = 64
 # How often a broker sums what its stored messages take in memory against --max-memory (HolderRole.check_memory):
 # a sum over the topics held, not a count kept on every store.
 MEMORY_CHECK: Final = 0.5
