@@ -17,6 +17,7 @@ from cluster import wait_for
 from conftest import FAST_ARGS
 from test_pubsub_memory import Net, _near, delivered, grid, locate
 
+from broker.pubsub.core import PeerProgress
 from broker.pubsub.replica import Replica, Stage
 from broker.pubsub.settings import (
     ANTI_ENTROPY_INTERVAL,
@@ -935,3 +936,22 @@ def test_a_view_change_walk_waits_for_the_peers_answers_before_sending_more() ->
     ps = net.nodes[joined].ps
     assert len(mine) > RERANK_SLICE
     assert all(ps.table.replicas[t].stage is Stage.SERVING and ps.table.replicas[t].log.rows for t in mine)
+
+
+def test_peer_progress_gives_the_walk_room_for_a_window_of_unanswered_requests_per_peer() -> None:
+    progress = PeerProgress(4)
+    for corr in range(1, 7):  # six requests to a, one to b
+        progress.sent(corr)
+        progress.asked("a", corr, 0.0)
+    progress.sent(7)
+    progress.asked("b", 7, 0.0)
+    assert progress.room(0.0, within=2.0) == 0  # a holds a window (and no more: its queue is bounded)
+    progress.answered("a", 4, 0.5)  # and everything sent to it before 4
+    assert progress.room(0.5, within=2.0) == 2  # 5 and 6 still out
+    progress.answered("a", 1, 0.6)  # a late answer of an earlier one moves nothing
+    assert progress.room(0.6, within=2.0) == 2
+    assert progress.room(2.5, within=2.0) == 4  # unanswered for 2 s: lost, or the peer is failing
+    progress.sent(8)
+    progress.asked("a", 8, 2.5)
+    progress.forget({"b": None})  # a left the view
+    assert progress.room(2.5, within=2.0) == 4

@@ -159,13 +159,16 @@ class PeerProgress:
     answers one sent at or after them; `room` tells the walk how many more a peer may be sent now, as a TCP
     window bounds what is in flight, so a peer's queue holds at most a window of them ahead of a live batch."""
 
-    __slots__ = ("_asked", "_last", "_peers")
+    __slots__ = ("_asked", "_last", "_peers", "_window")
 
-    def __init__(self) -> None:
+    def __init__(self, window: int) -> None:
         self._peers: dict[str, tuple[int, float]] = {}  # node id -> (newest corr answered, when an answer last came)
         self._last = 0  # the newest corr this broker allocated (a dead life's late answer is ignored)
-        # node id -> the walk's requests to it not answered yet, as (corr, when sent), oldest first (`room`)
+        # node id -> the walk's requests to it not answered yet, as (corr, when sent), oldest first (`room`); at
+        # most a window each: a peer that answers nothing (and stays in the view) is sent anti-entropy rounds and
+        # hand-off offers, which do not wait for room, and its queue must not grow with them.
         self._asked: dict[str, deque[tuple[int, float]]] = {}
+        self._window = max(1, window)
 
     def sent(self, corr: int) -> None:
         self._last = corr
@@ -200,19 +203,19 @@ class PeerProgress:
         """A request of a view change's walk (an offer, a back-fill, a pull) went to node under corr (`room`)."""
         q = self._asked.get(node)
         if q is None:
-            q = self._asked[node] = deque()
+            q = self._asked[node] = deque(maxlen=self._window)  # (full: the oldest goes, and there is no room)
         q.append((corr, now))
 
-    def room(self, window: int, now: float, within: float) -> int:
-        """How many more of the walk's requests the busiest peer may be sent: window less those it has not
-        answered.  One unanswered for `within` seconds no longer counts (lost, or the peer is failing: the
-        failure detector takes it out of the view, and `forget` its queue)."""
+    def room(self, now: float, within: float) -> int:
+        """How many more of the walk's requests the busiest peer may be sent: the window (BULK_WINDOW) less those
+        it has not answered.  One unanswered for `within` seconds no longer counts (lost, or the peer is failing:
+        the failure detector takes it out of the view, and `forget` its queue)."""
         most = 0
         for q in self._asked.values():
             while q and now - q[0][1] > within:
                 q.popleft()
             most = max(most, len(q))
-        return window - most
+        return self._window - most
 
     def forget(self, keep: Mapping[str, object]) -> None:
         """Drop the peers not in keep (the view)."""
@@ -245,7 +248,7 @@ class TopicTable:
         self.held_version = 0
         self._sweep: Sweep[str] = Sweep()
         self._corr = count(1 + secrets.randbelow(CORR_SPAN))  # (CORR_SPAN says why)
-        self.peers = PeerProgress()
+        self.peers = PeerProgress(config.bulk_window)
         self._homes: dict[str, Coord] = {}
         # ranked() per coordinate for the current view (`_ranked_nodes`), and that view's nodes by distance.
         self._ranked: dict[Coord, tuple[NodeInfo, ...]] = {}

@@ -107,8 +107,7 @@ class RankRole:
 
     def _room(self) -> int:
         """How many more replicas the walk may re-rank now (PeerProgress `room`)."""
-        config = self.t.config
-        return self.t.peers.room(config.bulk_window, self.t.ov.now(), config.offer_timeout)
+        return self.t.peers.room(self.t.ov.now(), self.t.config.offer_timeout)
 
     def _deferred_step(self) -> None:
         self._stepping = False
