@@ -909,7 +909,7 @@ def test_a_view_change_walk_waits_for_the_peers_answers_before_sending_more() ->
     # not answered (PeerProgress `room`), the sweep's ticks too, and goes on as the answers come.
     net = HoldNet([(0.2, 0.2), (0.8, 0.25), (0.5, 0.85)], resilience=2)
     # The new broker answers nothing yet.
-    joined, mine = _join_unanswered(net, "n0", [f"grid/paced/{i}" for i in range(3000)], (0.5, 0.45))
+    joined, mine = _join_unanswered(net, "n0", [f"grid/paced/{i}" for i in range(1500)], (0.5, 0.45))
     for _ in range(5):
         net.tick(0.1)  # the sweep's ticks come to every replica: they are paced too
 
