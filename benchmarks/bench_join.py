@@ -135,10 +135,7 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
     t0 = time.perf_counter()
     code = await cluster.stop(len(cluster.nodes) - 1, grace=60.0)
     t_exit = time.perf_counter()
-    lagging = await cluster.lagging(known, within=30.0)
-    while lagging and time.perf_counter() < t0 + settle:
-        await asyncio.sleep(0.5)
-        lagging = await cluster.lagging(known, within=30.0)
+    lagging = await _until_settled(cluster, known, t0 + settle)
     t_settled = time.perf_counter()
     statuses = await cluster.statuses(within=30.0)
     sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
@@ -148,10 +145,8 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
         "code": float(code if code is not None else math.nan),
         "settled": t_settled - t0,
         "lagging": float(len(lagging)),
-        "p50": pct(during, 0.5) * 1e3,
-        "p99": pct(during, 0.99) * 1e3,
+        **_summary(during),
         "max": max(during) * 1e3 if during else math.nan,
-        "n": float(len(during)),
         "over_1s": float(sum(1 for x in during if x > 1.0)),
         "failed": float(sum(o.failed for o in outs) - failed0),
         "failures_detected": float(sum(st.counters.get("failures_detected", 0) for st in statuses.values())),
@@ -159,6 +154,15 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
         "offers": sent[1],
         "lost": sent[2],
     }
+
+
+async def _until_settled(cluster: LocalCluster, known: list[str], deadline: float) -> list[str]:
+    """Wait until none of known lags (every copy caught up) or perf_counter() passes deadline; what still lags."""
+    lagging = await cluster.lagging(known, within=30.0)
+    while lagging and time.perf_counter() < deadline:
+        await asyncio.sleep(0.5)
+        lagging = await cluster.lagging(known, within=30.0)
+    return lagging
 
 
 async def _roles(listen: str, topics: list[str]) -> dict[str, str]:
@@ -212,11 +216,7 @@ async def one(
             except ClusterError:  # (reported: the join brought the overlay down)
                 t_converged = math.inf
             known = [f"grid/join/{i:07d}" for i in range(0, n, max(1, n // 200))] + names
-            deadline = t_join + settle
-            lagging = await cluster.lagging(known, within=30.0)
-            while lagging and time.perf_counter() < deadline:
-                await asyncio.sleep(0.5)
-                lagging = await cluster.lagging(known, within=30.0)
+            lagging = await _until_settled(cluster, known, t_join + settle)
             t_settled = time.perf_counter()
             if lagging or any(o.failed for o in outs):
                 print(f"  still lagging: {lagging[:10]}", file=sys.stderr)
