@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import cast
 
 from broker.flags import Parser
 from broker.version import VERSION
@@ -53,8 +52,9 @@ class _Version(argparse.Action):
     version, and a release reads the storage formats up to its own.  The storage module is imported only here
     (0.1 s that no other command pays)."""
 
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, help=cast(str, kwargs.get("help")))
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        # As argparse's own version action: no attribute in the namespace of the commands that do run.
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(
         self,
