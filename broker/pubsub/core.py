@@ -155,8 +155,9 @@ class PeerProgress:
     (bench_join.py; docs/benchmarks-scale.md).  `behind` tells the roles to wait instead, as TCP does not count
     a segment lost while the acknowledgements of the ones before it are still coming in.
 
-    The requests a view change's walk starts (offers, back-fills, pulls: `asked`) are counted per peer until it
-    answers one sent at or after them; `room` tells the walk how many more a peer may be sent now, as a TCP
+    The offers, back-fills and pulls this broker sends (`asked`: the walk of a view change's, and anti-entropy
+    rounds, hand-off offers and take-over pulls too) are counted per peer until it answers one sent at or after
+    them; `room` tells the walk how many more a peer may be sent now, as a TCP
     window bounds what is in flight, so a peer's queue holds at most a window of them ahead of a live batch."""
 
     __slots__ = ("_asked", "_last", "_peers", "_window")
@@ -200,7 +201,7 @@ class PeerProgress:
         return had is not None and had[0] < mark <= self._last + 1 and now - had[1] <= within
 
     def asked(self, node: str, corr: int, now: float) -> None:
-        """A request of a view change's walk (an offer, a back-fill, a pull) went to node under corr (`room`)."""
+        """An offer, a back-fill or a pull went to node under corr (`room`)."""
         q = self._asked.get(node)
         if q is None:
             q = self._asked[node] = deque(maxlen=self._window)  # (full: the oldest goes, and there is no room)
