@@ -157,8 +157,8 @@ class PeerProgress:
 
     The offers, back-fills and pulls this broker sends (`asked`: the walk of a view change's, and anti-entropy
     rounds, hand-off offers and take-over pulls too) are counted per peer until it answers one sent at or after
-    them; `room` tells the walk how many more a peer may be sent now, as a TCP
-    window bounds what is in flight, so a peer's queue holds at most a window of them ahead of a live batch."""
+    them; `room` tells the walk how many more a peer may be sent now, as a TCP window bounds what is in flight, so
+    a peer's queue holds at most a window of them ahead of a live batch."""
 
     __slots__ = ("_asked", "_last", "_peers", "_window")
 
