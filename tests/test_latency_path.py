@@ -130,3 +130,46 @@ async def test_a_started_broker_freezes_its_start_up_heap(tmp_path: Path) -> Non
     # Full collections must not walk the modules and classes of the start-up (a pause of tens of ms each).
     async with LocalCluster(1, resilience=1, state_dir=tmp_path, tls=False, broker_args=("--log-level", "DEBUG")) as c:
         await wait_for(lambda: log_has(c.nodes[0], "objects frozen for the garbage collector"), 10.0, "freeze")
+
+
+@pytest.mark.parametrize("handler", ["on_message", "queue"])
+async def test_a_delivered_run_is_handed_out_as_one_record_at_a_time_would_be(handler: str) -> None:
+    """`Subscription._deliver_run` inlines the common case of `_deliver`; fed the same records (in order, a
+    duplicate, a gap, a second publisher, a queue that overflows), both hand out, count and hold back alike."""
+    from client.client import Subscription
+    from overlay.pubsub import Record
+
+    def rec(pub: str, seq: int) -> Record:
+        return Record(float(seq) + (0.5 if pub == "b" else 0.0), pub, seq, f"{pub}{seq}".encode())
+
+    batches = [
+        [rec("a", 0), rec("a", 1), rec("a", 2)],
+        [rec("a", 3), rec("b", 0), rec("a", 4), rec("b", 1)],
+        [rec("a", 4), rec("a", 5), rec("b", 1), rec("b", 2)],  # duplicates
+        [*(rec("b", s) for s in range(3, 40))],  # more than the queue holds
+        [rec("a", 6), rec("a", 9), rec("a", 10), rec("b", 40)],  # a gap of publisher a: held back from 9 on
+        [rec("a", 7), rec("b", 41)],  # the next of a, still held back until the gap is repaired
+    ]
+    client = Client(["127.0.0.1:1"])  # never connected: the subscriptions are fed by hand
+    seen: dict[str, list[tuple[str, int]]] = {"one": [], "run": []}
+    subs: dict[str, Subscription] = {}
+    for way in seen:
+        got = seen[way]
+        on_message = (lambda m, got=got: got.append((m.publisher, m.seq))) if handler == "on_message" else None
+        subs[way] = Subscription(client, "t", None, 16, on_message=on_message)
+        subs[way]._repairing = True  # a gap is held back, not fetched: no broker here
+    for batch in batches:
+        for r in batch:
+            subs["one"]._deliver(r)
+        subs["run"]._deliver_run(batch)
+    one, run = subs["one"], subs["run"]
+    if handler == "queue":
+        for way, sub in subs.items():
+            seen[way] = [(m.publisher, m.seq) for m in sub._queue]
+    assert seen["run"] == seen["one"] and seen["one"]
+    assert ("a", 7) not in seen["one"] and ("b", 39) in seen["one"]
+    assert (run.duplicates, run.dropped, run.gaps) == (one.duplicates, one.dropped, one.gaps)
+    assert one.duplicates == 2 and (one.dropped > 0) == (handler == "queue")
+    assert run._last_seq == one._last_seq and run._last_ts == one._last_ts and run.since == one.since
+    assert {p: sorted(h) for p, h in run._behind.items()} == {p: sorted(h) for p, h in one._behind.items()}
+    assert run._wakeup.is_set() == one._wakeup.is_set()
