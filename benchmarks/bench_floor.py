@@ -389,7 +389,10 @@ async def fanin(args: argparse.Namespace, workdir: Path) -> list[bf.Result]:
 
     from overlay.geometry import UNIT_SQUARE, delaunay_neighbours
 
-    fargs = argparse.Namespace(duration=args.fanin_duration, connect_time=30.0, pub_workers=2, sub_workers=1)
+    # (bench_fanin's defaults for the flags its Driver reads: subscribers take their messages by on_message)
+    fargs = argparse.Namespace(
+        duration=args.fanin_duration, connect_time=30.0, pub_workers=2, sub_workers=1, sub_iterate=False
+    )
     d = bf.Driver(fargs, workdir)
     scenarios = [bf.SCENARIOS[s] for s in args.fanin.split(",")]
     if not args.no_mosquitto:

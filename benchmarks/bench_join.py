@@ -14,7 +14,8 @@ of every broker's topics, the probes' among them, and pulls their history before
   (`LocalCluster.lagging`: every copy caught up, what `sedax cluster restart` waits for);
 * the probes' ACK latency p50 / p99 / max, before the join and from its start until nothing lags, and how many
   waited over 1 s; a publish not acknowledged within the client's request time-out (10 s) counts as failed (with
-  --keep-logs DIR the topics that failed or lag, their holders' rows and the brokers' logs are kept);
+  --keep-logs DIR the topics that failed or lag, their holders' rows and the brokers' logs are kept, and the logs
+  after a leave that made a broker detect a failure);
 * the probes' ACK latency during the join by what the new broker became of each probe's topic (its primary, its
   secondary, or neither);
 * every broker's CPU over the join, the neighbours it took for dead and the topics taken over (none should be: a
@@ -28,7 +29,8 @@ of every broker's topics, the probes' among them, and pulls their history before
 With --leave, once nothing lags the new broker leaves again (SIGTERM: its graceful shutdown offers every topic it
 holds to the brokers that hold it next) while the probes go on: its time to exit, until nothing lags, the probes'
 ACK latency over that span and what failed, the failures detected (none should be) and take-overs (the
-secondaries of the topics it was primary of take them over: a leave's take-overs), the offers, what was logged lost.
+secondaries of the topics it was primary of take them over: a leave's take-overs), the offers of the brokers that
+stay (the leaver's own hand-off offers leave with it), what was logged lost.
 
 What a topic's move costs is what the probes see: a publish to a topic being handed over waits until the new
 holder serves it, and one whose new secondary is the joining broker waits for that broker's confirmation, which
@@ -99,10 +101,10 @@ async def _probe(addr: str, topics: list[str], stop: asyncio.Event, out: Probe) 
 
 
 def _sent(statuses: Mapping[str, Status]) -> list[float]:
-    """Batches re-sent after a time-out, offers sent (back-fills, retiring copies, repeats), and acknowledged messages
-    a primary found missing and logged lost (a join loses none: a primary serving a topic without the history it
-    has not yet pulled does log them), all brokers."""
-    keys = ("replication_resends", "offers", "lost")
+    """Batches re-sent after a time-out, offers sent (back-fills, retiring copies, repeats, anti-entropy rounds),
+    acknowledged messages a primary found missing and logged lost (a join loses none: a primary serving a topic
+    without the history it has not yet pulled does log them), and the anti-entropy rounds' offers, all brokers."""
+    keys = ("replication_resends", "offers", "lost", "anti_entropy_offers")
     return [float(sum(st.counters.get(k, 0) for st in statuses.values())) for k in keys]
 
 
@@ -131,14 +133,15 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
     that hold it next) while the probes publish: its time to exit, until nothing lags, the probes' ACK latency over
     that span and what failed, and what the brokers counted meanwhile."""
     failed0 = sum(o.failed for o in outs)
-    sent0 = _sent(await cluster.statuses(within=30.0))
+    before = await cluster.statuses(within=30.0)
     t0 = time.perf_counter()
     code = await cluster.stop(len(cluster.nodes) - 1, grace=60.0)
     t_exit = time.perf_counter()
     lagging = await _until_settled(cluster, known, t0 + settle)
     t_settled = time.perf_counter()
     statuses = await cluster.statuses(within=30.0)
-    sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
+    # The brokers that stayed: the leaver's counters go with it (its hand-off offers are not among these).
+    sent = [a - b for a, b in zip(_sent(statuses), _sent({k: before[k] for k in statuses}), strict=True)]
     during = sorted(lat for o in outs for t, lat, _ in o.samples if t0 <= t <= t_settled)
     return {
         "exit": t_exit - t0,
@@ -153,6 +156,7 @@ async def _leave(cluster: LocalCluster, known: list[str], outs: list[Probe], set
         "takeovers": float(sum(st.counters.get("takeovers", 0) for st in statuses.values())),
         "offers": sent[1],
         "lost": sent[2],
+        "anti_entropy": sent[3],
     }
 
 
@@ -241,13 +245,16 @@ async def one(
                 sent = [a - b for a, b in zip(_sent(statuses), sent0, strict=True)]
             except Exception:  # a broker that does not answer: the counts are unknown
                 counters = [{"failures_detected": math.nan, "takeovers": math.nan}]
-                sent = [math.nan, math.nan, math.nan]
+                sent = [math.nan] * 4
             late1 = [_late_beats(b.metrics) for b in cluster.nodes]
             late = [sum(x[k] for x in late1) - sum(x[k] for x in late0) for k in (0, 1)]
             cpu1 = {b.node_id: cpu_seconds(b.proc.pid) for b in cluster.nodes if b is not bp}
             cpu_new = cpu_seconds(bp.proc.pid)
             roles = await _roles(bp.listen, names)  # (before it leaves)
             left = await _leave(cluster, known, outs, settle) if leave else None
+            if left is not None and (left["failures_detected"] or left["failed"]) and keep is not None:
+                shutil.copytree(d, keep, dirs_exist_ok=True)  # (a leave is no failure: why was one detected?)
+                print(f"  leave: broker logs copied to {keep}", file=sys.stderr)
             stop.set()
             await asyncio.gather(*tasks)
             before = sorted(lat for o in outs for t, lat, _ in o.samples if t < t_join)
@@ -278,6 +285,7 @@ async def one(
                 "resends": sent[0],
                 "offers": sent[1],
                 "lost": sent[2],
+                "anti_entropy": sent[3],
                 "late_025": late[0],
                 "late_05": late[1],
                 "cpu_old": statistics.fmean((cpu1[k] - cpu0[k]) / span * 100 for k in cpu1),
@@ -292,14 +300,19 @@ def main() -> None:
     p.add_argument("--probes", type=int, default=20, help="probe publishers (default 20), two topics each")
     p.add_argument("--window", type=float, default=5.0, help="seconds of the baseline before the join (default 5)")
     p.add_argument("--settle", type=float, default=120.0, help="longest wait for no topic lagging (default 120 s)")
-    p.add_argument("--keep-logs", metavar="DIR", help="copy the brokers' logs here if a topic lags or a publish failed")
+    p.add_argument(
+        "--keep-logs",
+        metavar="DIR",
+        help="copy the brokers' logs here if a topic lags, a publish failed or a leave made a broker detect a failure",
+    )
     p.add_argument("--leave", action="store_true", help="then the joined broker leaves again (SIGTERM), measured too")
     args = p.parse_args()
     print(f"{uptime()}  {code_state()}  3 brokers + 1 at {JOINER}, resilience 2, {args.probes} probes")
     print(
         "| topics | ready s | Delaunay s | nothing lagging s | ACK p50 / p99 / max ms before "
         "| ACK p50 / p99 / max ms during | ACKs during (> 1 s) | failed | failures detected / take-overs "
-        "| batches re-sent / offers | logged lost | beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
+        "| batches re-sent / offers (anti-entropy) "
+        "| logged lost | beats > 0.25 / > 0.5 s late | CPU % old (mean) / new |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     leaves: list[tuple[int, dict[str, float]]] = []
@@ -315,7 +328,8 @@ def main() -> None:
             f"| {r['before_p50']:.2f} / {r['before_p99']:.1f} / {r['before_max']:.1f} "
             f"| {r['during_p50']:.2f} / {r['during_p99']:.1f} / {r['during_max']:.1f} "
             f"| {r['during_n']:.0f} ({r['over_1s']:.0f}) | {r['failed']:.0f} "
-            f"| {r['failures_detected']:.0f} / {r['takeovers']:.0f} | {r['resends']:,.0f} / {r['offers']:,.0f} "
+            f"| {r['failures_detected']:.0f} / {r['takeovers']:.0f} "
+            f"| {r['resends']:,.0f} / {r['offers']:,.0f} ({r['anti_entropy']:,.0f}) "
             f"| {r['lost']:.0f} "
             f"| {r['late_025']:.0f} / {r['late_05']:.0f} "
             f"| {r['cpu_old']:.0f} / {r['cpu_new']:.0f} |",
@@ -333,7 +347,7 @@ def main() -> None:
         print()
         print(
             "| topics | leave: exit s | nothing lagging s | ACK p50 / p99 / max ms during | ACKs during (> 1 s) "
-            "| failed | failures detected / take-overs | offers | logged lost |"
+            "| failed | failures detected / take-overs | offers (anti-entropy) of the brokers that stay | logged lost |"
         )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n, x in leaves:
@@ -341,7 +355,8 @@ def main() -> None:
             print(
                 f"| {n:,} | {x['exit']:.1f} (exit {x['code']:.0f}) | {x['settled']:.1f}{still} "
                 f"| {x['p50']:.2f} / {x['p99']:.1f} / {x['max']:.1f} | {x['n']:.0f} ({x['over_1s']:.0f}) "
-                f"| {x['failed']:.0f} | {x['failures_detected']:.0f} / {x['takeovers']:.0f} | {x['offers']:,.0f} "
+                f"| {x['failed']:.0f} | {x['failures_detected']:.0f} / {x['takeovers']:.0f} "
+                f"| {x['offers']:,.0f} ({x['anti_entropy']:,.0f}) "
                 f"| {x['lost']:.0f} |"
             )
 

@@ -92,7 +92,14 @@ COUNTERS: Final[Mapping[str, tuple[str, str]]] = {
         "publisher table (the primary's re-send carries them).",
     ),
     "syncs": ("sedax_syncs", "Pulls a new, returning or taking-over primary finished before serving a topic."),
-    "offers": ("sedax_offers", "Offers of held records to a topic's holders (retiring, demoted, shutdown, repair)."),
+    "offers": (
+        "sedax_offers",
+        "Offers of held records to a topic's holders (retiring, demoted, shutdown, back-fill, repair).",
+    ),
+    "anti_entropy_offers": (
+        "sedax_anti_entropy_offers",
+        "Of the offers, those of a primary's anti-entropy rounds: a digest compared with the secondary's.",
+    ),
     "synced_records": ("sedax_synced_records", "Records sent to another holder that lacked them (re-sync, hand-off)."),
     "reverse_offers": (
         "sedax_reverse_offers",

@@ -289,7 +289,8 @@ class TopicTable:
             "delegations": 0,
             "forwarded_requests": 0,
             "syncs": 0,  # pulls finished by a new, returning or taking-over primary
-            "offers": 0,  # OFFERs sent (retiring, demoted, shutting down, anti-entropy)
+            "offers": 0,  # OFFERs sent (retiring, demoted, shutting down, back-fill, anti-entropy)
+            "anti_entropy_offers": 0,  # of those, a primary's anti-entropy rounds with its secondary (replication tick)
             "synced_records": 0,  # records another holder lacked, sent by this one (PULL and OFFER answers)
             "reverse_offers": 0,  # a copy offered its primary records the primary did not keep (`_offer_back`)
             "topic_full": 0,  # new subscribers and publishers refused: the topic had max_topic_entries

@@ -511,8 +511,11 @@ class Replica:
     offers: dict[int, str] = field(default_factory=dict)
     offered_at: float = 0.0
     offer_mark: int = 0  # where the offers, or the last answer to their PULLs, stand among what went out (PeerProgress)
-    # Stored something since the primary last compared digests with its copies (anti-entropy).
+    # Stored something since the primary last compared digests with its copies (anti-entropy), and where the
+    # last such store stands among what went out (`PeerProgress.mark`): a back-fill offered after it compared
+    # them already (replication `_backfilled`).
     unchecked: bool = False
+    unchecked_mark: int = 0
     # At a primary: publishers last seen up to here were named in a HEADS already (replication `_tell_heads`).
     heads_at: float = 0.0
     # When its last anti-entropy round was (replication `tick`): each replica has its own, a sweep apart.

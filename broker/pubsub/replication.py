@@ -179,6 +179,7 @@ class ReplicationRole:
             self.t.counters["replicated_pipelined"] += 1
         if whole and len(r.window) > MAX_SUPERSEDED:
             r.window.clear()  # re-sends that stayed unconfirmed: this batch carries everything they did
+        r.unchecked_mark = self.t.peers.mark()
         r.window.append(Batch(corr, sec.id, self.t.ov.now(), upto, whole, meta_version=r.meta_version if meta else -1))
         if not live:  # (with batches in flight it is armed for the oldest one's time-out, the earliest)
             self.t.wake(r)
@@ -207,13 +208,20 @@ class ReplicationRole:
         have = r.log.offerable()
         self.t.ov.route(sec.coord, Offer(corr, r.name, r.coord, self.t.ov.me, have, False, tuple(r.delegates)))
 
-    def _backfilled(self, r: Replica, node: str) -> None:
-        """The next holder confirmed the back-fill: it holds the history offered, and the batches hold the rest."""
+    def _backfilled(self, r: Replica, node: str, corr: int) -> None:
+        """The next holder confirmed the back-fill (offered under corr): it holds the history offered, and the
+        batches hold the rest."""
         nxt = self.next_holder(r)
         if nxt is None or nxt.id != node:
             r.copy.lapsed()  # the holders changed meanwhile: flush or tick starts the next one's back-fill
             self.copy_down(r)
             return
+        if r.rank == 1 and r.unchecked and r.unchecked_mark <= corr:
+            # Nothing stored here since the offer went out (its digest named all of it, the secondary holds all
+            # of it now): the next anti-entropy round has nothing to compare.  A new secondary's first batch
+            # made every topic of a join or a leave unchecked, and those rounds were a fifth of a 30,000-topic
+            # join's offers and nearly half of a leave's (bench_join.py).
+            r.unchecked = False
         r.copy.confirmed(node)  # (WANTED again if a merge since asked for another back-fill, which flush sends)
         if r.rank == 2:
             self.copy_down(r)  # what the secondary was given since goes to the tertiary too
@@ -257,7 +265,7 @@ class ReplicationRole:
             return  # replica confirmations wait: an aborted move re-copies everything to the secondary
         if (bf := r.copy.offer) is not None and bf.corr == m.corr:
             if bf.target == m.node:
-                self._backfilled(r, m.node)
+                self._backfilled(r, m.node, bf.corr)
             return
         batch = next((b for b in r.window if b.corr == m.corr), None)
         if batch is None or batch.target != m.node:
@@ -337,6 +345,7 @@ class ReplicationRole:
             r.delivered_upto = m.delivered_upto  # (a primary's batch, or one a level-3 secondary passed on)
         if new:
             r.unchecked = True
+            r.unchecked_mark = self.t.peers.mark()
             if m.sync and r.rank == 2:
                 r.copy.want()  # level 3: the tertiary gets what a back-fill or a repair brought (`copy_down`)
             if pull is not None and pull.push_merged and r.rank == 1:
@@ -603,6 +612,7 @@ class ReplicationRole:
                 r.unchecked = False
                 sec = self.t.secondary(r)
                 if sec is not None and r.copy.holder == sec.id:
+                    self.t.counters["anti_entropy_offers"] += 1
                     self.sync.offer(r, [sec], track=False)
             if anti_entropy and r.subscribers and r.stage is Stage.SERVING and r.rank == 1:
                 self._tell_heads(r, now)
