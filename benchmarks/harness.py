@@ -67,7 +67,8 @@ def code_state() -> str:
     if not head:  # an exported tree (git archive): its commit is named where the run is reported
         return "an exported tree, not a git checkout"
     dirty = program_output(["git", "-C", str(_ROOT), "status", "--short", "--", *_MEASURED])
-    files = [line[3:] for line in dirty.splitlines() if line.strip()]
+    # (the path after the status letters: program_output strips the first line's leading blank, " M path")
+    files = [line.split(None, 1)[1] for line in dirty.splitlines() if line.strip()]
     stamps = [
         f"{f} ({time.strftime('%H:%M:%S', time.gmtime((_ROOT / f).stat().st_mtime))})" if (_ROOT / f).is_file() else f
         for f in files
