@@ -1,7 +1,7 @@
 """Instructions per message through the brokers (not a test): a count that does not move with the machine's load.
 
-    .venv/bin/python benchmarks/bench_instructions.py [--configs l1,l2,l2far,client] [--messages 2000]
-        [--tree PATH ...]
+    .venv/bin/python benchmarks/bench_instructions.py [--configs l1,l2,l2far,client,client-batched]
+        [--messages 2000] [--tree PATH ...]
 
 CPU time per message moves by +-5 % from run to run even in bench_broker.py (one process, no scheduling), so a
 change worth 1-3 % cannot be told from the noise by timing it.  This runs bench_broker.py under valgrind's
@@ -18,7 +18,9 @@ time, so a machine busy with something else adds timer work to every message (a 
 
 `client` counts the other end: bench_client.py's publishing and subscribing `Client`s (one PUBLISH per
 message, the next once the last is acknowledged and delivered), with the broker in a child process that
-callgrind does not follow.  Two runs of one tree agree to ~0.4 % (of ~194,000).
+callgrind does not follow.  Two runs of one tree agree to ~0.4 % (of ~194,000).  `client-batched` is the same
+with the client's batching on: with `--window W` the W publishes of a turn leave as one batched PUBLISH, the
+path of bench_pubsub.py's batched row.
 
 With `--tree` given more than once the trees are measured in the same run and compared with the first (a base
 worktree: `git worktree add /tmp/base REV`).  Each tree runs with its own directory on PYTHONPATH and this
@@ -43,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("l1", "l2", "l2far", "client")  # client: bench_client.py, the client library with the broker untraced
+# client, client-batched: bench_client.py, the client library with the broker untraced
+CONFIGS = ("l1", "l2", "l2far", "client", "client-batched")
 _IREFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
@@ -66,6 +69,8 @@ def count(tree: Path, config: str, messages: int, window: int) -> int:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(tree))
     if config == "client":
         script, args = "bench_client.py", ["--window", str(window), "--unbatched"]
+    elif config == "client-batched":
+        script, args = "bench_client.py", ["--window", str(window)]
     else:
         script, args = "bench_broker.py", ["--configs", config, "--window", str(window)]
     cmd = [
