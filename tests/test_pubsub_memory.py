@@ -981,13 +981,20 @@ def test_a_rolling_restart_of_every_holder_keeps_the_history() -> None:
     assert all(rows == list(range(seq)) for rows in _holders(net, topic).values())
 
 
-def test_anti_entropy_fills_a_stretch_the_secondary_missed() -> None:
-    net = Net(grid(8, seed=9), resilience=2)
-    topic = "grid/repair/voltage"
+def _replicated(topic: str, retention: Retention | None = None) -> tuple[Net, Located, Node]:
+    """A level-2 net, where topic lives (primary and secondary) and a publisher's broker that holds no copy."""
+    net = Net(grid(8, seed=9), resilience=2, retention=retention)
     loc = locate(net, topic)
     assert loc.secondary is not None
-    sec = net.nodes[loc.secondary.id]
     pub = net.nodes[next(nid for nid in net.nodes if nid not in (loc.primary.id, loc.secondary.id))]
+    return net, loc, pub
+
+
+def test_anti_entropy_fills_a_stretch_the_secondary_missed() -> None:
+    topic = "grid/repair/voltage"
+    net, loc, pub = _replicated(topic)
+    assert loc.secondary is not None
+    sec = net.nodes[loc.secondary.id]
     for i in range(10):
         pub.request("p", Publish(topic, "P", i, b"x", i))
     # The secondary loses five records (a damaged disk stretch, say): the primary's digest shows the gap and
@@ -1009,12 +1016,10 @@ def test_a_back_filled_secondary_is_not_offered_the_same_history_again_at_the_ne
     # it named everything the primary keeps, so once it is confirmed the round has nothing to compare.  Those
     # rounds were a fifth of a 30,000-topic join's offers and nearly half of a leave's (bench_join.py).  A record
     # stored after the back-fill still brings a round.
-    net = Net(grid(8, seed=9), resilience=2)
     topic = "grid/backfilled/voltage"
-    loc = locate(net, topic)
+    net, loc, pub = _replicated(topic)
     assert loc.secondary is not None
     primary = net.nodes[loc.primary.id]
-    pub = net.nodes[next(nid for nid in net.nodes if nid not in (loc.primary.id, loc.secondary.id))]
     for i in range(10):
         pub.request("p", Publish(topic, "P", i, b"x", i))
     for _ in range(2):
@@ -1041,11 +1046,9 @@ def test_a_copy_lacking_only_what_retention_dropped_is_not_asked_to_pull_it() ->
     # dropped.  The anti-entropy offer names what the primary keeps, so the copy, which has all of that, just
     # confirms: offered the whole history it pulled at every round, and the primary answered with nothing.
     one = 10 + 1 + MESSAGE_OVERHEAD
-    net = Net(grid(8, seed=9), resilience=2, retention=Retention(max_age=None, max_bytes=20 * one))
     topic = "grid/retained/voltage"
-    loc = locate(net, topic)
+    net, loc, pub = _replicated(topic, Retention(max_age=None, max_bytes=20 * one))
     assert loc.secondary is not None
-    pub = net.nodes[next(nid for nid in net.nodes if nid not in (loc.primary.id, loc.secondary.id))]
     for i in range(50):
         pub.request("p", Publish(topic, "P", i, b"x" * 10, i))  # the primary keeps the last 20
     net.kill(loc.secondary.id)
