@@ -218,6 +218,7 @@ class PeerLink:
         self._requests = Requests()
         self._closed = asyncio.Event()
         self._reading = True  # the peer's bytes are taken (until the end of the stream, an error or the close)
+        self._read_done = asyncio.Event()  # ... and no longer (`_read_ended`): what a farewell waits for in aclose
         self._flush_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._ping_seq = 0
@@ -368,6 +369,7 @@ class PeerLink:
         """Nothing more is read: close with reason (always a failure: no drain, so at once), unless a close
         decided earlier is under way (its reason stands, as `_intended` makes it in aclose)."""
         self._reading = False
+        self._read_done.set()
         if self.close_reason is None and self._intended is None:
             self._close_failed(reason, detail)
 
@@ -619,13 +621,21 @@ class PeerLink:
             self._close_failed(reason, detail)
             return
         self.close_reason, self.close_detail = reason, detail
+        said_farewell = False
         if self.state is not LinkState.DRAINING:
             if farewell is not None and self.state is LinkState.ESTABLISHED:
                 self._t.write(encode_control(farewell))
+                said_farewell = True
             self._set_state(LinkState.DRAINING)
         try:
             async with asyncio.timeout(self._drain_timeout):
                 await self._t.drain()
+                if said_farewell:
+                    # The peer closes its end once it has read the farewell (a LEAVE); until then what it
+                    # still sends is read here and dropped (DRAINING).  Closed at once, a socket with bytes
+                    # unread is reset, and a neighbour writing to it at that moment met a broken pipe before
+                    # it read the LEAVE: it took this broker for failed (one leave in 3-4 of bench_join.py's).
+                    await self._read_done.wait()
         except (TimeoutError, ConnectionError, OSError):
             pass
         self._closed_with(reason, detail, failed=False)

@@ -216,7 +216,10 @@ class Routing:
                     self.stats.dropped_hop_limit,
                 )
             return
-        out = self.peers[nh]
+        out = self.peers.get(nh)
+        if out is None:  # (a link gone under a stale view: `send_routed`)
+            self._no_link(held or Held(0.0, len(frame.body), (frame.x, frame.y), None, 0, frame))
+            return
         body = None
         if frame.flags & FLAG_TRACE:
             body = self._trace(frame.body)
@@ -227,8 +230,7 @@ class Routing:
         try:
             out.write(forward_routed(frame, body))
         except LinkClosed:
-            if not self._keep(held or Held(0.0, len(frame.body), (frame.x, frame.y), None, 0, frame)):
-                self.stats.dropped_no_route += 1
+            self._no_link(held or Held(0.0, len(frame.body), (frame.x, frame.y), None, 0, frame))
             return
         self.stats.forwarded += 1
         self.stats.forwarded_bytes += len(frame.body)
@@ -265,7 +267,13 @@ class Routing:
             finally:
                 self._local_depth -= 1
             return
-        out = self.peers[nh]
+        out = self.peers.get(nh)
+        if out is None:
+            # The view still names a neighbour whose link is gone: a leaving broker stops updating its view
+            # once it closes its links, and its pub/sub engine's last turn may still send (a KeyError here
+            # ended that turn with a traceback).  As a closed link below.
+            self._no_link(held or Held(0.0, 0, dest, msg, flags, None))
+            return
         try:
             body = encode_message(msg, MAX_LINK_FRAME_SIZE)
         except LocalProtocolError as exc:
@@ -285,8 +293,7 @@ class Routing:
         try:
             out.write(encode_routed(dest, body, hop_limit=self.config.max_hops, flags=flags))
         except LinkClosed:
-            if not self._keep(held or Held(0.0, len(body), dest, msg, flags, None)):
-                self.stats.dropped_no_route += 1
+            self._no_link(held or Held(0.0, len(body), dest, msg, flags, None))
             return
         self._dirty.add(out)
 
@@ -312,6 +319,12 @@ class Routing:
                 self._gave_up.clear()
             self._gave_up[h.dest] = view.version
         return self._keep(h, now)
+
+    def _no_link(self, h: Held) -> None:
+        """h's next hop has no open link (it broke under the message, or the view is stale): held if it may be
+        (`_keep`), else dropped and counted."""
+        if not self._keep(h):
+            self.stats.dropped_no_route += 1
 
     def _keep(self, h: Held, now: float | None = None) -> bool:
         """Hold h until HOLD_FOR after it was first held, within MAX_HELD and MAX_HELD_BYTES; False if it may not be

@@ -30,6 +30,7 @@ from overlay.protocol import (
     HelloOk,
     Join,
     JoinAccept,
+    Leave,
     Message,
     Neighbours,
     NodeInfo,
@@ -354,6 +355,47 @@ async def test_a_link_the_peer_gives_up_as_a_duplicate_is_answered_at_once(tmp_p
         (status,) = (await cluster.statuses()).values()
         assert status.counters.get("failures_detected", 0) == 0
         assert not status.neighbours
+
+
+async def test_a_leaving_broker_reads_on_until_its_neighbour_has_read_the_leave(tmp_path: Path) -> None:
+    # A graceful leave writes LEAVE on every broker link.  Closed at once after it, a link whose neighbour was
+    # still writing (what it sent before it read the LEAVE) had bytes unread, and a socket closed with bytes
+    # unread is reset: the neighbour met a broken pipe before it read the LEAVE and declared the leaving broker
+    # failed (`bench_join.py --leave`, one leave in three or four).  The leaving broker now reads on, dropping
+    # what arrives, until the neighbour closes its end (at most --drain-timeout).  The neighbour here is this
+    # test speaking the broker protocol: it writes on after the LEAVE, as a busy neighbour does, then closes its
+    # end, and must see the broker's end close cleanly, not reset.
+    quiet_peer = ("--heartbeat-interval", "1.0", "--heartbeat-misses", "30")
+    async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=quiet_peer, tls=False) as cluster:
+        target = cluster.nodes[0]
+        me = NodeInfo("busy-peer", (0.95, 0.95), "127.0.0.1:9")
+        reader, writer = await raw_connect(target)
+        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
+        frames = FrameDecoder()
+        got: list[Message] = []
+
+        async def until(kind: type[Message]) -> None:
+            while not any(isinstance(m, kind) for m in got):
+                data = await reader.read(65536)
+                assert data, f"the broker closed the link before sending {kind.__name__}"
+                got.extend(f.message for f in frames.feed(data) if isinstance(f, ControlFrame))
+
+        async with asyncio.timeout(10.0):
+            await until(Neighbours)  # linked: a neighbour, told of the leave
+        target.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10.0):
+            await until(Leave)
+        try:
+            for seq in range(50):  # what a neighbour busy elsewhere still writes before it reads the LEAVE
+                writer.write(encode_control(Ping(seq)))
+                await writer.drain()
+            writer.write_eof()
+            await read_until_eof(reader, 10.0)
+        except ConnectionError as exc:
+            pytest.fail(f"the leaving broker reset the link before its neighbour had read the LEAVE: {exc!r}")
+        finally:
+            writer.close()
+        assert await cluster.wait_exit(target, 10.0) == 0
 
 
 async def test_a_link_the_broker_gives_up_carries_nothing_after_its_unlink(tmp_path: Path) -> None:
