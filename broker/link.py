@@ -219,6 +219,7 @@ class PeerLink:
         self._closed = asyncio.Event()
         self._reading = True  # the peer's bytes are taken (until the end of the stream, an error or the close)
         self._read_done = asyncio.Event()  # ... and no longer (`_read_ended`): what a farewell waits for in aclose
+        self._farewell: type[Message] | None = None  # the kind of farewell this end wrote (aclose)
         self._flush_task: asyncio.Task[None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._ping_seq = 0
@@ -394,7 +395,11 @@ class PeerLink:
                 raise RemoteProtocolError(f"{msg.op} after the handshake")  # HELLO or HELLO_OK
             return
         if state is LinkState.DRAINING:
-            return  # we are closing; whatever the peer still sends is moot
+            # We are closing; whatever the peer still sends is moot.  The same farewell from the peer (both
+            # leaving at once, as when every broker stops) is its last frame: nothing more is waited for.
+            if self._farewell is not None and isinstance(frame, ControlFrame) and type(frame.message) is self._farewell:
+                self._read_done.set()
+            return
         if isinstance(frame, RoutedFrame):
             raise RemoteProtocolError("routed frame before the handshake completed")
         msg = frame.message
@@ -626,6 +631,7 @@ class PeerLink:
             if farewell is not None and self.state is LinkState.ESTABLISHED:
                 self._t.write(encode_control(farewell))
                 said_farewell = True
+                self._farewell = type(farewell)
             self._set_state(LinkState.DRAINING)
         try:
             async with asyncio.timeout(self._drain_timeout):

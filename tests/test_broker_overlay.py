@@ -398,6 +398,42 @@ async def test_a_leaving_broker_reads_on_until_its_neighbour_has_read_the_leave(
         assert await cluster.wait_exit(target, 10.0) == 0
 
 
+async def test_two_brokers_leaving_at_once_close_their_link_without_waiting_out_the_drain(tmp_path: Path) -> None:
+    # Each end of a link waits, after its LEAVE, for the other to close its end.  Both leaving at once (every
+    # broker stopped together: `docker compose down`, `sedax cluster down`), neither closes on the other's LEAVE
+    # while its own close is under way, and each waited out its drain time-out.  A LEAVE from a link this end
+    # has already said LEAVE on is the peer's last frame: the link closes then.  The other broker here is this
+    # test, leaving at the same moment; the drain time-out is set long, so only the LEAVE can end the wait.
+    config = tmp_path / "drain.toml"
+    config.write_text("drain_timeout = 60.0\n")
+    quiet_peer = ("--heartbeat-interval", "1.0", "--heartbeat-misses", "30", "--config", str(config))
+    async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=quiet_peer, tls=False) as cluster:
+        target = cluster.nodes[0]
+        me = NodeInfo("leaving-peer", (0.95, 0.95), "127.0.0.1:9")
+        reader, writer = await raw_connect(target)
+        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
+        frames = FrameDecoder()
+        got: list[Message] = []
+
+        async def until(kind: type[Message]) -> None:
+            while not any(isinstance(m, kind) for m in got):
+                data = await reader.read(65536)
+                assert data, f"the broker closed the link before sending {kind.__name__}"
+                got.extend(f.message for f in frames.feed(data) if isinstance(f, ControlFrame))
+
+        try:
+            async with asyncio.timeout(10.0):
+                await until(Neighbours)
+            target.proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(10.0):
+                await until(Leave)
+            writer.write(encode_control(Leave(())))  # ours, crossing the broker's; our end stays open
+            await read_until_eof(reader, 10.0)  # its end closes on our LEAVE, not after 60 s
+        finally:
+            writer.close()
+        assert await cluster.wait_exit(target, 10.0) == 0
+
+
 async def test_a_link_the_broker_gives_up_carries_nothing_after_its_unlink(tmp_path: Path) -> None:
     # A broker retiring a link (UNLINK) keeps reading it until the peer's UNLINK, and then closes.  It went on
     # beating on it: a beat that reached the peer after the peer had closed made the peer's kernel reset the
