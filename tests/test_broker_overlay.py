@@ -19,7 +19,7 @@ from conftest import FAST_ARGS
 # Imported for their messages' registration: a broker sends its neighbours LOAD_REPORT and pub/sub messages.
 import overlay.delegation
 import overlay.pubsub  # noqa: F401
-from cli.cluster import LocalCluster
+from cli.cluster import BrokerProcess, LocalCluster
 from client.admin import AdminClient
 from overlay.geometry import distance
 from overlay.protocol import (
@@ -319,6 +319,30 @@ def _running(pid: int) -> bool:
         return False
 
 
+class _RawPeer:
+    """This test as a broker's neighbour, speaking the broker protocol over plain TCP: HELLO sent on connect,
+    and the control messages the broker writes collected in `got` as they are read (`until`)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.got: list[Message] = []
+        self._frames = FrameDecoder()
+
+    @classmethod
+    async def connect(cls, target: BrokerProcess, me: NodeInfo) -> _RawPeer:
+        reader, writer = await raw_connect(target)
+        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
+        return cls(reader, writer)
+
+    async def until(self, kind: type[Message], within: float = 10.0) -> None:
+        """Read until the broker has sent a kind (at most within seconds); fails if it closes the link first."""
+        async with asyncio.timeout(within):
+            while not any(isinstance(m, kind) for m in self.got):
+                data = await self.reader.read(65536)
+                assert data, f"the broker closed the link before sending {kind.__name__}"
+                self.got.extend(f.message for f in self._frames.feed(data) if isinstance(f, ControlFrame))
+
+
 async def test_a_link_the_peer_gives_up_as_a_duplicate_is_answered_at_once(tmp_path: Path) -> None:
     # Both ends dialled at once and the peer kept the other connection, one this broker had already unlinked
     # (overlay churn while brokers join together): UNLINK(duplicate_link) arrives on the broker's only link to
@@ -332,25 +356,13 @@ async def test_a_link_the_peer_gives_up_as_a_duplicate_is_answered_at_once(tmp_p
         target = cluster.nodes[0]
         me = NodeInfo("twin-peer", (0.95, 0.95), "127.0.0.1:9")
         assert distance(me.coord, target.coord) > 0.1
-        reader, writer = await raw_connect(target)
-        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
-        frames = FrameDecoder()
-        got: list[Message] = []
-
-        async def until(kind: type[Message]) -> None:
-            while not any(isinstance(m, kind) for m in got):
-                data = await reader.read(65536)
-                assert data, f"the broker closed the link before sending {kind.__name__}"
-                got.extend(f.message for f in frames.feed(data) if isinstance(f, ControlFrame))
-
-        async with asyncio.timeout(10.0):
-            await until(Neighbours)  # linked: the broker counts this connection as its link to twin-peer
-        assert isinstance(got[0], HelloOk)
-        writer.write(encode_control(Unlink("duplicate_link")))
-        async with asyncio.timeout(10.0):
-            await until(Unlink)  # its answer, not more writes for a twin it has not seen
-        await read_until_eof(reader, 10.0)  # then it closes the connection: both ends sent UNLINK
-        writer.close()
+        peer = await _RawPeer.connect(target, me)
+        await peer.until(Neighbours)  # linked: the broker counts this connection as its link to twin-peer
+        assert isinstance(peer.got[0], HelloOk)
+        peer.writer.write(encode_control(Unlink("duplicate_link")))
+        await peer.until(Unlink)  # its answer, not more writes for a twin it has not seen
+        await read_until_eof(peer.reader, 10.0)  # then it closes the connection: both ends sent UNLINK
+        peer.writer.close()
         await wait_for(lambda: log_has(target, "reason=duplicate (both ends sent UNLINK)"), 10.0, "a clean close")
         (status,) = (await cluster.statuses()).values()
         assert status.counters.get("failures_detected", 0) == 0
@@ -362,39 +374,26 @@ async def test_a_leaving_broker_reads_on_until_its_neighbour_has_read_the_leave(
     # still writing (what it sent before it read the LEAVE) had bytes unread, and a socket closed with bytes
     # unread is reset: the neighbour met a broken pipe before it read the LEAVE and declared the leaving broker
     # failed (`bench_join.py --leave`, one leave in three or four).  The leaving broker now reads on, dropping
-    # what arrives, until the neighbour closes its end (at most --drain-timeout).  The neighbour here is this
+    # what arrives, until the neighbour closes its end (at most drain_timeout).  The neighbour here is this
     # test speaking the broker protocol: it writes on after the LEAVE, as a busy neighbour does, then closes its
     # end, and must see the broker's end close cleanly, not reset.
     quiet_peer = ("--heartbeat-interval", "1.0", "--heartbeat-misses", "30")
     async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=quiet_peer, tls=False) as cluster:
         target = cluster.nodes[0]
-        me = NodeInfo("busy-peer", (0.95, 0.95), "127.0.0.1:9")
-        reader, writer = await raw_connect(target)
-        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
-        frames = FrameDecoder()
-        got: list[Message] = []
-
-        async def until(kind: type[Message]) -> None:
-            while not any(isinstance(m, kind) for m in got):
-                data = await reader.read(65536)
-                assert data, f"the broker closed the link before sending {kind.__name__}"
-                got.extend(f.message for f in frames.feed(data) if isinstance(f, ControlFrame))
-
-        async with asyncio.timeout(10.0):
-            await until(Neighbours)  # linked: a neighbour, told of the leave
+        peer = await _RawPeer.connect(target, NodeInfo("busy-peer", (0.95, 0.95), "127.0.0.1:9"))
+        await peer.until(Neighbours)  # linked: a neighbour, told of the leave
         target.proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(10.0):
-            await until(Leave)
+        await peer.until(Leave)
         try:
             for seq in range(50):  # what a neighbour busy elsewhere still writes before it reads the LEAVE
-                writer.write(encode_control(Ping(seq)))
-                await writer.drain()
-            writer.write_eof()
-            await read_until_eof(reader, 10.0)
+                peer.writer.write(encode_control(Ping(seq)))
+                await peer.writer.drain()
+            peer.writer.write_eof()
+            await read_until_eof(peer.reader, 10.0)
         except ConnectionError as exc:
             pytest.fail(f"the leaving broker reset the link before its neighbour had read the LEAVE: {exc!r}")
         finally:
-            writer.close()
+            peer.writer.close()
         assert await cluster.wait_exit(target, 10.0) == 0
 
 
@@ -409,28 +408,15 @@ async def test_two_brokers_leaving_at_once_close_their_link_without_waiting_out_
     quiet_peer = ("--heartbeat-interval", "1.0", "--heartbeat-misses", "30", "--config", str(config))
     async with LocalCluster(1, seed=5, state_dir=tmp_path, broker_args=quiet_peer, tls=False) as cluster:
         target = cluster.nodes[0]
-        me = NodeInfo("leaving-peer", (0.95, 0.95), "127.0.0.1:9")
-        reader, writer = await raw_connect(target)
-        writer.write(encode_control(Hello(PROTOCOL_VERSION, me.id, "broker", me.coord, me.listen)))
-        frames = FrameDecoder()
-        got: list[Message] = []
-
-        async def until(kind: type[Message]) -> None:
-            while not any(isinstance(m, kind) for m in got):
-                data = await reader.read(65536)
-                assert data, f"the broker closed the link before sending {kind.__name__}"
-                got.extend(f.message for f in frames.feed(data) if isinstance(f, ControlFrame))
-
+        peer = await _RawPeer.connect(target, NodeInfo("leaving-peer", (0.95, 0.95), "127.0.0.1:9"))
         try:
-            async with asyncio.timeout(10.0):
-                await until(Neighbours)
+            await peer.until(Neighbours)
             target.proc.send_signal(signal.SIGTERM)
-            async with asyncio.timeout(10.0):
-                await until(Leave)
-            writer.write(encode_control(Leave(())))  # ours, crossing the broker's; our end stays open
-            await read_until_eof(reader, 10.0)  # its end closes on our LEAVE, not after 60 s
+            await peer.until(Leave)
+            peer.writer.write(encode_control(Leave(())))  # ours, crossing the broker's; our end stays open
+            await read_until_eof(peer.reader, 10.0)  # its end closes on our LEAVE, not after 60 s
         finally:
-            writer.close()
+            peer.writer.close()
         assert await cluster.wait_exit(target, 10.0) == 0
 
 
