@@ -626,17 +626,15 @@ class PeerLink:
             self._close_failed(reason, detail)
             return
         self.close_reason, self.close_detail = reason, detail
-        said_farewell = False
         if self.state is not LinkState.DRAINING:
             if farewell is not None and self.state is LinkState.ESTABLISHED:
                 self._t.write(encode_control(farewell))
-                said_farewell = True
                 self._farewell = type(farewell)
             self._set_state(LinkState.DRAINING)
         try:
             async with asyncio.timeout(self._drain_timeout):
                 await self._t.drain()
-                if said_farewell:
+                if self._farewell is not None:
                     # The peer closes its end once it has read the farewell (a LEAVE); until then what it
                     # still sends is read here and dropped (DRAINING).  Closed at once, a socket with bytes
                     # unread is reset, and a neighbour writing to it at that moment met a broken pipe before
